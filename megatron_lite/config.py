@@ -1,0 +1,271 @@
+"""Configuration dataclasses and their validation.
+
+Every impossible combination is caught here, before any process group exists, and reported
+as a `ConfigError` whose message names the values and the fix. `pretrain_gpt.py` turns a
+`ConfigError` into one line on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import List, Optional
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run. The message says what is wrong and how to fix it."""
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None  # None: = num_attention_heads (plain multi-head)
+    ffn_hidden_size: Optional[int] = None  # None: 4h (GELU) or Llama's 2/3 * 4h rounded (SwiGLU)
+    kv_channels: Optional[int] = None  # head dim; None: hidden / heads
+    vocab_size: int = 257  # true vocabulary size; padded internally for TP
+    make_vocab_size_divisible_by: int = 128
+    max_position_embeddings: int = 1024
+    normalization: str = "LayerNorm"  # LayerNorm | RMSNorm
+    norm_epsilon: float = 1e-5
+    position_embedding_type: str = "learned_absolute"  # learned_absolute | rope
+    rotary_base: float = 10000.0
+    swiglu: bool = False
+    activation: str = "gelu"  # gelu | gelu_tanh (used when not swiglu)
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False  # QKV bias when add_bias_linear is off (Qwen-style)
+    untie_embeddings_and_output_weights: bool = False
+    attention_dropout: float = 0.1
+    hidden_dropout: float = 0.1
+    init_method_std: float = 0.02
+
+    def __post_init__(self):
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.kv_channels is None and self.num_attention_heads:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            if self.swiglu:  # Llama: 2/3 of 4h, rounded up to a multiple of 64
+                self.ffn_hidden_size = 64 * math.ceil(int(8 * self.hidden_size / 3) / 64)
+            else:
+                self.ffn_hidden_size = 4 * self.hidden_size
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """Vocab rounded up to a multiple of make_vocab_size_divisible_by * tp (Megatron's rule).
+
+        The padded rows never affect the loss: the cross entropy masks their logits."""
+        multiple = self.make_vocab_size_divisible_by * tp
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    def num_parameters(self, include_embedding: bool = True) -> int:
+        """Parameter count of the unsharded model (true vocab size, no padding)."""
+        h, f, d = self.hidden_size, self.ffn_hidden_size, self.kv_channels
+        q, kv = self.num_attention_heads * d, self.num_query_groups * d
+        bias = self.add_bias_linear
+        norm = h * (2 if self.normalization == "LayerNorm" else 1)
+        attn = h * (q + 2 * kv) + q * h
+        if bias or self.add_qkv_bias:
+            attn += q + 2 * kv
+        if bias:
+            attn += h
+        mlp = h * f * (3 if self.swiglu else 2) + ((f * (2 if self.swiglu else 1) + h) if bias else 0)
+        per_layer = attn + mlp + 2 * norm
+        total = self.num_layers * per_layer + norm
+        emb = self.vocab_size * h
+        if self.position_embedding_type == "learned_absolute":
+            emb += self.max_position_embeddings * h
+        if include_embedding:
+            total += emb
+        if self.untie_embeddings_and_output_weights:
+            total += self.vocab_size * h
+        return total
+
+    def validate(self, seq_length: int) -> None:
+        _require(self.num_layers > 0, f"num_layers ({self.num_layers}) must be positive")
+        _require(self.hidden_size > 0, f"hidden_size ({self.hidden_size}) must be positive")
+        _require(self.num_attention_heads > 0, f"num_attention_heads ({self.num_attention_heads}) must be positive")
+        _require(self.normalization in ("LayerNorm", "RMSNorm"),
+                 f"normalization ({self.normalization}) must be LayerNorm or RMSNorm")
+        _require(self.position_embedding_type in ("learned_absolute", "rope"),
+                 f"position_embedding_type ({self.position_embedding_type}) must be learned_absolute or rope")
+        _require(self.activation in ("gelu", "gelu_tanh"), f"activation ({self.activation}) must be gelu or gelu_tanh")
+        _require(self.num_attention_heads % self.num_query_groups == 0,
+                 f"num_attention_heads ({self.num_attention_heads}) must be divisible by num_query_groups "
+                 f"({self.num_query_groups}); choose a number of query groups that divides the heads")
+        _require(self.kv_channels is not None and self.kv_channels > 0,
+                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                 f"({self.num_attention_heads}) or --kv-channels must be set")
+        if self.position_embedding_type == "rope":
+            _require(self.kv_channels % 2 == 0, f"rope needs an even head dim, got kv_channels={self.kv_channels}")
+        else:
+            _require(seq_length <= self.max_position_embeddings,
+                     f"seq_length ({seq_length}) exceeds max_position_embeddings ({self.max_position_embeddings}); "
+                     f"raise --max-position-embeddings or shorten --seq-length")
+        _require(0.0 <= self.attention_dropout < 1 and 0.0 <= self.hidden_dropout < 1,
+                 "dropout probabilities must lie in [0, 1)")
+        _require(self.vocab_size > 0, f"vocab_size ({self.vocab_size}) must be positive")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    decoder_last_pipeline_num_layers: Optional[int] = None
+    pipeline_schedule: Optional[str] = None  # gpipe | 1f1b | interleaved | zb-h1; None: automatic
+    sequence_parallel: bool = False
+    zero_stage: int = 0
+    ddp_bucket_size: Optional[int] = None  # elements; None: 40M or one bucket on small models
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    grad_reduce_in_bf16: bool = False
+    cp_comm_type: str = "p2p"
+
+    @property
+    def tp(self) -> int:
+        return self.tensor_model_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.pipeline_model_parallel_size
+
+    @property
+    def cp(self) -> int:
+        return self.context_parallel_size
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return world_size // (self.tp * self.pp * self.cp)
+
+    def validate(self, world_size: int, model: ModelConfig, seq_length: int) -> None:
+        tp, pp, cp = self.tp, self.pp, self.cp
+        for name, v in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
+                        ("context_parallel_size", cp), ("expert_model_parallel_size", self.expert_model_parallel_size)):
+            _require(v >= 1, f"{name} ({v}) must be >= 1")
+        _require(world_size % (tp * pp * cp) == 0,
+                 f"world size ({world_size}) must be divisible by tensor_model_parallel_size ({tp}) x "
+                 f"pipeline_model_parallel_size ({pp}) x context_parallel_size ({cp}) = {tp * pp * cp}; "
+                 f"change --nproc_per_node or the parallel sizes")
+        _require(model.num_attention_heads % tp == 0,
+                 f"num_attention_heads ({model.num_attention_heads}) must be divisible by "
+                 f"tensor_model_parallel_size ({tp})")
+        ng = model.num_query_groups
+        _require(ng % tp == 0 or tp % ng == 0,
+                 f"num_query_groups ({ng}) and tensor_model_parallel_size ({tp}) must divide one another "
+                 f"(each rank holds whole K/V groups, or a group is replicated on tp / groups ranks)")
+        _require(model.ffn_hidden_size % tp == 0,
+                 f"ffn_hidden_size ({model.ffn_hidden_size}) must be divisible by tensor_model_parallel_size ({tp})")
+        if self.sequence_parallel:
+            _require(seq_length % (tp * cp) == 0,
+                     f"seq_length ({seq_length}) must be divisible by tensor_model_parallel_size ({tp})"
+                     + (f" x context_parallel_size ({cp})" if cp > 1 else "")
+                     + " when --sequence-parallel is on")
+        _require(self.zero_stage in (0, 1, 2, 3), f"zero_stage ({self.zero_stage}) must be 0, 1, 2 or 3")
+        _require(cp == 1, f"context_parallel_size ({cp}) > 1 is not implemented yet; use 1")
+        _require(self.expert_model_parallel_size == 1,
+                 f"expert_model_parallel_size ({self.expert_model_parallel_size}) > 1 needs an MoE model, "
+                 f"which is not implemented yet; use 1")
+
+
+@dataclass
+class DataConfig:
+    data_path: List[str] = field(default_factory=list)  # Megatron list: [w1, p1, w2, p2, ...] or [p]
+    split: str = "969,30,1"
+    data_cache_path: Optional[str] = None
+    mock_data: bool = False
+    tokenizer_type: str = "ByteTokenizer"
+    tokenizer_model: Optional[str] = None
+    vocab_file: Optional[str] = None
+    merge_file: Optional[str] = None
+    vocab_size: Optional[int] = None  # for NullTokenizer
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+    num_workers: int = 0
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = 4
+    global_batch_size: Optional[int] = None  # None: micro_batch_size * DP
+    seq_length: int = 128
+    train_iters: int = 200
+    lr: float = 1e-3
+    min_lr: float = 0.0
+    lr_warmup_iters: int = 0
+    lr_warmup_fraction: Optional[float] = None
+    lr_decay_iters: Optional[int] = None  # None: train_iters
+    lr_decay_style: str = "cosine"  # cosine | linear | constant
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    bf16: bool = False
+    fp16: bool = False
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    seed: int = 1234
+    eval_interval: int = 1000
+    eval_iters: int = 10
+    log_interval: int = 1
+    recompute_granularity: Optional[str] = None  # full | selective
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
+    device: Optional[str] = None  # cpu | cuda; None: cuda when available
+    metrics_file: Optional[str] = None
+    log_comm_volume: bool = False
+    tensorboard_dir: Optional[str] = None
+    wandb_project: Optional[str] = None
+    wandb_exp_name: Optional[str] = None
+    wandb_save_dir: Optional[str] = None
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None
+
+    def validate(self, dp: int) -> None:
+        _require(self.micro_batch_size >= 1, f"micro_batch_size ({self.micro_batch_size}) must be >= 1")
+        if self.global_batch_size is None:
+            self.global_batch_size = self.micro_batch_size * dp
+        _require(self.global_batch_size % (self.micro_batch_size * dp) == 0,
+                 f"global_batch_size ({self.global_batch_size}) must be divisible by micro_batch_size "
+                 f"({self.micro_batch_size}) x data-parallel size ({dp}) = {self.micro_batch_size * dp}")
+        _require(self.train_iters >= 0, f"train_iters ({self.train_iters}) must be >= 0")
+        _require(self.seq_length >= 1, f"seq_length ({self.seq_length}) must be >= 1")
+        _require(not (self.bf16 and self.fp16), "--bf16 and --fp16 are exclusive; choose one")
+        _require(self.lr_decay_style in ("cosine", "linear", "constant"),
+                 f"lr_decay_style ({self.lr_decay_style}) must be cosine, linear or constant")
+        _require(self.recompute_granularity in (None, "full", "selective"),
+                 f"recompute_granularity ({self.recompute_granularity}) must be full or selective")
+        _require(self.device in (None, "cpu", "cuda"), f"device ({self.device}) must be cpu or cuda")
+        _require(self.log_interval >= 1, f"log_interval ({self.log_interval}) must be >= 1")
+        _require(self.eval_interval >= 1, f"eval_interval ({self.eval_interval}) must be >= 1")
+
+    def num_microbatches(self, dp: int) -> int:
+        return self.global_batch_size // (self.micro_batch_size * dp)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def validate(self, world_size: int) -> None:
+        self.model.validate(self.training.seq_length)
+        self.parallel.validate(world_size, self.model, self.training.seq_length)
+        self.training.validate(self.parallel.data_parallel_size(world_size))
+
+    def to_dict(self) -> dict:
+        return {f.name: dict(vars(getattr(self, f.name))) for f in fields(self)}

@@ -1,0 +1,87 @@
+"""A small multi-process harness: run fn(rank, world_size, *args) on N forked gloo ranks.
+
+Forked workers with a file store start in a fraction of a second (spawn or torchrun cost
+seconds of torch import on a small machine). Each worker's return value comes back in rank
+order; if any rank raises, the others are stopped and its traceback is re-raised here.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+def _worker(rank: int, world_size: int, tmp: str, fn: Callable, args: tuple) -> None:
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        with open(os.path.join(tmp, f"result_{rank}.pt"), "wb") as f:
+            torch.save(result, f)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # report everything, including assertion failures, to the parent
+        with open(os.path.join(tmp, f"error_{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        os._exit(1)
+    os._exit(0)
+
+
+def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 300.0) -> List[Any]:
+    """Run fn(rank, world_size, *args) on `world_size` forked ranks; return the results by rank."""
+    ctx = mp.get_context("fork")
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_worker, args=(r, world_size, tmp, fn, args), daemon=True)
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        failed = []
+        while any(p.is_alive() for p in procs):
+            failed = [r for r in range(world_size) if os.path.exists(os.path.join(tmp, f"error_{r}.txt"))]
+            if failed or time.monotonic() > deadline:
+                time.sleep(0.2)  # let other failing ranks write their reports too
+                break
+            time.sleep(0.01)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        errors = []
+        for r in range(world_size):
+            path = os.path.join(tmp, f"error_{r}.txt")
+            if os.path.exists(path):
+                errors.append(f"--- rank {r} ---\n{open(path).read()}")
+        if errors:
+            raise WorkerError("distributed worker failed:\n" + "\n".join(errors))
+        results = []
+        for r, p in enumerate(procs):
+            path = os.path.join(tmp, f"result_{r}.pt")
+            if not os.path.exists(path):
+                why = "timed out" if time.monotonic() > deadline else f"exit code {p.exitcode}"
+                raise WorkerError(f"rank {r} returned no result ({why})")
+            with open(path, "rb") as f:
+                results.append(torch.load(f, weights_only=False))
+        return results
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-5, atol: float = 1e-6, what: str = ""):
+    """Relative closeness measured against the reference tensor's scale."""
+    actual, expected = actual.double(), expected.double()
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    err = (actual - expected).abs().max().item() if actual.numel() else 0.0
+    scale = expected.abs().max().item() if expected.numel() else 0.0
+    assert err <= atol + rtol * scale, f"{what}: max abs err {err:.3e} > {atol:.1e} + {rtol:.1e} * {scale:.3e}"
+
+
+__all__ = ["run_distributed", "assert_close", "WorkerError"]

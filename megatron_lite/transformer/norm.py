@@ -1,0 +1,40 @@
+"""LayerNorm and RMSNorm whose parameters know they are replicated across TP (and partial under SP)."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..parallel.tensor_parallel import set_replicated_meta
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False, dtype=torch.float32):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
+        for p in (self.weight, self.bias):
+            set_replicated_meta(p, sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False, dtype=torch.float32):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        set_replicated_meta(self.weight, sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the activation dtype, as Llama does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def build_norm(kind: str, hidden_size: int, eps: float, sequence_parallel: bool, dtype) -> nn.Module:
+    cls = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}[kind]
+    return cls(hidden_size, eps, sequence_parallel, dtype)

@@ -1,0 +1,179 @@
+"""GPT: one decoder-only family covering GPT-2 (LayerNorm, learned positions, GELU, biases, tied
+embeddings) and Llama (RMSNorm, RoPE, SwiGLU, GQA, no biases, untied output) by configuration.
+
+A GPTModel instance is one pipeline chunk: it holds layers [start, end) (named by their global
+index, so parameter names do not depend on the layout), plus the embedding on the first stage
+(`pre_process`) and the final norm, output layer and loss on the last (`post_process`).
+Activations flow as [s, b, h], split along s across TP under sequence parallelism.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megatron_lite import config as C
+from megatron_lite.parallel import comm
+from megatron_lite.parallel.pipeline.partition import stage_layer_ranges
+from megatron_lite.parallel.random import RNGStatesTracker, recompute
+from megatron_lite.parallel.state import ParallelDims
+from megatron_lite.parallel.tensor_parallel import (
+    VocabParallelEmbedding, enter_tp_region, linear, set_replicated_meta, set_tp_meta, shard_tensor, vocab_parallel_cross_entropy)
+from megatron_lite.transformer.block import TransformerLayer
+from megatron_lite.transformer.norm import build_norm
+from megatron_lite.transformer.rope import rope_cos_sin
+
+WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+
+
+class GPTModel(nn.Module):
+    def __init__(self, cfg: C.ModelConfig, dims: ParallelDims, *, layer_range: Optional[Tuple[int, int]] = None,
+                 pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
+                 recompute_granularity: Optional[str] = None, params_dtype=torch.float32,
+                 tracker: Optional[RNGStatesTracker] = None):
+        super().__init__()
+        self.cfg, self.dims = cfg, dims
+        self.pre_process, self.post_process = pre_process, post_process
+        self.sequence_parallel = sequence_parallel and dims.tp > 1
+        self.recompute_full = recompute_granularity == "full"
+        self.tracker = tracker or RNGStatesTracker()
+        self.padded_vocab = cfg.padded_vocab_size(dims.tp)
+        start, end = layer_range or (0, cfg.num_layers)
+        sp, dt = self.sequence_parallel, params_dtype
+        if pre_process:
+            self.embedding = nn.Module()
+            self.embedding.word_embeddings = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, dims, dt)
+            self.embedding.word_embeddings.weight.vocab_rows = cfg.vocab_size
+            if cfg.position_embedding_type == "learned_absolute":
+                self.embedding.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
+                                                                  dtype=dt)
+                set_replicated_meta(self.embedding.position_embeddings.weight)
+        self.layers = nn.ModuleDict({
+            str(i): TransformerLayer(cfg, dims, i, sp, dt, self.tracker,
+                                     recompute_core_attention=recompute_granularity == "selective")
+            for i in range(start, end)})
+        if post_process:
+            self.final_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sp, dt)
+            if cfg.untie_embeddings_and_output_weights or not pre_process:
+                # Untied output, or the last pipeline stage's copy of the tied embedding (kept equal
+                # to the first stage's by summing their gradients over the embedding group).
+                self.output_layer = nn.Module()
+                self.output_layer.weight = nn.Parameter(torch.empty(self.padded_vocab // dims.tp, cfg.hidden_size,
+                                                                    dtype=dt))
+                w = self.output_layer.weight
+                set_tp_meta(w, 0, (self.padded_vocab, cfg.hidden_size))
+                w.vocab_rows = cfg.vocab_size
+                if not cfg.untie_embeddings_and_output_weights:
+                    w.shared_embedding = True
+                    w.init_name = WORD_EMBEDDINGS
+        if pre_process and post_process is False and not cfg.untie_embeddings_and_output_weights:
+            self.embedding.word_embeddings.weight.shared_embedding = True
+
+    # --- forward -------------------------------------------------------------------------------
+    def output_weight(self) -> torch.Tensor:
+        if hasattr(self, "output_layer"):
+            return self.output_layer.weight
+        return self.embedding.word_embeddings.weight
+
+    def _embed(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        group = self.dims.tp_group
+        x = self.embedding.word_embeddings(tokens)  # partial sums over TP, [s, b, h]
+        pos = None
+        if self.cfg.position_embedding_type == "learned_absolute":
+            pos = self.embedding.position_embeddings(position_ids).transpose(0, 1)
+        if self.sequence_parallel:
+            x = comm.reduce_scatter_to_sp(x, group)
+            if pos is not None:
+                x = x + comm.scatter_to_sp(pos, group)
+        else:
+            x = comm.reduce_from_tp(x, group)
+            if pos is not None:
+                x = x + pos
+        p = self.cfg.hidden_dropout if self.training else 0.0
+        if p > 0:
+            if self.sequence_parallel:
+                with self.tracker.fork():
+                    x = F.dropout(x, p, True)
+            else:
+                x = F.dropout(x, p, True)
+        return x
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        h = enter_tp_region(h, self.dims, self.sequence_parallel)
+        return linear(h, self.output_weight())  # [s, b, padded_vocab / tp]
+
+    def forward(self, tokens: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
+                hidden_states: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """tokens/position_ids/labels [b, s]; attention_mask optional bool [b, s, s] (True = attend).
+
+        Returns per-token loss [b, s] (fp32) on the last stage when labels are given, full logits
+        [b, s, vocab] when they are not, else the hidden states [s, b, h] for the next stage."""
+        if position_ids is None:
+            ref = tokens if tokens is not None else labels
+            b, s = ref.shape
+            position_ids = torch.arange(s, device=ref.device).unsqueeze(0).expand(b, s)
+        x = self._embed(tokens, position_ids) if self.pre_process else hidden_states
+        rope = None
+        if self.cfg.position_embedding_type == "rope":
+            rope = rope_cos_sin(position_ids, self.cfg.kv_channels, self.cfg.rotary_base, x.dtype)
+        for layer in self.layers.values():
+            if self.recompute_full and self.training:
+                x = recompute(lambda y, l=layer: l(y, rope, attention_mask), self.tracker, x)
+            else:
+                x = layer(x, rope, attention_mask)
+        if not self.post_process:
+            return x
+        logits = self._logits(self.final_norm(x))
+        if labels is None:
+            full = comm.gather_from_tp(logits, self.dims.tp_group)
+            return full[..., : self.cfg.vocab_size].transpose(0, 1).float()
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.dims, self.cfg.vocab_size)
+        return loss.t()
+
+
+# --- initialization --------------------------------------------------------------------------
+def _param_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 62)
+
+
+def init_weights(model: GPTModel, seed: int) -> None:
+    """Layout-independent init: each parameter's FULL tensor is drawn from a generator seeded by
+    (seed, global parameter name), then this rank keeps its TP slice. Projections into the
+    residual stream are scaled by 1/sqrt(2 * num_layers) as in Megatron-LM / GPT-2."""
+    cfg, dims = model.cfg, model.dims
+    std = cfg.init_method_std
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            key = getattr(p, "init_name", name)
+            leaf = name.rsplit(".", 1)[-1]
+            if "norm" in name:
+                full = torch.ones(p.full_shape) if leaf == "weight" else torch.zeros(p.full_shape)
+            elif leaf == "bias":
+                full = torch.zeros(p.full_shape)
+            else:
+                scale = 1.0 / math.sqrt(2.0 * cfg.num_layers) if ("linear_proj" in name or "linear_fc2" in name) else 1.0
+                g = torch.Generator().manual_seed(_param_seed(seed, key))
+                full = torch.empty(p.full_shape).normal_(0.0, std * scale, generator=g)
+            p.copy_(shard_tensor(full, p, dims.tp_rank, dims.tp).to(p.dtype))
+
+
+def build_model(cfg: C.ModelConfig, dims: ParallelDims, *, seed: int = 1234, sequence_parallel: bool = False,
+                recompute_granularity: Optional[str] = None, params_dtype=torch.float32,
+                tracker: Optional[RNGStatesTracker] = None, device=None,
+                first_stage_layers: Optional[int] = None, last_stage_layers: Optional[int] = None) -> List[GPTModel]:
+    """This rank's model chunks (one per virtual pipeline stage), initialized layout-independently."""
+    ranges = stage_layer_ranges(cfg.num_layers, dims.pp, dims.vpp, first_stage_layers, last_stage_layers)
+    chunks = []
+    for c in range(dims.vpp):
+        v = c * dims.pp + dims.pp_rank
+        m = GPTModel(cfg, dims, layer_range=ranges[v], pre_process=v == 0, post_process=v == len(ranges) - 1,
+                     sequence_parallel=sequence_parallel, recompute_granularity=recompute_granularity,
+                     params_dtype=params_dtype, tracker=tracker)
+        init_weights(m, seed)
+        chunks.append(m.to(device) if device is not None else m)
+    return chunks
