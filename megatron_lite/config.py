@@ -43,6 +43,7 @@ class ModelConfig:
     attention_dropout: float = 0.1
     hidden_dropout: float = 0.1
     init_method_std: float = 0.02
+    attention_backend: str = "auto"  # auto | sdpa | flash (flash-attn on CUDA when installed)
 
     def __post_init__(self):
         if self.num_query_groups is None:

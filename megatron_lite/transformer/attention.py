@@ -54,14 +54,15 @@ def core_attention(q, k, v, attention_mask: Optional[torch.Tensor], dropout_p: f
 
 class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, dims: ParallelDims, sequence_parallel: bool, dtype,
-                 tracker: RNGStatesTracker, recompute_core: bool = False, backend: str = "auto"):
+                 tracker: RNGStatesTracker, recompute_core: bool = False):
         super().__init__()
         tp = dims.tp
         d = cfg.kv_channels
         self.head_dim = d
         self.heads = cfg.num_attention_heads // tp
         self.dropout = cfg.attention_dropout
-        self.tracker, self.tp, self.recompute_core, self.backend = tracker, tp, recompute_core, backend
+        self.tracker, self.tp, self.recompute_core = tracker, tp, recompute_core
+        self.backend = cfg.attention_backend
         q_size, kv_size = cfg.num_attention_heads * d, cfg.num_query_groups * d
         # With fewer query groups than TP ranks, each K/V group is replicated on tp / groups
         # consecutive ranks (their weight gradients are summed over those ranks after backward).

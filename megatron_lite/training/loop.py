@@ -1,0 +1,157 @@
+"""The pretraining loop: build everything from a validated Config, then train, evaluate, log."""
+from __future__ import annotations
+
+import os
+import time
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config
+from ..optim.lr_scheduler import LRScheduler
+from ..parallel import comm
+from ..parallel.random import RNGStatesTracker, model_parallel_seed
+from ..parallel.state import ParallelDims
+from .flops import device_peak_tflops, flops_per_token
+from .metrics import MetricsLogger
+from .step import eval_step, move_batch, train_step
+
+
+def choose_device(requested: Optional[str]) -> torch.device:
+    if requested == "cuda" or (requested is None and torch.cuda.is_available()):
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def init_distributed(device: torch.device) -> None:
+    """Join the torchrun world (NCCL on GPUs, gloo on CPU); nothing to do for a single process."""
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+def params_dtype(cfg: Config) -> torch.dtype:
+    return torch.bfloat16 if cfg.training.bf16 else torch.float16 if cfg.training.fp16 else torch.float32
+
+
+class Trainer:
+    """Holds the model chunks, optimizer, data and logging of one run (one per process)."""
+
+    def __init__(self, cfg: Config, tokenizer, device: torch.device):
+        from models.gpt import build_model  # models/ sits above megatron_lite: import late
+        from ..data import build_pretraining_data_loader, build_train_valid_test_datasets
+        from ..optim.optimizer import MixedPrecisionOptimizer
+        from ..parallel.data_parallel import GradientSync
+
+        self.cfg, self.device = cfg, device
+        m, p, t = cfg.model, cfg.parallel, cfg.training
+        self.dims = ParallelDims.from_world(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.expert_model_parallel_size,
+                                            vpp=p.virtual_pipeline_model_parallel_size or 1)
+        dims = self.dims
+        self.tracker = RNGStatesTracker(device)
+        model_parallel_seed(self.tracker, t.seed, dims.tp_rank, dims.pp_rank)
+        self.chunks = build_model(m, dims, seed=t.seed, sequence_parallel=p.sequence_parallel,
+                                  recompute_granularity=t.recompute_granularity, params_dtype=params_dtype(cfg),
+                                  tracker=self.tracker, device=device,
+                                  first_stage_layers=p.decoder_first_pipeline_num_layers,
+                                  last_stage_layers=p.decoder_last_pipeline_num_layers)
+        self.optimizer = MixedPrecisionOptimizer(self.chunks, dims, t, p)
+        self.grad_sync = GradientSync(self.chunks, dims)
+        warmup = t.lr_warmup_iters
+        if t.lr_warmup_fraction is not None:
+            warmup = int(t.lr_warmup_fraction * (t.lr_decay_iters or t.train_iters))
+        self.lr_schedule = LRScheduler(t.lr, t.min_lr, warmup, t.lr_decay_iters or t.train_iters, t.lr_decay_style)
+        self.num_microbatches = t.num_microbatches(dims.dp)
+        self.forward_backward = self._forward_backward_func()
+
+        evals = t.train_iters // t.eval_interval + 1
+        num_samples = (t.train_iters * t.global_batch_size, evals * t.eval_iters * t.global_batch_size,
+                       t.eval_iters * t.global_batch_size)
+        train_ds, valid_ds, _ = build_train_valid_test_datasets(cfg.data, tokenizer, t.seq_length, t.seed, num_samples)
+        self.iteration, self.consumed_samples = 0, 0
+        self.train_loader = build_pretraining_data_loader(train_ds, 0, t.micro_batch_size, t.global_batch_size,
+                                                          dims.dp_rank, dims.dp, cfg.data.num_workers)
+        self.train_iter = iter(self.train_loader)
+        self.valid_iter = None
+        if valid_ds is not None and t.eval_iters > 0:
+            self.valid_iter = iter(build_pretraining_data_loader(valid_ds, 0, t.micro_batch_size, t.global_batch_size,
+                                                                 dims.dp_rank, dims.dp, cfg.data.num_workers))
+        self.logs_here = dims.is_last_stage and dims.tp_rank == 0 and dims.dp_rank == 0 and dims.cp_rank == 0
+        self.logger = MetricsLogger(t, self.logs_here, cfg.to_dict())
+        self.flops_per_token = flops_per_token(m, t.seq_length)
+        self.peak_tflops = device_peak_tflops(device)
+
+    def _forward_backward_func(self):
+        from .step import forward_backward_no_pipelining
+        if self.dims.pp == 1:
+            return forward_backward_no_pipelining
+        from ..parallel.pipeline.executor import make_pipelined_forward_backward
+        return make_pipelined_forward_backward(self.cfg, self.dims, self.chunks)
+
+    def _next_batches(self, it) -> List[Dict[str, torch.Tensor]]:
+        return [move_batch(next(it), self.device) for _ in range(self.num_microbatches)]
+
+    def memory_report(self) -> Dict[str, int]:
+        return self.optimizer.memory_bytes()
+
+    def evaluate(self) -> Optional[float]:
+        losses = []
+        for _ in range(self.cfg.training.eval_iters):
+            loss = eval_step(self.chunks, self._next_batches(self.valid_iter), self.dims, self.forward_backward)
+            losses.append(loss)
+        return None if losses[0] is None else sum(losses) / len(losses)
+
+    def train(self) -> List[dict]:
+        t, dims = self.cfg.training, self.dims
+        history = []
+        mem = self.memory_report()
+        self.logger.info(
+            f"> model: {self.cfg.model.num_parameters() / 1e6:.2f}M parameters | layout tp={dims.tp} pp={dims.pp} "
+            f"vpp={dims.vpp} cp={dims.cp} dp={dims.dp} | zero stage {self.cfg.parallel.zero_stage} | "
+            f"micro-batches/step {self.num_microbatches} | device {self.device}")
+        self.logger.info("> memory on this rank: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in mem.items()))
+        tokens_per_step = t.global_batch_size * t.seq_length
+        while self.iteration < t.train_iters:
+            self.iteration += 1
+            lr = self.lr_schedule.lr(self.iteration)
+            comm.COMM_COUNTER.reset()
+            comm.COMM_COUNTER.enabled = t.log_comm_volume
+            start = time.perf_counter()
+            batches = self._next_batches(self.train_iter)
+            out = train_step(self.chunks, batches, dims, self.optimizer, self.grad_sync, lr, self.forward_backward)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            step_time = time.perf_counter() - start
+            comm.COMM_COUNTER.enabled = False
+            self.consumed_samples += t.global_batch_size
+            rec = self._record(out, lr, step_time, tokens_per_step, mem if self.iteration == 1 else None)
+            if self.valid_iter is not None and (self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters):
+                rec["val_lm_loss"] = self.evaluate()
+                if self.logs_here:
+                    self.logger.info(f"> validation at iteration {self.iteration} | lm loss: {rec['val_lm_loss']:.6E}")
+            history.append(rec)
+            self.logger.log(rec, console=self.iteration % t.log_interval == 0 or self.iteration == 1)
+        self.logger.close()
+        return history
+
+    def _record(self, out: dict, lr: float, step_time: float, tokens: int, mem: Optional[dict]) -> dict:
+        tokens_per_sec = tokens / step_time
+        tflops = self.flops_per_token * tokens_per_sec / self.dims.world_size / 1e12
+        rec = {"iteration": self.iteration, "lm_loss": out["lm_loss"], "grad_norm": out["grad_norm"], "lr": lr,
+               "tokens_per_sec": tokens_per_sec, "step_time_s": step_time, "tflops_per_gpu": tflops,
+               "consumed_samples": self.consumed_samples, "global_batch_size": self.cfg.training.global_batch_size,
+               "skipped": not out["update_successful"]}
+        if self.cfg.training.fp16:
+            rec["loss_scale"] = out["loss_scale"]
+        if self.peak_tflops:
+            rec["mfu"] = tflops / self.peak_tflops
+        if self.device.type == "cuda":
+            rec["max_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        if mem is not None:
+            rec.update(mem)
+        if self.cfg.training.log_comm_volume:
+            rec["comm_bytes"] = comm.COMM_COUNTER.reset()
+        return rec

@@ -1,0 +1,105 @@
+"""Where training metrics go: console lines (Megatron style), a JSON Lines file, and optionally
+TensorBoard and Weights & Biases. Only the rank that holds the loss writes."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Dict, Optional
+
+from ..config import TrainingConfig
+
+
+def _console_line(rec: dict, train_iters: int) -> str:
+    parts = [f"iteration {rec['iteration']:>6}/{train_iters}"]
+    fmt = [("consumed_samples", "consumed samples", "{:d}"), ("step_time_s", "elapsed time per iteration (ms)", None),
+           ("lr", "learning rate", "{:.3E}"), ("global_batch_size", "global batch size", "{:d}"),
+           ("lm_loss", "lm loss", "{:.6E}"), ("loss_scale", "loss scale", "{:.1f}"),
+           ("grad_norm", "grad norm", "{:.3f}"), ("moe_aux_loss", "moe aux loss", "{:.4E}"),
+           ("tokens_per_sec", "tokens/s", "{:.0f}"), ("tflops_per_gpu", "TFLOP/s/GPU", "{:.2f}"),
+           ("mfu", "MFU", "{:.1%}"), ("max_memory_gb", "max mem (GB)", "{:.2f}")]
+    for key, label, f in fmt:
+        if key not in rec or rec[key] is None:
+            continue
+        if key == "step_time_s":
+            parts.append(f"{label}: {rec[key] * 1000:.1f}")
+        else:
+            parts.append(f"{label}: {f.format(rec[key])}")
+    if rec.get("skipped"):
+        parts.append("skipped iterations: 1")
+    return " | ".join(parts) + " |"
+
+
+class MetricsLogger:
+    def __init__(self, tcfg: TrainingConfig, enabled: bool, config_dict: Optional[dict] = None):
+        self.tcfg, self.enabled = tcfg, enabled
+        self.file = None
+        self.tb = None
+        self.wandb = None
+        if not enabled:
+            return
+        if tcfg.metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(tcfg.metrics_file)), exist_ok=True)
+            self.file = open(tcfg.metrics_file, "w")
+        if tcfg.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter  # optional extra, imported on demand
+            self.tb = SummaryWriter(log_dir=tcfg.tensorboard_dir)
+        if tcfg.wandb_project:
+            self.wandb = _start_wandb(tcfg, config_dict)
+
+    def log(self, rec: Dict, console: bool) -> None:
+        if not self.enabled:
+            return
+        if self.file:
+            self.file.write(json.dumps(rec) + "\n")
+            self.file.flush()
+        if console:
+            print(_console_line(rec, self.tcfg.train_iters), flush=True)
+        scalars = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "iteration"}
+        if self.tb:
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, rec["iteration"])
+            self.tb.flush()
+        if self.wandb:
+            try:
+                self.wandb.log(scalars, step=rec["iteration"])
+            except Exception as e:  # logging must never fail a run
+                print(f"warning: wandb logging failed ({e}); continuing without it", file=sys.stderr)
+                self.wandb = None
+
+    def info(self, msg: str) -> None:
+        if self.enabled:
+            print(msg, flush=True)
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+        if self.tb:
+            self.tb.close()
+        if self.wandb:
+            try:
+                self.wandb.finish()
+            except Exception:
+                pass
+
+
+def _start_wandb(tcfg: TrainingConfig, config_dict: Optional[dict]):
+    """A wandb run, offline when there is no API key; None (with a warning) if it cannot start."""
+    try:
+        import wandb  # optional extra
+    except ImportError:
+        print("warning: --wandb-project given but wandb is not installed (pip install megatron-lite[logging]); "
+              "continuing without it", file=sys.stderr)
+        return None
+    mode = os.environ.get("WANDB_MODE")
+    if mode is None:
+        has_key = bool(os.environ.get("WANDB_API_KEY")) or os.path.exists(os.path.expanduser("~/.netrc"))
+        mode = "online" if has_key else "offline"
+    save_dir = tcfg.wandb_save_dir or os.path.join(os.getcwd(), "wandb")
+    os.makedirs(save_dir, exist_ok=True)
+    try:
+        return wandb.init(project=tcfg.wandb_project, name=tcfg.wandb_exp_name, dir=save_dir, mode=mode,
+                          config=config_dict, settings=wandb.Settings(init_timeout=30, silent=True))
+    except Exception as e:
+        print(f"warning: could not start wandb ({e}); continuing without it", file=sys.stderr)
+        return None

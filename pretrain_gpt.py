@@ -1,0 +1,55 @@
+"""Pretrain a GPT model. Launch with torchrun; flags follow Megatron-LM.
+
+    torchrun --nproc_per_node=2 pretrain_gpt.py            # the built-in default, on CPU or GPU
+    torchrun --nproc_per_node=8 pretrain_gpt.py --model llama3-8b --tensor-model-parallel-size 8 ...
+
+Configuration errors are reported as one line on stderr with exit code 2, before any process
+group is created.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from megatron_lite.arguments import parse_args
+from megatron_lite.config import Config, ConfigError
+
+
+def resolve(argv=None) -> tuple:
+    """Parse and validate; returns (config, tokenizer). Raises ConfigError on bad input."""
+    from megatron_lite.data import build_tokenizer
+
+    cfg: Config = parse_args(argv)
+    d = cfg.data
+    tokenizer = build_tokenizer(d.tokenizer_type, tokenizer_model=d.tokenizer_model, vocab_file=d.vocab_file,
+                                merge_file=d.merge_file, vocab_size=d.vocab_size)
+    cfg.model.vocab_size = tokenizer.vocab_size
+    cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
+    return cfg, tokenizer
+
+
+def main(argv=None) -> int:
+    try:
+        cfg, tokenizer = resolve(argv)
+    except ConfigError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    import torch.distributed as dist
+    from megatron_lite.training.loop import Trainer, choose_device, init_distributed
+
+    device = choose_device(cfg.training.device)
+    init_distributed(device)
+    try:
+        Trainer(cfg, tokenizer, device).train()
+    except ConfigError as e:  # found while building (e.g. a dataset file): still one line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
