@@ -1,0 +1,327 @@
+"""Pipeline-parallel schedules as ordered action lists, one list per pipeline rank.
+
+One executor runs any of these lists and `simulator.py` replays the very same lists, so the
+schedule is defined once, here, as data.
+
+Stages. With p pipeline ranks and v model chunks per rank (v > 1 only for "interleaved"),
+chunk c on rank r is virtual stage s = c * p + r; stage s + 1 lives on rank (r + 1) % p.
+
+Actions (`Action(kind, microbatch, chunk)`, chunk = the LOCAL chunk index on this rank):
+  F        forward of (microbatch, chunk).
+  B        backward for inputs only (the input gradient); zb-h1 only.
+  W        backward for weights only (needs the B of the same microbatch/chunk); zb-h1 only.
+  BW       the whole backward (inputs and weights) in one pass: gpipe, 1f1b and interleaved
+           use it, so their executor runs one plain autograd backward. Costs B + W.
+  RECV_F   receive the input activation of F(mb, chunk) from the previous virtual stage.
+  SEND_F   send the output activation of F(mb, chunk) to the next virtual stage.
+  RECV_B   receive the gradient of the output of (mb, chunk) from the next virtual stage.
+  SEND_B   send the gradient of the input of (mb, chunk), made by its B/BW, to the previous stage.
+SEND_F and RECV_B talk to rank (r + 1) % p; RECV_F and SEND_B talk to rank (r - 1) % p.
+The first virtual stage has no RECV_F/SEND_B, the last no SEND_F/RECV_B (it starts its
+backward from the loss).
+
+Execution rule (what every executor must do, and what `simulator.check_schedule` proves
+deadlock-free for every (p, v, m) that `validate_schedule_args` accepts):
+  * Run each rank's list strictly in order.
+  * A maximal run of consecutive comm actions is ONE batch (see `group_steps`): post all of it
+    at once, in list order, as one `batch_isend_irecv`. Batches are never split, and never
+    merged across a compute action.
+  * Wait for a batch either at once ("blocking") or lazily ("lazy"): just before the first
+    compute that uses a tensor it received, before posting the rank's next batch, and at the
+    end of the list (keep sent tensors alive until then). Both are deadlock-free. Lazy is what
+    the simulator assumes by default and reaches the theoretical bubble for every schedule;
+    blocking reaches it too except interleaved with p = 2, 5, 8 (p % 3 == 2), where BW (2 units)
+    and F (1 unit) leave adjacent ranks no common idle moment to exchange in, e.g. p=8, v=2,
+    m=16 gives idle/busy 0.292 instead of 0.219.
+  * Pairing is FIFO per ordered rank pair: the k-th SEND_* from rank a to rank b (in a's list
+    order) carries the same tensor as the k-th RECV_* from a on rank b (in b's list order):
+    SEND_F(mb, c) on r pairs with RECV_F(mb, c') on r + 1, SEND_B(mb, c) on r with
+    RECV_B(mb, c') on r - 1, where c' is the neighbour's local chunk of the adjacent virtual
+    stage. Tags are therefore unnecessary (NCCL ignores them anyway).
+
+How comm is placed (why it cannot deadlock). Each message gets a key K, a time between the end
+of its producer and the start of its consumer in the ideal unit-cost timeline, chosen where both
+ranks sit between two compute actions if possible (so nothing stalls). Both ranks put the op at
+"time K" in their lists; within a time, ops are sorted by message identity. Each rank's comm ops
+are then sorted by key and matched ops share a key, so a blocked rank with the smallest pending
+key always finds its partner posted or able to progress: no cycle of waits is possible.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+from megatron_lite.config import ConfigError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+COMPUTE_KINDS = ("F", "B", "W", "BW")
+COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+# Unit costs used to place communication in the lists (the lists do not depend on real costs).
+PLACEMENT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0, "BW": 2.0}
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str
+    microbatch: int
+    chunk: int = 0
+
+    @property
+    def is_comm(self) -> bool:
+        return self.kind in COMM_KINDS
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
+
+
+Step = Union[Action, Tuple[Action, ...]]
+
+
+# ---------------------------------------------------------------- topology helpers
+def virtual_stage(rank: int, chunk: int, pp_size: int) -> int:
+    return chunk * pp_size + rank
+
+
+def stage_location(stage: int, pp_size: int) -> Tuple[int, int]:
+    """(rank, local chunk) holding virtual stage `stage`."""
+    return stage % pp_size, stage // pp_size
+
+
+def comm_peer(action: Action, rank: int, pp_size: int) -> int:
+    """The rank a comm action talks to."""
+    if action.kind in ("SEND_F", "RECV_B"):
+        return (rank + 1) % pp_size
+    if action.kind in ("RECV_F", "SEND_B"):
+        return (rank - 1) % pp_size
+    raise ValueError(f"{action} is not a communication action")
+
+
+def message_id(action: Action, rank: int, pp_size: int) -> Tuple[str, int, int]:
+    """What a comm action carries: (direction, microbatch, receiving virtual stage).
+
+    A send and the receive it pairs with have the same id."""
+    s = virtual_stage(rank, action.chunk, pp_size)
+    return {"SEND_F": ("F", action.microbatch, s + 1), "RECV_F": ("F", action.microbatch, s),
+            "SEND_B": ("B", action.microbatch, s - 1), "RECV_B": ("B", action.microbatch, s)}[action.kind]
+
+
+def event_of(action: Action, rank: int, pp_size: int) -> Tuple[str, int, int]:
+    """The data event a compute action produces: ('F'|'B'|'W', microbatch, virtual stage)."""
+    kind = "B" if action.kind == "BW" else action.kind
+    return kind, action.microbatch, virtual_stage(rank, action.chunk, pp_size)
+
+
+def needs(action: Action, rank: int, pp_size: int, num_stages: int) -> List[Tuple[str, int, int]]:
+    """Data events a compute action waits for (F of the previous stage, B of the next, ...)."""
+    mb, s = action.microbatch, virtual_stage(rank, action.chunk, pp_size)
+    if action.kind == "F":
+        return [("F", mb, s - 1)] if s > 0 else []
+    if action.kind in ("B", "BW"):
+        return [("F", mb, s)] + ([("B", mb, s + 1)] if s < num_stages - 1 else [])
+    if action.kind == "W":
+        return [("B", mb, s)]
+    raise ValueError(f"{action} is not a compute action")
+
+
+def group_steps(actions: Sequence[Action]) -> List[Step]:
+    """Split a rank's list into steps: a compute Action, or a tuple = one batch of comm actions."""
+    steps: List[Step] = []
+    batch: List[Action] = []
+    for a in actions:
+        if a.is_comm:
+            batch.append(a)
+            continue
+        if batch:
+            steps.append(tuple(batch))
+            batch = []
+        steps.append(a)
+    if batch:
+        steps.append(tuple(batch))
+    return steps
+
+
+# ---------------------------------------------------------------- compute orders per rank
+def _gpipe(p: int, m: int, r: int) -> List[Action]:
+    return [Action("F", i) for i in range(m)] + [Action("BW", i) for i in range(m)]
+
+
+def _one_f_one_b(p: int, m: int, r: int) -> List[Action]:
+    # Warm-up forwards keep exactly p - r micro-batches in flight once the steady phase starts.
+    warm = min(p - r - 1, m)
+    order = [Action("F", i) for i in range(warm)]
+    for i in range(m - warm):
+        order += [Action("F", warm + i), Action("BW", i)]
+    return order + [Action("BW", i) for i in range(m - warm, m)]
+
+
+def _interleaved(p: int, m: int, r: int, v: int) -> List[Action]:
+    # Megatron's order: micro-batches go in groups of p through chunk 0, then chunk 1, ...;
+    # backward walks the chunks in reverse. Rank r runs 2(p-r-1) + (v-1)p warm-up forwards.
+    def fwd(k: int) -> Action:
+        return Action("F", (k // (p * v)) * p + k % p, (k // p) % v)
+
+    def bwd(k: int) -> Action:
+        return Action("BW", (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
+
+    total = m * v
+    warm = min(2 * (p - r - 1) + (v - 1) * p, total)
+    order = [fwd(k) for k in range(warm)]
+    for i in range(total - warm):
+        order += [fwd(warm + i), bwd(i)]
+    return order + [bwd(k) for k in range(total - warm, total)]
+
+
+def _zb_h1(p: int, m: int, r: int) -> List[Action]:
+    # ZB-H1 (Qi et al. 2023): 1F1B's forwards (p - r in flight), B split from W, and rank r
+    # postpones r of its W's so they fill the cool-down, where B's arrive more slowly.
+    # W before the next F keeps live activations (F until W) at p - r + r = p, as in 1F1B.
+    warm = min(p - r, m)
+    order = [Action("F", i) for i in range(warm)]
+    next_w = 0
+    for i in range(m):
+        order.append(Action("B", i))
+        if i >= r:
+            order.append(Action("W", next_w))
+            next_w += 1
+        if warm + i < m:
+            order.append(Action("F", warm + i))
+    return order + [Action("W", j) for j in range(next_w, m)]
+
+
+def compute_orders(name: str, pp_size: int, num_microbatches: int, vpp: int = 1) -> List[List[Action]]:
+    """Compute actions only, per rank, in execution order."""
+    p, m = pp_size, num_microbatches
+    if name == "interleaved":
+        return [_interleaved(p, m, r, vpp) for r in range(p)]
+    make = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "zb-h1": _zb_h1}[name]
+    return [make(p, m, r) for r in range(p)]
+
+
+# ---------------------------------------------------------------- communication placement
+def _ideal_times(orders: List[List[Action]], p: int, num_stages: int) -> List[List[Tuple[float, float]]]:
+    """(start, end) of every compute action with PLACEMENT_COSTS and data dependencies only."""
+    times: List[List[Tuple[float, float]]] = [[] for _ in orders]
+    done: Dict[Tuple[str, int, int], float] = {}
+    progress = True
+    while progress:
+        progress = False
+        for r, order in enumerate(orders):
+            while len(times[r]) < len(order):
+                a = order[len(times[r])]
+                deps = needs(a, r, p, num_stages)
+                if any(d not in done for d in deps):
+                    break
+                start = max([times[r][-1][1] if times[r] else 0.0] + [done[d] for d in deps])
+                end = start + PLACEMENT_COSTS[a.kind]
+                times[r].append((start, end))
+                done[event_of(a, r, p)] = end
+                if a.kind == "BW":
+                    done[("W", a.microbatch, virtual_stage(r, a.chunk, p))] = end
+                progress = True
+    if any(len(t) != len(o) for t, o in zip(times, orders)):
+        raise RuntimeError("compute orders have a dependency cycle")  # a bug in an order above
+    return times
+
+
+def _at_boundary(times: List[Tuple[float, float]], starts: List[float], t: float) -> bool:
+    """True if the rank is between two compute actions (or idle) at time t."""
+    i = bisect.bisect_left(starts, t) - 1  # last compute starting before t
+    return i < 0 or times[i][1] <= t
+
+
+def _choose_key(ta, sa, tb, sb, t_prod: float, t_cons: float) -> float:
+    """Earliest time in [t_prod, t_cons] where sender (a) and receiver (b) both sit idle/between."""
+    cands = {t_prod, t_cons}
+    for times in (ta, tb):
+        cands.update(e for _, e in times if t_prod <= e <= t_cons)
+    for t in sorted(cands):
+        if _at_boundary(ta, sa, t) and _at_boundary(tb, sb, t):
+            return t
+    return t_prod  # no common gap: the receiver posts after its current compute
+
+
+def _place_comm(orders: List[List[Action]], p: int, num_stages: int) -> List[List[Action]]:
+    times = _ideal_times(orders, p, num_stages)
+    starts = [[s for s, _ in t] for t in times]
+    where = {}  # event -> (rank, index in order)
+    for r, order in enumerate(orders):
+        for i, a in enumerate(order):
+            where[event_of(a, r, p)] = (r, i)
+    inserts: List[List[Tuple[float, Tuple, Action]]] = [[] for _ in orders]
+    for r, order in enumerate(orders):
+        for i, a in enumerate(order):
+            if a.kind == "W":
+                continue
+            mb, s = a.microbatch, virtual_stage(r, a.chunk, p)
+            dst = s + 1 if a.kind == "F" else s - 1
+            if not 0 <= dst < num_stages:
+                continue  # first stage's backward / last stage's forward: nothing to send
+            br, bc = stage_location(dst, p)
+            bi = where[("F", mb, dst)] if a.kind == "F" else where[("B", mb, dst)]
+            key = _choose_key(times[r], starts[r], times[br], starts[br], times[r][i][1], times[br][bi[1]][0])
+            send, recv = ("SEND_F", "RECV_F") if a.kind == "F" else ("SEND_B", "RECV_B")
+            mid = (a.kind[0], mb, dst)
+            inserts[r].append((key, mid, Action(send, mb, a.chunk)))
+            inserts[br].append((key, mid, Action(recv, mb, bc)))
+    out = []
+    for r, order in enumerate(orders):
+        seq: List[Action] = []
+        pending = sorted(inserts[r], key=lambda x: (x[0], x[1], x[2].kind))
+        j = 0
+        for i, a in enumerate(order):  # comm with key K goes before the first compute starting at >= K
+            while j < len(pending) and pending[j][0] <= times[r][i][0]:
+                seq.append(pending[j][2])
+                j += 1
+            seq.append(a)
+        seq += [x[2] for x in pending[j:]]
+        out.append(seq)
+    return out
+
+
+# ---------------------------------------------------------------- public API
+def default_schedule(vpp: Optional[int]) -> str:
+    return "interleaved" if (vpp or 1) > 1 else "1f1b"
+
+
+def validate_schedule_args(name: str, pp_size: int, num_microbatches: int, vpp: Optional[int] = 1,
+                           num_layers: Optional[int] = None) -> None:
+    """Raise ConfigError (one line: the values and the fix) if the schedule cannot run."""
+    p, m, v = pp_size, num_microbatches, 1 if vpp is None else vpp
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ConfigError(msg)
+
+    need(name in SCHEDULES, f"unknown pipeline schedule {name!r}; use one of {', '.join(SCHEDULES)}")
+    need(p >= 1, f"pipeline_model_parallel_size ({p}) must be >= 1")
+    need(m >= 1, f"number of micro-batches ({m}) must be >= 1; raise --global-batch-size")
+    need(v >= 1, f"virtual pipeline size ({v}) must be >= 1")
+    if name == "interleaved":
+        need(v > 1, f"schedule 'interleaved' needs virtual pipeline size > 1 (got {v}); "
+                    f"set --num-layers-per-virtual-pipeline-stage or use --pipeline-schedule 1f1b")
+        need(p >= 2, f"schedule 'interleaved' needs pipeline_model_parallel_size >= 2 (got {p}); "
+                     f"raise --pipeline-model-parallel-size or drop virtual stages")
+        need(m % p == 0, f"schedule 'interleaved' needs the number of micro-batches ({m}) to be a multiple "
+                         f"of pipeline_model_parallel_size ({p}); change --global-batch-size or --micro-batch-size")
+    else:
+        need(v == 1, f"schedule {name!r} does not support virtual pipeline stages (vpp={v}); "
+                     f"use --pipeline-schedule interleaved or drop --num-layers-per-virtual-pipeline-stage")
+    if name == "zb-h1":
+        need(m >= p, f"schedule 'zb-h1' needs at least as many micro-batches ({m}) as pipeline stages ({p}); "
+                     f"raise --global-batch-size or use --pipeline-schedule 1f1b")
+    if num_layers is not None:
+        need(num_layers >= p * v, f"num_layers ({num_layers}) must be >= pipeline stages ({p}) x virtual "
+                                  f"stages ({v}) = {p * v}; lower the pipeline sizes or add layers")
+        if v > 1:
+            need(num_layers % (p * v) == 0, f"num_layers ({num_layers}) must be divisible by pipeline stages "
+                                            f"({p}) x virtual stages ({v}) = {p * v}; change --num-layers or "
+                                            f"--num-layers-per-virtual-pipeline-stage")
+
+
+def build_schedule(name: str, pp_size: int, num_microbatches: int, vpp: Optional[int] = 1) -> List[List[Action]]:
+    """Per-rank action lists (compute + comm) for one training step. See the module docstring."""
+    vpp = 1 if vpp is None else vpp
+    validate_schedule_args(name, pp_size, num_microbatches, vpp)
+    orders = compute_orders(name, pp_size, num_microbatches, vpp)
+    return _place_comm(orders, pp_size, pp_size * vpp)

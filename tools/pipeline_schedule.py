@@ -1,0 +1,94 @@
+"""Print a pipeline schedule's timeline, bubble and in-flight micro-batches per rank.
+
+    python tools/pipeline_schedule.py --pp 4 --vpp 2 --microbatches 8 --schedule interleaved
+    python -m tools.pipeline_schedule --pp 4 --microbatches 8 --schedule zb-h1 --costs 1,1,1 --png zb.png
+
+Invalid arguments print one line on stderr and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_lite.config import ConfigError  # noqa: E402
+from megatron_lite.parallel.pipeline.schedules import (  # noqa: E402
+    SCHEDULES, build_schedule, default_schedule, validate_schedule_args)
+from megatron_lite.parallel.pipeline.simulator import (  # noqa: E402
+    COMM_MODES, check_schedule, format_timeline, save_png, simulate)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pp", type=int, default=4, help="pipeline-parallel size (ranks)")
+    ap.add_argument("--vpp", type=int, default=1, help="model chunks per rank (virtual stages)")
+    ap.add_argument("--microbatches", type=int, default=8, help="micro-batches per step")
+    ap.add_argument("--schedule", default=None, help=f"one of {', '.join(SCHEDULES)}; default: "
+                    "interleaved if --vpp > 1 else 1f1b")
+    ap.add_argument("--costs", default="1,1,1", help="F,B,W cost of one chunk's action (BW = B + W)")
+    ap.add_argument("--comm-cost", type=float, default=0.0, help="time of one p2p transfer")
+    ap.add_argument("--comm", default="lazy", choices=COMM_MODES,
+                    help="executor model: lazy waits (default), blocking batches, or ideal (no comm)")
+    ap.add_argument("--width", type=int, default=None, help="timeline width in characters")
+    ap.add_argument("--png", default=None, help="also draw the timeline to this PNG (needs matplotlib)")
+    return ap.parse_args(argv)
+
+
+def _parse_costs(text: str):
+    try:
+        costs = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        costs = ()
+    if len(costs) != 3 or min(costs) < 0 or costs[0] <= 0 or costs[1] + costs[2] <= 0:
+        raise ConfigError(f"--costs {text!r} must be three numbers F,B,W with F > 0, B + W > 0, none negative, "
+                          f"e.g. --costs 1,1,1")
+    return costs
+
+
+def _theory(name: str, p: int, m: int, v: int) -> str:
+    if name == "interleaved":
+        return f"(p-1)/(v*m) = {(p - 1) / (v * m):.4f}"
+    if name == "zb-h1":
+        return f"(p-1)/(3m) = {(p - 1) / (3 * m):.4f}"
+    return f"(p-1)/m = {(p - 1) / m:.4f}"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    name = args.schedule or default_schedule(args.vpp)
+    try:
+        validate_schedule_args(name, args.pp, args.microbatches, args.vpp)
+        costs = _parse_costs(args.costs)
+        if args.width is not None and args.width < 1:
+            raise ConfigError(f"--width ({args.width}) must be >= 1")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    sched = build_schedule(name, args.pp, args.microbatches, args.vpp)
+    check_schedule(sched)
+    res = simulate(sched, costs=costs, comm_cost=args.comm_cost, comm=args.comm)
+    print(f"schedule {name} | pp {args.pp} | vpp {args.vpp} | micro-batches {args.microbatches} | "
+          f"costs F,B,W = {args.costs} | comm {args.comm} ({args.comm_cost:g}) | makespan {res.makespan:g}")
+    print(format_timeline(res, args.width))
+    theory = _theory(name, args.pp, args.microbatches, args.vpp)
+    print(f"bubble = idle / busy per rank; theory with unit costs: {theory}")
+    unit = " (micro-batch x chunk; /vpp = micro-batches of activations)" if args.vpp > 1 else ""
+    print(f"{'rank':>4}  {'bubble':>7}  {'busy':>7}  peak in-flight{unit}")
+    for r in range(args.pp):
+        extra = f"  ({res.peak_in_flight[r] / args.vpp:g})" if args.vpp > 1 else ""
+        print(f"{r:>4}  {res.bubble[r]:>7.4f}  {res.busy[r]:>7g}  {res.peak_in_flight[r]}{extra}")
+    if args.png:
+        try:
+            save_png(res, args.png, title=f"{name} p={args.pp} v={args.vpp} m={args.microbatches}")
+        except ImportError:
+            print("error: --png needs matplotlib (pip install matplotlib)", file=sys.stderr)
+            return 1
+        print(f"wrote {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
