@@ -75,13 +75,13 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 300.0
         return results
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-5, atol: float = 1e-6, what: str = ""):
-    """Relative closeness measured against the reference tensor's scale."""
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-5, atol: float = 0.0, what: str = ""):
+    """Relative error in norm: ||actual - expected|| <= atol + rtol * ||expected|| (float64 math)."""
     actual, expected = actual.double(), expected.double()
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    err = (actual - expected).abs().max().item() if actual.numel() else 0.0
-    scale = expected.abs().max().item() if expected.numel() else 0.0
-    assert err <= atol + rtol * scale, f"{what}: max abs err {err:.3e} > {atol:.1e} + {rtol:.1e} * {scale:.3e}"
+    err = (actual - expected).norm().item()
+    scale = expected.norm().item()
+    assert err <= atol + rtol * scale, f"{what}: |diff| {err:.3e} > {atol:.1e} + {rtol:.1e} * |ref| {scale:.3e}"
 
 
 __all__ = ["run_distributed", "assert_close", "WorkerError"]

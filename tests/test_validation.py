@@ -1,0 +1,55 @@
+"""Every impossible configuration is one line on stderr, exit code 2, before any process group."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+import pretrain_gpt
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--micro-batch-size", "2", "--device", "cpu"]
+
+CASES = [
+    # (world size, extra flags, fragments the message must contain)
+    (5, ["--num-attention-heads", "12", "--hidden-size", "96", "--tensor-model-parallel-size", "5"],
+     ["num_attention_heads (12)", "tensor_model_parallel_size (5)"]),
+    (2, ["--num-attention-heads", "6", "--hidden-size", "96", "--group-query-attention", "--num-query-groups", "3",
+         "--tensor-model-parallel-size", "2"], ["num_query_groups (3)", "tensor_model_parallel_size (2)"]),
+    (2, ["--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "3"],
+     ["num_attention_heads (4)", "num_query_groups (3)"]),
+    (3, ["--tensor-model-parallel-size", "2"], ["world size (3)", "tensor_model_parallel_size (2)"]),
+    (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"], ["world size (4)", "= 8"]),
+    (2, ["--global-batch-size", "6"], ["global_batch_size (6)", "micro_batch_size (2)", "data-parallel size (2)"]),
+    (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "63"],
+     ["seq_length (63)", "tensor_model_parallel_size (2)", "--sequence-parallel"]),
+    (1, ["--model", "gpt5-mega"], ["unknown --model 'gpt5-mega'", "llama3-8b"]),
+    (1, ["--bf16", "--fp16"], ["--bf16 and --fp16"]),
+    (1, ["--seq-length", "2048", "--max-position-embeddings", "1024"],
+     ["seq_length (2048)", "max_position_embeddings (1024)"]),
+    (2, ["--ffn-hidden-size", "99", "--tensor-model-parallel-size", "2"], ["ffn_hidden_size (99)"]),
+    (1, ["--num-experts", "8"], ["--num-experts (8)"]),
+    (1, ["--context-parallel-size", "2"], ["context_parallel_size (2)"]),
+]
+
+
+@pytest.mark.parametrize("world,flags,fragments", CASES)
+def test_bad_configuration_is_one_clear_line(world, flags, fragments, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    assert pretrain_gpt.main(BASE + flags) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    for frag in fragments:
+        assert frag in err, f"{frag!r} not in {err!r}"
+
+
+def test_cli_exit_code_and_no_traceback():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, WORLD_SIZE="2", RANK="0")
+    proc = subprocess.run([sys.executable, os.path.join(root, "pretrain_gpt.py"), *BASE,
+                           "--num-attention-heads", "3", "--tensor-model-parallel-size", "2"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "num_attention_heads (3)" in proc.stderr

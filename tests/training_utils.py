@@ -1,0 +1,48 @@
+"""Shared helpers for tests that run the real training loop (in forked ranks or via torchrun)."""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "5", "--device", "cpu",
+        "--lr", "3e-3", "--eval-iters", "0"]  # on the built-in corpus (Python sources, byte tokenizer)
+LLAMA_SWITCHES = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+                  "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--group-query-attention",
+                  "--num-query-groups", "2"]
+
+
+def train_in_process(rank, world, argv):
+    """Run pretrain_gpt's Trainer on this forked rank; returns its per-iteration records."""
+    os.environ["WORLD_SIZE"] = str(world)
+    from pretrain_gpt import resolve
+    from megatron_lite.training.loop import Trainer
+    cfg, tokenizer = resolve(argv)
+    return Trainer(cfg, tokenizer, torch.device("cpu")).train()
+
+
+def losses_of(histories):
+    """lm_loss per iteration from whichever rank logged it (the last pipeline stage)."""
+    for h in histories:
+        if h and h[0]["lm_loss"] is not None:
+            return [r["lm_loss"] for r in h]
+    raise AssertionError("no rank reported lm_loss")
+
+
+def torchrun(nproc, args, metrics_path, timeout=300, check=True):
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+           os.path.join(ROOT, "pretrain_gpt.py"), *args, "--metrics-file", str(metrics_path)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def read_metrics(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
