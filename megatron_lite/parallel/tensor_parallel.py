@@ -190,7 +190,7 @@ class ColumnParallelLinear(nn.Module):
         if not input_ready:
             x = enter_tp_region(x, self.dims, self.sequence_parallel)
         y = linear(x, self.weight, self.bias)
-        return comm.gather_from_tp(y, group) if self.gather_output else y
+        return comm.gather_from_tp(y, self.dims.tp_group) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
