@@ -80,6 +80,7 @@ def load_or_build(cache_dir: Optional[str], stem: str, description: dict, names:
     arrays = build()
     if paths:
         try:
+            os.makedirs(cache_dir, exist_ok=True)
             for n, p in paths.items():
                 atomic_save_npy(p, arrays[n])
             desc_path = os.path.join(cache_dir, f"{key}-{stem}-description.json")

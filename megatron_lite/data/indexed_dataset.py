@@ -66,6 +66,8 @@ class IndexedDatasetWriter:
         if tokens.dtype != self.dtype:
             tokens = tokens.astype(self.dtype)
         lengths = np.asarray([tokens.size] if lengths is None else lengths, dtype=np.int64)
+        if lengths.sum() != tokens.size:
+            raise ValueError(f"sequence lengths sum to {lengths.sum()} but the document has {tokens.size} tokens")
         self.add_documents(tokens, lengths, np.array([lengths.size], dtype=np.int64))
 
     def add_documents(self, tokens: np.ndarray, seq_lengths: np.ndarray, seqs_per_doc: np.ndarray) -> None:

@@ -21,6 +21,20 @@ def _file_digest(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()[:16]
 
 
+def _dir_digest(path: str) -> str:
+    """Digest of a tokenizer directory: small files by content, big ones (weights that happen to
+    sit beside the tokenizer) by name, size and mtime, so this stays cheap."""
+    if not os.path.isdir(path):
+        return _file_digest(path)
+    parts = []
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if os.path.isfile(full):
+            st = os.stat(full)
+            parts.append(f"{name}:{_file_digest(full) if st.st_size < 64 << 20 else (st.st_size, st.st_mtime_ns)}")
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
 def _need_file(path: Optional[str], flag: str, kind: str) -> str:
     if not path:
         raise ConfigError(f"{kind} needs {flag}")
@@ -149,13 +163,11 @@ class HuggingFaceTokenizer(_Tokenizer):
         eod = self._tok.eos_token_id
         if eod is None:
             eod = self._tok.convert_tokens_to_ids("<|endoftext|>")
-        if eod is None or eod == self._tok.unk_token_id:
+        if eod is None:
             raise ConfigError(f"--tokenizer-model {path}: tokenizer has no eos token to use as end of document")
         self.eod = int(eod)
         self.vocab_size = len(self._tok)
-        digests = [_file_digest(os.path.join(path, f)) for f in sorted(os.listdir(path))
-                   if os.path.isfile(os.path.join(path, f))] if os.path.isdir(path) else [_file_digest(path)]
-        self.fingerprint = f"{self.name}:" + hashlib.sha256("".join(digests).encode()).hexdigest()[:16]
+        self.fingerprint = f"{self.name}:{_dir_digest(path)}"
 
     @staticmethod
     def _load(path: str):
@@ -186,7 +198,6 @@ class _TokenizersFile:
             raise ConfigError(f"--tokenizer-model {path}: no tokenizer.json (and transformers is not installed)")
         self._tok = Tokenizer.from_file(file)
         self.eos_token_id = self._tok.token_to_id("</s>")
-        self.unk_token_id = None
 
     def convert_tokens_to_ids(self, token):
         return self._tok.token_to_id(token)
