@@ -176,7 +176,7 @@ class Progress:
         self.bar, self.docs, self.t0 = None, 0, time.time()
         if enabled and total_bytes >= PROGRESS_MIN_BYTES:
             from tqdm import tqdm
-            self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1 << 20,
+            self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True,
                             desc="preprocess", file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
 
     def update(self, num_bytes: int, num_docs: int) -> None:
