@@ -170,6 +170,12 @@ class ParallelConfig:
                      + (f" x context_parallel_size ({cp})" if cp > 1 else "")
                      + " when --sequence-parallel is on")
         _require(self.zero_stage in (0, 1, 2, 3), f"zero_stage ({self.zero_stage}) must be 0, 1, 2 or 3")
+        _require(not (self.zero_stage == 3 and pp > 1),
+                 f"--zero-stage 3 with pipeline_model_parallel_size ({pp}) > 1 is not supported (nor in "
+                 f"Megatron-LM); use --zero-stage 1 or 2 with pipelining")
+        _require(not (self.overlap_param_gather and self.zero_stage == 0),
+                 "--overlap-param-gather needs the distributed optimizer: --zero-stage 1, 2 or 3 "
+                 "(or --use-distributed-optimizer)")
         _require(cp == 1, f"context_parallel_size ({cp}) > 1 is not implemented yet; use 1")
         _require(self.expert_model_parallel_size == 1,
                  f"expert_model_parallel_size ({self.expert_model_parallel_size}) > 1 needs an MoE model, "
@@ -266,7 +272,22 @@ class Config:
     def validate(self, world_size: int) -> None:
         self.model.validate(self.training.seq_length)
         self.parallel.validate(world_size, self.model, self.training.seq_length)
-        self.training.validate(self.parallel.data_parallel_size(world_size))
+        dp = self.parallel.data_parallel_size(world_size)
+        self.training.validate(dp)
+        self._validate_pipeline(self.training.num_microbatches(dp))
+
+    def _validate_pipeline(self, num_microbatches: int) -> None:
+        from .parallel.pipeline.partition import stage_layer_ranges
+        from .parallel.pipeline.schedules import default_schedule, validate_schedule_args
+
+        p = self.parallel
+        vpp = p.virtual_pipeline_model_parallel_size or 1
+        _require(vpp == 1 or p.pp > 1, f"virtual pipeline stages ({vpp}) need --pipeline-model-parallel-size > 1")
+        stage_layer_ranges(self.model.num_layers, p.pp, vpp, p.decoder_first_pipeline_num_layers,
+                           p.decoder_last_pipeline_num_layers)
+        if p.pp > 1:
+            validate_schedule_args(p.pipeline_schedule or default_schedule(vpp), p.pp, num_microbatches, vpp,
+                                   self.model.num_layers)
 
     def to_dict(self) -> dict:
         return {f.name: dict(vars(getattr(self, f.name))) for f in fields(self)}

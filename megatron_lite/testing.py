@@ -84,4 +84,14 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-
     assert err <= atol + rtol * scale, f"{what}: |diff| {err:.3e} > {atol:.1e} + {rtol:.1e} * |ref| {scale:.3e}"
 
 
-__all__ = ["run_distributed", "assert_close", "WorkerError"]
+def assert_state_close(actual: dict, expected: dict, rtol: float = 1e-5, what: str = ""):
+    """Every tensor within rtol of its own norm, or of the whole state's norm for tensors that are
+    nearly zero-signal: e.g. attention K biases, whose true gradient is exactly zero (softmax is
+    shift-invariant), so Adam turns float rounding noise in that gradient into lr-sized steps."""
+    assert actual.keys() == expected.keys(), f"{what}: {sorted(set(actual) ^ set(expected))}"
+    total = sum(t.double().pow(2).sum() for t in expected.values()).sqrt().item()
+    for name in expected:
+        assert_close(actual[name], expected[name], rtol=rtol, atol=rtol * total, what=f"{what} {name}")
+
+
+__all__ = ["run_distributed", "assert_close", "assert_state_close", "WorkerError"]

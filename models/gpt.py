@@ -114,9 +114,13 @@ class GPTModel(nn.Module):
         Returns per-token loss [b, s] (fp32) on the last stage when labels are given, full logits
         [b, s, vocab] when they are not, else the hidden states [s, b, h] for the next stage."""
         if position_ids is None:
-            ref = tokens if tokens is not None else labels
-            b, s = ref.shape
-            position_ids = torch.arange(s, device=ref.device).unsqueeze(0).expand(b, s)
+            if tokens is not None or labels is not None:
+                b, s = (tokens if tokens is not None else labels).shape
+            else:  # a middle pipeline stage: hidden states [s (/tp under SP), b, h]
+                s = hidden_states.shape[0] * (self.dims.tp if self.sequence_parallel else 1)
+                b = hidden_states.shape[1]
+            position_ids = torch.arange(s, device=(tokens if tokens is not None else hidden_states).device)
+            position_ids = position_ids.unsqueeze(0).expand(b, s)
         x = self._embed(tokens, position_ids) if self.pre_process else hidden_states
         rope = None
         if self.cfg.position_embedding_type == "rope":

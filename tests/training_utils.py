@@ -46,3 +46,33 @@ def torchrun(nproc, args, metrics_path, timeout=300, check=True):
 def read_metrics(path):
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def train_and_gather(rank, world, argv, trace=False):
+    """Like train_in_process, but also returns this rank's final full (TP-gathered) parameters by
+    global name, and the pipeline actions it executed when `trace`."""
+    os.environ["WORLD_SIZE"] = str(world)
+    from pretrain_gpt import resolve
+    from megatron_lite.parallel.tensor_parallel import gather_full_param
+    from megatron_lite.training.loop import Trainer
+    cfg, tokenizer = resolve(argv)
+    trainer = Trainer(cfg, tokenizer, torch.device("cpu"))
+    executor = getattr(trainer.forward_backward, "executor", None)
+    if trace and executor is not None:
+        executor.trace = []
+    history = trainer.train()
+    params = {}
+    for chunk in trainer.chunks:
+        for name, p in chunk.named_parameters():
+            if getattr(p, "shared_embedding", False) and not chunk.pre_process:
+                continue  # the last stage's copy of the tied embedding
+            params[name] = gather_full_param(p.data, p, trainer.dims).float()
+    return history, params, (executor.trace if trace and executor is not None else None), trainer.dims.pp_rank
+
+
+def merged_params(results):
+    out = {}
+    for _, params, _, _ in results:
+        for k, v in params.items():
+            out.setdefault(k, v)
+    return out

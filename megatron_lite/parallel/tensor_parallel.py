@@ -109,10 +109,18 @@ class WeightGradStore:
         self.deferring = False
         self.queue: list = []
 
-    def flush(self) -> None:
+    def take(self) -> list:
+        """The weight-gradient work queued so far (for one B pass), emptying the queue."""
         queue, self.queue = self.queue, []
+        return queue
+
+    @staticmethod
+    def run(queue: list) -> None:
         for x, g, weight, bias in queue:
             _weight_grads(x, g, weight, bias)
+
+    def flush(self) -> None:
+        self.run(self.take())
 
 
 WEIGHT_GRAD_STORE = WeightGradStore()

@@ -1,0 +1,158 @@
+"""Runs a pipeline schedule (a list of actions per rank, from schedules.py) on real model chunks.
+
+One executor serves every schedule. Each rank walks its list in order; consecutive comm
+actions form one batch posted with batch_isend_irecv and waited for lazily (just before the
+first compute that needs what it received, before the next batch is posted, and at the end),
+which schedules.py proves deadlock-free. The zero-bubble B/W split defers linear layers'
+weight-gradient GEMMs (tensor_parallel.WEIGHT_GRAD_STORE) from B to the later W.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..state import ParallelDims
+from ..tensor_parallel import WEIGHT_GRAD_STORE
+from .p2p import P2PBatch
+from .schedules import Action, build_schedule, comm_peer, default_schedule, group_steps
+
+Key = Tuple[int, int]  # (microbatch, local chunk)
+
+
+class PipelineExecutor:
+    def __init__(self, chunks: List[nn.Module], dims: ParallelDims, schedule: str, act_shape: Tuple[int, ...],
+                 dtype: torch.dtype, device):
+        self.chunks, self.dims, self.schedule = chunks, dims, schedule
+        self.act_shape, self.dtype, self.device = act_shape, dtype, device
+        self.trace: Optional[List[Action]] = None  # set to [] to record the executed actions
+        self._lists: Dict[Tuple[int, bool], List[Action]] = {}
+
+    def actions(self, num_microbatches: int, forward_only: bool) -> List[Action]:
+        key = (num_microbatches, forward_only)
+        if key not in self._lists:
+            acts = build_schedule(self.schedule, self.dims.pp, num_microbatches, self.dims.vpp)[self.dims.pp_rank]
+            if forward_only:  # evaluation: the same order without any backward work
+                acts = [a for a in acts if a.kind in ("F", "SEND_F", "RECV_F")]
+            self._lists[key] = acts
+        return self._lists[key]
+
+    def run(self, batches: List[dict], loss_denominator: torch.Tensor, loss_scale: float,
+            forward_only: bool = False) -> torch.Tensor:
+        self.batches, self.denominator, self.scale = batches, loss_denominator, loss_scale
+        self.forward_only = forward_only
+        self.inputs: Dict[Key, torch.Tensor] = {}
+        self.outputs: Dict[Key, torch.Tensor] = {}
+        self.out_grads: Dict[Key, torch.Tensor] = {}
+        self.in_grads: Dict[Key, torch.Tensor] = {}
+        self.deferred: Dict[Key, list] = {}
+        self.total = torch.zeros((), dtype=torch.float32, device=self.device)
+        pending: Optional[P2PBatch] = None
+        pending_keys: set = set()
+        for step in group_steps(self.actions(len(batches), forward_only)):
+            if isinstance(step, tuple):  # one batch of communication
+                if pending is not None:
+                    pending.wait()
+                pending, pending_keys = self._post(step), {(a.kind, a.microbatch, a.chunk) for a in step}
+                continue
+            if pending is not None and self._uses(step, pending_keys):
+                pending.wait()
+                pending, pending_keys = None, set()
+            self._compute(step)
+        if pending is not None:
+            pending.wait()
+        assert not self.deferred, "weight-gradient passes left undone"
+        return self.total
+
+    # --- communication -------------------------------------------------------------------------
+    def _post(self, batch: Tuple[Action, ...]) -> P2PBatch:
+        ops = []
+        for a in batch:
+            key, peer = (a.microbatch, a.chunk), self.dims.pp_ranks()[comm_peer(a, self.dims.pp_rank, self.dims.pp)]
+            if a.kind == "SEND_F":
+                ops.append(("send", self.outputs[key].detach().contiguous(), peer))
+                if self.forward_only:
+                    del self.outputs[key]
+            elif a.kind == "SEND_B":
+                ops.append(("send", self.in_grads.pop(key).contiguous(), peer))
+            else:
+                buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
+                (self.inputs if a.kind == "RECV_F" else self.out_grads)[key] = buf
+                ops.append(("recv", buf, peer))
+            if self.trace is not None:
+                self.trace.append(a)
+        return P2PBatch(ops)
+
+    @staticmethod
+    def _uses(a: Action, received: set) -> bool:
+        if a.kind == "F":
+            return ("RECV_F", a.microbatch, a.chunk) in received
+        if a.kind in ("B", "BW"):
+            return ("RECV_B", a.microbatch, a.chunk) in received
+        return False
+
+    # --- computation ---------------------------------------------------------------------------
+    def _compute(self, a: Action) -> None:
+        if self.trace is not None:
+            self.trace.append(a)
+        key = (a.microbatch, a.chunk)
+        if a.kind == "F":
+            self._forward(key)
+        elif a.kind == "W":
+            WEIGHT_GRAD_STORE.run(self.deferred.pop(key))
+        else:
+            self._backward(key, defer_weight_grads=a.kind == "B")
+
+    def _forward(self, key: Key) -> None:
+        mb, c = key
+        chunk, batch = self.chunks[c], self.batches[mb]
+        with torch.set_grad_enabled(not self.forward_only):
+            if chunk.pre_process:
+                out = chunk(batch["tokens"], batch.get("position_ids"), batch["labels"] if chunk.post_process else None,
+                            batch.get("attention_mask"))
+            else:
+                x = self.inputs[key]
+                if not self.forward_only:
+                    x.requires_grad_(True)
+                out = chunk(None, batch.get("position_ids"), batch["labels"] if chunk.post_process else None,
+                            batch.get("attention_mask"), hidden_states=x)
+            if chunk.post_process:
+                loss_sum = (out * batch["loss_mask"]).sum()
+                self.total += loss_sum.detach().float()
+                out = loss_sum * (self.scale / self.denominator)
+        self.outputs[key] = out
+        if self.forward_only:
+            self.inputs.pop(key, None)
+            if chunk.post_process:
+                del self.outputs[key]
+
+    def _backward(self, key: Key, defer_weight_grads: bool) -> None:
+        out = self.outputs.pop(key)
+        grad = self.out_grads.pop(key, None)
+        WEIGHT_GRAD_STORE.deferring = defer_weight_grads
+        try:
+            torch.autograd.backward(out, grad_tensors=grad)
+        finally:
+            WEIGHT_GRAD_STORE.deferring = False
+        if defer_weight_grads:
+            self.deferred[key] = WEIGHT_GRAD_STORE.take()
+        x = self.inputs.pop(key, None)
+        if x is not None:
+            self.in_grads[key] = x.grad
+
+
+def make_pipelined_forward_backward(cfg, dims: ParallelDims, chunks: List[nn.Module]):
+    """A forward_backward(chunks, batches, denominator, loss_scale, forward_only) for train_step."""
+    p, t = cfg.parallel, cfg.training
+    seq = t.seq_length // (dims.tp if p.sequence_parallel and dims.tp > 1 else 1)
+    device = next(chunks[0].parameters()).device
+    dtype = next(chunks[0].parameters()).dtype
+    executor = PipelineExecutor(chunks, dims, p.pipeline_schedule or default_schedule(dims.vpp),
+                                (seq, t.micro_batch_size, cfg.model.hidden_size), dtype, device)
+
+    def forward_backward(chunks_, batches, loss_denominator, loss_scale, forward_only=False):
+        return executor.run(batches, loss_denominator, loss_scale, forward_only)
+
+    forward_backward.executor = executor
+    return forward_backward

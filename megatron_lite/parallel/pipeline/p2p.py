@@ -1,0 +1,26 @@
+"""Point-to-point transfers between pipeline stages: one batch_isend_irecv per batch of actions."""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+
+
+class P2PBatch:
+    """Posted sends/receives of one batch. `wait()` completes them (keeps sent tensors alive)."""
+
+    def __init__(self, ops: List[Tuple[str, torch.Tensor, int]]):
+        self.tensors = [t for _, t, _ in ops]
+        p2p_ops = []
+        for kind, tensor, peer in ops:
+            comm.record_p2p(tensor)
+            p2p_ops.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer))
+        self.works = dist.batch_isend_irecv(p2p_ops) if p2p_ops else []
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+        self.works, self.tensors = [], []
