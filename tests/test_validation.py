@@ -30,6 +30,20 @@ CASES = [
     (2, ["--ffn-hidden-size", "99", "--tensor-model-parallel-size", "2"], ["ffn_hidden_size (99)"]),
     (1, ["--num-experts", "8"], ["--num-experts (8)"]),
     (1, ["--context-parallel-size", "2"], ["context_parallel_size (2)"]),
+    # pipeline parallelism
+    (2, ["--pipeline-model-parallel-size", "2", "--num-layers", "3"],
+     ["num_layers (3)", "pipeline_model_parallel_size (2)"]),
+    (2, ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--virtual-pipeline-model-parallel-size", "4",
+         "--global-batch-size", "4"], ["num_layers (4)", "= 8"]),
+    (4, ["--pipeline-model-parallel-size", "4", "--num-layers", "8", "--pipeline-schedule", "zb-h1",
+         "--micro-batch-size", "1", "--global-batch-size", "2"], ["micro-batches (2)", "pipeline stages (4)"]),
+    (4, ["--pipeline-model-parallel-size", "4", "--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "1",
+         "--micro-batch-size", "1", "--global-batch-size", "6"], ["micro-batches (6)", "multiple"]),
+    (2, ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "3"],
+     ["--num-layers-per-virtual-pipeline-stage (3)"]),
+    (4, ["--pipeline-model-parallel-size", "4", "--num-layers", "8", "--decoder-first-pipeline-num-layers", "3",
+         "--global-batch-size", "4", "--micro-batch-size", "1"], ["num_layers (8)", "first (3)"]),
+    (1, ["--virtual-pipeline-model-parallel-size", "2"], ["virtual pipeline stages (2)"]),
 ]
 
 
