@@ -17,6 +17,9 @@ def stage_layer_ranges(num_layers: int, pp: int, vpp: int = 1, first: Optional[i
                               "pipeline stages; use one or the other")
         if pp == 1:
             raise ConfigError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
+        for what, n in (("first", first), ("last", last)):
+            if n is not None and n < 0:
+                raise ConfigError(f"--decoder-{what}-pipeline-num-layers ({n}) must be >= 0")
         sizes = [None] * pp
         if first is not None:
             sizes[0] = first
@@ -28,6 +31,9 @@ def stage_layer_ranges(num_layers: int, pp: int, vpp: int = 1, first: Optional[i
             raise ConfigError(
                 f"num_layers ({num_layers}) minus the first ({first}) and last ({last}) stage layers must "
                 f"split evenly over the {middle} remaining pipeline stages; adjust the layer counts")
+        if middle and rest == 0:  # a middle stage without parameters: nothing to build or optimize
+            raise ConfigError(f"num_layers ({num_layers}) minus the first ({first}) and last ({last}) stage layers "
+                              f"leaves no layer for the {middle} middle pipeline stages; lower those counts")
         sizes = [s if s is not None else rest // middle for s in sizes]
     else:
         stages = pp * vpp
