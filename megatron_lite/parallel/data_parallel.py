@@ -1,27 +1,331 @@
-"""Data-parallel gradient synchronisation.
+"""Data parallelism: gradients in contiguous bucketed buffers, reduced over the DP group, with
+the storage of ZeRO stages 0-3.
 
-Every rank's loss is already normalised by the global number of tokens, so summing gradients
-over the data-parallel group gives the gradient of the global-batch loss.
+Every DP rank runs the same model on different micro-batches. Each micro-batch loss is already
+normalised by the GLOBAL token count, so the global-batch gradient is the SUM of the ranks'
+gradients (all-reduce at stage 0, reduce-scatter at stages 1-3).
+
+Buckets. Each model chunk's parameters are packed, in reverse registration order (about the
+order in which backward produces their gradients), into buckets of about `ddp_bucket_size`
+elements; at ZeRO-3 a bucket is one unit instead (a transformer layer, or the rest of the chunk:
+see zero3.py), because a unit's parameters are gathered and freed together. A bucket is padded to
+a multiple of the DP size and DP rank r owns the r-th contiguous 1/N of every bucket (its shard),
+which is what its optimizer updates. Storage, one flat tensor per dtype with buckets as views:
+
+  stage  parameters                          gradients (fp32; bf16 with --grad-reduce-in-bf16)
+  0      full (params are views into it)     full, all-reduced
+  1      full                                full, reduce-scattered in place (shard valid)
+  2      full                                full only from a bucket's first gradient of the
+                                             step to its reduce-scatter into a persistent shard
+  3      shard; a unit's full params exist   as stage 2
+         only around its forward/backward
+
+Readiness. A gradient lands in `param.grad` (autograd's post-accumulate-grad hook, or
+`tensor_parallel.accumulate_grad` for deferred weight gradients, which calls
+`param.grad_ready_hook`); the hook adds it into `param.main_grad` (the param's view of its bucket,
+fp32 by default) and counts it. `start_step(m)` announces m gradients per parameter this step
+(one per micro-batch): when every parameter of a bucket has had its m-th, the bucket is complete
+and, with --overlap-grad-reduce, its reduction starts at once, asynchronously, while backward
+goes on. `finish()` launches whatever is left (no overlap; parameters that got no gradient;
+buckets holding the pipeline-tied embedding, whose cross-stage sum must wait for every stage)
+and waits. Just before its DP reduction a bucket's model-parallel partial sums (sequence-parallel
+norms, replicated K/V, tied embedding) are summed by `finalize_model_grads`: sums commute, and in
+this order they act on full gradients, which ZeRO shards are not.
 """
 from __future__ import annotations
 
-from typing import List
+from contextlib import contextmanager
+from typing import Callable, Dict, List, Optional, Tuple
 
+import torch
 import torch.nn as nn
 
+from ..config import ParallelConfig
 from . import comm
 from .grads import finalize_model_grads
-from .state import ParallelDims
+from .state import ParallelDims, group_rank, group_size
+
+
+def default_bucket_size(dp: int) -> int:
+    """Megatron-LM's default bucket size in elements: 40M, more for large DP groups."""
+    return max(40_000_000, 1_000_000 * dp)
+
+
+class Bucket:
+    """Parameters whose gradients are reduced by one collective, and this rank's shard of them."""
+
+    def __init__(self, index: int, params: List[nn.Parameter], names: List[str], shards: int, shard_rank: int,
+                 grad_dtype: torch.dtype):
+        self.index, self.params, self.names = index, params, names
+        self.shapes = [tuple(p.shape) for p in params]
+        self.offsets: List[Tuple[int, int]] = []
+        n = 0
+        for p in params:
+            self.offsets.append((n, n + p.numel()))
+            n += p.numel()
+        self.numel = -(-n // shards) * shards  # padded: every rank's shard has the same size
+        self.shard_numel = self.numel // shards
+        self.shard_lo = shard_rank * self.shard_numel
+        self.dtype, self.grad_dtype, self.device = params[0].dtype, grad_dtype, params[0].device
+        self.param_data: Optional[torch.Tensor] = None  # full flat params (stages 0-2)
+        self.param_shard: Optional[torch.Tensor] = None  # stage 3: the only persistent copy
+        self.grad_data: Optional[torch.Tensor] = None  # full flat gradient
+        self.grad_shard: Optional[torch.Tensor] = None  # stages 2-3: reduced shard
+        self.handle = None  # in-flight gradient reduction
+        self.param_handle = None  # in-flight all-gather of updated params (stages 1-2)
+        self.launched = False
+        self.missing = len(params)  # params still short of this step's gradients
+        # The pipeline-tied embedding is summed over the first and last stage before its DP
+        # reduction; that cannot happen inside one stage's backward without deadlock.
+        self.deferred = any(getattr(p, "shared_embedding", False) for p in params)
+
+    @property
+    def shard(self) -> slice:
+        return slice(self.shard_lo, self.shard_lo + self.shard_numel)
+
+    def param_shard_view(self) -> torch.Tensor:
+        return self.param_shard if self.param_shard is not None else self.param_data[self.shard]
+
+    def grad_shard_view(self) -> torch.Tensor:
+        return self.grad_shard if self.grad_shard is not None else self.grad_data[self.shard]
+
+    def shard_segments(self) -> List[Tuple[int, int, int]]:
+        """(param index, lo, hi): positions [lo, hi) of this rank's shard that belong to that param."""
+        out = []
+        s0, s1 = self.shard_lo, self.shard_lo + self.shard_numel
+        for i, (a, b) in enumerate(self.offsets):
+            lo, hi = max(a, s0), min(b, s1)
+            if lo < hi:
+                out.append((i, lo - s0, hi - s0))
+        return out
+
+    def flatten_params(self) -> torch.Tensor:
+        flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        for p, (a, b) in zip(self.params, self.offsets):
+            flat[a:b].copy_(p.detach().reshape(-1))
+        return flat
+
+    def bind_params(self, flat: torch.Tensor) -> None:
+        """Make the parameters views of `flat`, the bucket's full flat parameters."""
+        for p, (a, b), shape in zip(self.params, self.offsets, self.shapes):
+            p.data = flat[a:b].view(shape)
+
+    def bind_grads(self) -> None:
+        for p, (a, b), shape in zip(self.params, self.offsets, self.shapes):
+            p.main_grad = self.grad_data[a:b].view(shape)
+
+
+def _flat_views(buckets: List[Bucket], size: Callable[[Bucket], int], dtype: Callable[[Bucket], torch.dtype]):
+    """One zeroed flat tensor per (dtype, device) holding the buckets' pieces back to back."""
+    views: List[Optional[torch.Tensor]] = [None] * len(buckets)
+    by_kind: Dict[tuple, List[int]] = {}
+    for i, b in enumerate(buckets):
+        by_kind.setdefault((dtype(b), b.device), []).append(i)
+    for (dt, device), idx in by_kind.items():
+        flat = torch.zeros(sum(size(buckets[i]) for i in idx), dtype=dt, device=device)
+        n = 0
+        for i in idx:
+            views[i] = flat[n:n + size(buckets[i])]
+            n += size(buckets[i])
+    return views
+
+
+def _split_by_size(params: List[Tuple[str, nn.Parameter]], bucket_size: int) -> List[List[Tuple[str, nn.Parameter]]]:
+    """Consecutive runs of at least bucket_size elements (the last may be smaller); one dtype each."""
+    groups, current, n = [], [], 0
+    for name, p in params:
+        if current and (n >= bucket_size or p.dtype != current[-1][1].dtype):
+            groups.append(current)
+            current, n = [], 0
+        current.append((name, p))
+        n += p.numel()
+    if current:
+        groups.append(current)
+    return groups
 
 
 class GradientSync:
-    def __init__(self, chunks: List[nn.Module], dims: ParallelDims):
-        self.dims = dims
-        self.params = [p for c in chunks for p in c.parameters()]
+    """Owns the parameter and gradient buffers of every model chunk and their DP communication.
+
+    Per step: `start_step(num_microbatches)`, forward/backward of every micro-batch, `finish()`,
+    then the optimizer reads `bucket.grad_shard_view()`, writes `bucket.param_shard_view()` and
+    calls `zero_grad()` and `gather_params()`."""
+
+    def __init__(self, chunks: List[nn.Module], dims: ParallelDims, pcfg: Optional[ParallelConfig] = None,
+                 grad_dtype: Optional[torch.dtype] = None):
+        from .zero3 import ShardedParams, unit_params  # zero3 builds on Bucket: import late
+
+        pcfg = pcfg or ParallelConfig()
+        self.dims, self.stage = dims, pcfg.zero_stage
+        self.group = dims.dp_cp_group
+        self.dp, self.dp_rank = group_size(self.group), group_rank(self.group)
+        self.overlap_grad_reduce = pcfg.overlap_grad_reduce
+        self.overlap_param_gather = pcfg.overlap_param_gather and self.stage in (1, 2)
+        self.grad_dtype = grad_dtype or (torch.bfloat16 if pcfg.grad_reduce_in_bf16 else torch.float32)
+        shards = self.dp if self.stage >= 1 else 1
+        bucket_size = pcfg.ddp_bucket_size or default_bucket_size(self.dp)
+        self.buckets: List[Bucket] = []
+        units = []  # ZeRO-3: per chunk, its units (module, params) in forward order
+        for chunk in chunks:
+            names = {p: n for n, p in chunk.named_parameters()}
+            if self.stage == 3:
+                units.append(unit_params(chunk))
+                groups = [ps[::-1] for _, ps in units[-1][::-1] if ps]  # backward order
+            else:
+                params = [(names[p], p) for p in chunk.parameters() if p.requires_grad][::-1]
+                groups = [[p for _, p in g] for g in _split_by_size(params, bucket_size)]
+            for g in groups:
+                self.buckets.append(Bucket(len(self.buckets), g, [names[p] for p in g], shards,
+                                           self.dp_rank if shards > 1 else 0, self.grad_dtype))
+        self.params = [p for b in self.buckets for p in b.params]
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self.arrivals = {p: 0 for p in self.params}
+        self.expected: Optional[int] = None
+        self._allocate()
+        self.zero3 = ShardedParams(self, units) if self.stage == 3 else None
+        self._register_hooks(chunks)
+
+    # --- storage -----------------------------------------------------------------------------
+    def _allocate(self) -> None:
+        bs = self.buckets
+        if self.stage == 3:
+            for b, shard in zip(bs, _flat_views(bs, lambda b: b.shard_numel, lambda b: b.dtype)):
+                b.param_shard = shard
+                shard.copy_(b.flatten_params()[b.shard])  # zero3.ShardedParams frees the full params
+        else:
+            for b, flat in zip(bs, _flat_views(bs, lambda b: b.numel, lambda b: b.dtype)):
+                flat.copy_(b.flatten_params())
+                b.param_data = flat
+                b.bind_params(flat)
+        if self.stage <= 1:
+            for b, flat in zip(bs, _flat_views(bs, lambda b: b.numel, lambda b: b.grad_dtype)):
+                b.grad_data = flat
+                b.bind_grads()
+        else:
+            for b, shard in zip(bs, _flat_views(bs, lambda b: b.shard_numel, lambda b: b.grad_dtype)):
+                b.grad_shard = shard
+
+    def _alloc_grad(self, b: Bucket) -> None:
+        """Stages 2-3: the bucket's full gradient, from its first gradient of the step."""
+        b.grad_data = torch.zeros(b.numel, dtype=b.grad_dtype, device=b.device)
+        b.bind_grads()
+
+    def _free_grad(self, b: Bucket) -> None:
+        b.grad_data = None
+        for p in b.params:
+            p.main_grad = None
+
+    def memory_bytes(self) -> Dict[str, int]:
+        """Bytes of parameters and gradients this rank keeps across steps."""
+        def nbytes(ts):
+            return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        params = [b.param_shard if self.stage == 3 else b.param_data for b in self.buckets]
+        grads = [b.grad_shard if self.stage >= 2 else b.grad_data for b in self.buckets]
+        return {"param_bytes": nbytes(params), "grad_bytes": nbytes(grads)}
+
+    # --- gradient readiness and reduction ----------------------------------------------------
+    def _register_hooks(self, chunks: List[nn.Module]) -> None:
+        for p in self.params:
+            p.grad_ready_hook = self._on_grad_ready
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        if self.overlap_param_gather:
+            for chunk in chunks:
+                for m in chunk.modules():
+                    owned = {self.bucket_of[p] for p in m.parameters(recurse=False) if p in self.bucket_of}
+                    if owned:
+                        m.register_forward_pre_hook(lambda mod, args, bs=tuple(owned): self._wait_params(bs))
+
+    def start_step(self, num_microbatches: int) -> None:
+        """Each parameter will receive `num_microbatches` gradients before finish()."""
+        self.expected = num_microbatches
+
+    @torch.no_grad()  # also when called from accumulate_grad outside autograd
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if p.grad is None:
+            return
+        b = self.bucket_of[p]
+        if b.grad_data is None:
+            self._alloc_grad(b)
+        p.main_grad.add_(p.grad)
+        p.grad = None
+        if self.zero3 is not None:
+            self.zero3.grad_arrived(b)
+        self.arrivals[p] += 1
+        n = self.arrivals[p]
+        if self.expected is None or n < self.expected:
+            return
+        if n > self.expected:  # its bucket may already be reduced: refuse to return wrong gradients
+            name = next(nm for q, nm in zip(b.params, b.names) if q is p)
+            raise RuntimeError(f"parameter {name} received {n} gradients in a step of {self.expected} "
+                               f"micro-batches (used twice per micro-batch?); the data-parallel reduction "
+                               f"expects one per micro-batch")
+        b.missing -= 1
+        if b.missing == 0 and self.overlap_grad_reduce and not b.deferred:
+            self._launch(b)
+
+    def _launch(self, b: Bucket) -> None:
+        if b.grad_data is None:  # no gradient at all this step: reduce zeros, like every rank
+            self._alloc_grad(b)
+        finalize_model_grads(b.params, self.dims)
+        if self.stage == 0:
+            b.handle = comm.all_reduce(b.grad_data, self.group, async_op=True)
+        else:
+            out = b.grad_shard if b.grad_shard is not None else b.grad_data[b.shard]
+            b.handle = comm.reduce_scatter(out, b.grad_data, self.group, async_op=True)
+        b.launched = True
 
     def finish(self) -> None:
-        """Called once per step after the last micro-batch's backward."""
+        """After the last micro-batch's backward: every bucket reduced; stages 2-3 keep only shards."""
+        for b in self.buckets:
+            if not b.launched:
+                self._launch(b)
+        for b in self.buckets:
+            if b.handle is not None:
+                b.handle.wait()
+            b.handle, b.launched, b.missing = None, False, len(b.params)
+            if self.stage >= 2:
+                self._free_grad(b)
+        self.expected = None
+        for p in self.arrivals:
+            self.arrivals[p] = 0
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            if b.grad_data is not None:
+                b.grad_data.zero_()
         for p in self.params:
-            if p.grad is not None:
-                comm.all_reduce(p.grad, self.dims.dp_cp_group)
-        finalize_model_grads(self.params, self.dims)
+            p.grad = None
+
+    # --- parameters after the update ---------------------------------------------------------
+    def gather_params(self) -> None:
+        """Stages 1-2: all-gather every rank's updated shard into the full params (asynchronously
+        with --overlap-param-gather: each module's forward pre-hook waits for its buckets)."""
+        if self.stage not in (1, 2):
+            return
+        for b in self.buckets:
+            b.param_handle = comm.all_gather(b.param_data, b.param_data[b.shard], self.group, async_op=True)
+        if not self.overlap_param_gather:
+            self.wait_param_gather()
+
+    def _wait_params(self, buckets) -> None:
+        for b in buckets:
+            if b.param_handle is not None:
+                b.param_handle.wait()
+                b.param_handle = None
+
+    def wait_param_gather(self) -> None:
+        self._wait_params(self.buckets)
+
+    @contextmanager
+    def gathered_params(self):
+        """Full, current parameters inside the block (collective over DP at ZeRO-3), e.g. to read
+        or save them; at ZeRO-3 they are sharded again on exit."""
+        self.wait_param_gather()
+        if self.zero3 is None:
+            yield
+            return
+        self.zero3.gather_all()
+        try:
+            yield
+        finally:
+            self.zero3.release_all()

@@ -43,8 +43,7 @@ class Trainer:
     def __init__(self, cfg: Config, tokenizer, device: torch.device):
         from models.gpt import build_model  # models/ sits above megatron_lite: import late
         from ..data import build_pretraining_data_loader, build_train_valid_test_datasets
-        from ..optim.optimizer import MixedPrecisionOptimizer
-        from ..parallel.data_parallel import GradientSync
+        from ..optim.optimizer import build_optimizer
 
         self.cfg, self.device = cfg, device
         m, p, t = cfg.model, cfg.parallel, cfg.training
@@ -58,8 +57,7 @@ class Trainer:
                                   tracker=self.tracker, device=device,
                                   first_stage_layers=p.decoder_first_pipeline_num_layers,
                                   last_stage_layers=p.decoder_last_pipeline_num_layers)
-        self.optimizer = MixedPrecisionOptimizer(self.chunks, dims, t, p)
-        self.grad_sync = GradientSync(self.chunks, dims)
+        self.optimizer, self.grad_sync = build_optimizer(self.chunks, dims, t, p)
         warmup = t.lr_warmup_iters
         if t.lr_warmup_fraction is not None:
             warmup = int(t.lr_warmup_fraction * (t.lr_decay_iters or t.train_iters))
@@ -134,6 +132,7 @@ class Trainer:
                     self.logger.info(f"> validation at iteration {self.iteration} | lm loss: {rec['val_lm_loss']:.6E}")
             history.append(rec)
             self.logger.log(rec, console=self.iteration % t.log_interval == 0 or self.iteration == 1)
+        self.grad_sync.wait_param_gather()  # --overlap-param-gather: the last step's params
         self.logger.close()
         return history
 

@@ -63,6 +63,7 @@ def train_step(chunks: List[nn.Module], batches: List[Batch], dims: ParallelDims
     for c in chunks:
         c.train()
     denominator = global_token_count(batches, dims, batches[0]["tokens"].device)
+    grad_sync.start_step(len(batches))  # DP reductions start once every micro-batch's grads are in
     local = forward_backward(chunks, batches, denominator, optimizer.loss_scale)
     grad_sync.finish()
     out = optimizer.step(lr)

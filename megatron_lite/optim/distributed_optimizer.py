@@ -1,0 +1,170 @@
+"""Mixed-precision AdamW over this rank's shard of the gradient buckets: ZeRO stages 0-3.
+
+At stage 0 a rank's shard of a bucket is the whole bucket; at stages 1-3 it is its 1/N slice
+(see parallel/data_parallel.py), so one code path serves every stage. For its shard only, the
+optimizer keeps the fp32 main params (the param shard itself when params are fp32) and Adam's m
+and v, reads the reduced gradient, and writes the updated values back into the param shard;
+GradientSync then all-gathers the params at stages 1-2 (at stage 3 the shard is all there is).
+
+A step: unscale (fp16) -> skip everywhere if any rank found inf/NaN (the scale backs off) ->
+global grad norm (model-parallel ranks count each distinct element once, see
+`grads.counts_in_norm`; sharded stages also sum over DP, each shard counted once) -> clip ->
+AdamW -> copy back -> param all-gather.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..config import TrainingConfig
+from ..parallel import comm
+from ..parallel.data_parallel import Bucket, GradientSync
+from ..parallel.grads import counts_in_norm
+from ..parallel.state import ParallelDims
+from .adam import adamw_
+from .loss_scaler import ConstantLossScaler, DynamicLossScaler
+
+
+def no_weight_decay(name: str, ndim: int) -> bool:
+    """Biases and norm weights (every 1-D parameter) are not decayed."""
+    return ndim == 1 or name.endswith(".bias")
+
+
+def _merge(ranges: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    out: List[Tuple[int, int]] = []
+    for lo, hi in ranges:
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out
+
+
+class _ShardState:
+    """Optimizer state of one bucket's shard: fp32 main params, Adam m and v, and which ranges
+    of the shard are weight-decayed and counted in the grad norm."""
+
+    def __init__(self, bucket: Bucket, dims: ParallelDims):
+        self.bucket = bucket
+        shard = bucket.param_shard_view()
+        self.main = shard if shard.dtype == torch.float32 else shard.detach().float()
+        self.exp_avg = torch.zeros_like(self.main)
+        self.exp_avg_sq = torch.zeros_like(self.main)
+        segments = bucket.shard_segments()
+        self.decay = _merge([(lo, hi) for i, lo, hi in segments
+                             if not no_weight_decay(bucket.names[i], len(bucket.shapes[i]))])
+        self.norm = _merge([(lo, hi) for i, lo, hi in segments if counts_in_norm(bucket.params[i], dims)])
+
+    @property
+    def owns_main(self) -> bool:
+        """True when the main params are a separate fp32 copy (low-precision params)."""
+        return self.main.data_ptr() != self.bucket.param_shard_view().data_ptr()
+
+    def tensors(self) -> Dict[str, torch.Tensor]:
+        return {"main": self.main, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+
+class DistributedOptimizer:
+    def __init__(self, grad_sync: GradientSync, tcfg: TrainingConfig):
+        self.sync, self.tcfg, self.dims = grad_sync, tcfg, grad_sync.dims
+        self.sharded = grad_sync.stage >= 1 and grad_sync.dp > 1
+        self.shards = [_ShardState(b, self.dims) for b in grad_sync.buckets]
+        if tcfg.fp16:
+            self.scaler = DynamicLossScaler(tcfg.initial_loss_scale, tcfg.min_loss_scale, tcfg.loss_scale_window,
+                                            tcfg.hysteresis)
+        else:
+            self.scaler = ConstantLossScaler(1.0)
+        self.num_updates = 0
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """Over every rank holding a distinct part of the gradients: DP when sharded, then TP x PP."""
+        if self.sharded:
+            comm.all_reduce(t, self.sync.group, op=op)
+        comm.all_reduce(t, self.dims.mp_group, op=op)
+        return t
+
+    def _found_inf(self, grads: List[torch.Tensor]) -> bool:
+        flag = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else None)
+        for g in grads:
+            if not torch.isfinite(g).all():
+                flag.fill_(1.0)
+                break
+        return bool(self._all_reduce(flag, dist.ReduceOp.MAX).item())
+
+    def _grad_norm(self, grads: List[torch.Tensor]) -> float:
+        sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
+        for s, g in zip(self.shards, grads):
+            for lo, hi in s.norm:
+                seg = g[lo:hi]
+                sq += torch.dot(seg, seg)
+        return math.sqrt(self._all_reduce(sq).item())
+
+    @torch.no_grad()
+    def step(self, lr: float) -> Dict[str, float]:
+        """One update from the reduced gradients (call after GradientSync.finish())."""
+        self.sync.wait_param_gather()
+        scale = self.scaler.scale
+        grads = [s.bucket.grad_shard_view() for s in self.shards]
+        grads = [g if g.dtype == torch.float32 else g.float() for g in grads]
+        if scale != 1.0:
+            for g in grads:
+                g.mul_(1.0 / scale)
+        if self.tcfg.fp16 and self._found_inf(grads):
+            self.scaler.update(True)
+            self.sync.zero_grad()
+            return {"update_successful": False, "grad_norm": float("nan"), "loss_scale": scale}
+        self.scaler.update(False)
+        norm = self._grad_norm(grads)
+        clip = self.tcfg.clip_grad
+        if clip > 0 and norm > clip:
+            coeff = clip / (norm + 1e-6)
+            for g in grads:
+                g.mul_(coeff)
+        self.num_updates += 1
+        t = self.tcfg
+        for s, g in zip(self.shards, grads):
+            adamw_(s.main, g, s.exp_avg, s.exp_avg_sq, step=self.num_updates, lr=lr, beta1=t.adam_beta1,
+                   beta2=t.adam_beta2, eps=t.adam_eps, weight_decay=t.weight_decay, decay_ranges=s.decay)
+            if s.owns_main:
+                s.bucket.param_shard_view().copy_(s.main)
+        self.sync.zero_grad()
+        self.sync.gather_params()
+        return {"update_successful": True, "grad_norm": norm, "loss_scale": scale}
+
+    def zero_grad(self) -> None:
+        self.sync.zero_grad()
+
+    def memory_bytes(self) -> Dict[str, int]:
+        """Bytes this rank holds across steps: params, grads, optimizer state (main params, m, v)."""
+        out = self.sync.memory_bytes()
+        state = 0
+        for s in self.shards:
+            for name, t in s.tensors().items():
+                if name != "main" or s.owns_main:
+                    state += t.numel() * t.element_size()
+        out["optimizer_state_bytes"] = state
+        return out
+
+    def state_dict(self) -> dict:
+        """This rank's shard state (its layout depends on the DP size and the buckets)."""
+        return {"num_updates": self.num_updates, "scaler": self.scaler.state_dict(),
+                "shards": [{k: v.clone() for k, v in s.tensors().items()} for s in self.shards]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        self.num_updates = state["num_updates"]
+        self.scaler.load_state_dict(state["scaler"])
+        for s, saved in zip(self.shards, state["shards"]):
+            for k, t in s.tensors().items():
+                t.copy_(saved[k])
+            if s.owns_main:
+                s.bucket.param_shard_view().copy_(s.main)
+        self.sync.gather_params()
+        self.sync.wait_param_gather()

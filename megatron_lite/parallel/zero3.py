@@ -1,0 +1,165 @@
+"""ZeRO-3 parameter sharding: each DP rank stores only its 1/N shard of every parameter; a unit's
+full parameters are all-gathered just before they are needed and freed right after.
+
+Units are the transformer layers of a model chunk (`chunk.layers`) and the root: the chunk's
+other parameters (embeddings, final norm, output layer). The root is used at both ends of the
+model (embedding first, logits last, and the same tied weight for both), so it stays gathered
+through the whole forward and again through the whole backward. Each unit is gathered exactly
+twice per micro-batch, which is what ZeRO-3's communication theory counts.
+
+Gather and free points, per micro-batch (`prefetch` = asynchronous all-gather of the unit that
+comes next, overlapping the current unit's compute):
+
+  forward   chunk pre-forward        gather root, prefetch layer 0
+            layer i pre-forward      wait for layer i, prefetch layer i+1
+            layer i post-forward     free layer i
+            chunk post-forward       free root
+  backward  grad of chunk output     gather root, prefetch the last layer
+            grad of layer i output   wait for layer i, prefetch layer i-1
+            a unit's every param
+            has its gradient         free it
+            end of backward          free whatever is still gathered (root)
+
+"Grad of X output" is a tensor hook on that output: it fires once X's output gradient is
+complete, i.e. just before X's backward starts. Activation recomputation replays a layer's
+forward inside backward; then the hooks neither prefetch nor free.
+
+Freeing sets `param.data` to an empty tensor; gathering makes `param.data` a view of the freshly
+all-gathered flat bucket. Autograd keeps references to the parameters themselves, so a backward
+sees whatever full storage is bound when it runs.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from . import comm
+
+
+def unit_params(chunk: nn.Module) -> List[Tuple[nn.Module, List[nn.Parameter]]]:
+    """The chunk's units in forward order: (chunk itself, root params), then (layer, its params)."""
+    layers = getattr(chunk, "layers", None) or []
+    layers = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+    in_layers = {p for layer in layers for p in layer.parameters()}
+    root = [p for p in chunk.parameters() if p.requires_grad and p not in in_layers]
+    return [(chunk, root)] + [(layer, [p for p in layer.parameters() if p.requires_grad]) for layer in layers]
+
+
+def _tensors(out) -> List[torch.Tensor]:
+    if torch.is_tensor(out):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _tensors(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _tensors(o)]
+    return []
+
+
+class _Unit:
+    def __init__(self, module: nn.Module, bucket):
+        self.module, self.bucket = module, bucket
+        self.full: Optional[torch.Tensor] = None  # gathered flat params while not freed
+        self.handle = None  # in-flight all-gather
+        self.bound = False  # params are views of `full`
+        self.arrived = 0  # gradients accumulated since gathered for backward
+
+
+class ShardedParams:
+    """Gathers and frees the units of a GradientSync's ZeRO-3 buckets (one bucket per unit)."""
+
+    def __init__(self, sync, chunk_units: List[List[Tuple[nn.Module, List[nn.Parameter]]]]):
+        self.sync, self.group = sync, sync.group
+        self.in_backward = False
+        self.units: List[_Unit] = []
+        self.unit_of = {}
+        for units in chunk_units:
+            chain = [_Unit(m, sync.bucket_of[ps[0]] if ps else None) for m, ps in units]
+            self.units += chain
+            for u in chain:
+                if u.bucket is not None:
+                    self.unit_of[u.bucket] = u
+            self._register(chain)
+        self.release_all()  # the shards were copied by GradientSync: drop the full params
+
+    def _register(self, chain: List[_Unit]) -> None:
+        """chain[0] is the root (the chunk), chain[1:] its layers in forward order."""
+        root, layers = chain[0], chain[1:]
+        for i, u in enumerate(chain):
+            nxt = (layers[0] if layers else None) if u is root else (chain[i + 1] if i + 1 < len(chain) else None)
+            prev = (layers[-1] if layers else None) if u is root else (chain[i - 1] if i > 1 else None)
+            u.module.register_forward_pre_hook(lambda m, args, u=u, nxt=nxt: self._pre_forward(u, nxt))
+            u.module.register_forward_hook(lambda m, args, out, u=u, prev=prev: self._post_forward(u, prev, out))
+
+    # --- gather / free -----------------------------------------------------------------------
+    def _gather(self, u: _Unit) -> None:
+        if u.full is not None or u.bucket is None:
+            return
+        b = u.bucket
+        u.full = torch.empty(b.numel, dtype=b.dtype, device=b.device)
+        u.handle = comm.all_gather(u.full, b.param_shard, self.group, async_op=True)
+
+    def _ensure(self, u: _Unit) -> None:
+        if u.bucket is None:
+            return
+        self._gather(u)
+        if u.handle is not None:
+            u.handle.wait()
+            u.handle = None
+        if not u.bound:
+            u.bucket.bind_params(u.full)
+            u.bound = True
+
+    def _release(self, u: _Unit) -> None:
+        if u.bucket is None:
+            return
+        if u.handle is not None:  # never drop a buffer a collective is still writing
+            u.handle.wait()
+            u.handle = None
+        for p in u.bucket.params:
+            p.data = torch.empty(0, dtype=u.bucket.dtype, device=u.bucket.device)
+        u.full, u.bound, u.arrived = None, False, 0
+
+    def gather_all(self) -> None:
+        for u in self.units:
+            self._ensure(u)
+
+    def release_all(self) -> None:
+        for u in self.units:
+            self._release(u)
+
+    # --- hooks -------------------------------------------------------------------------------
+    def _pre_forward(self, u: _Unit, nxt: Optional[_Unit]) -> None:
+        self._ensure(u)
+        if nxt is not None and not self.in_backward:
+            self._gather(nxt)
+
+    def _post_forward(self, u: _Unit, prev: Optional[_Unit], out) -> None:
+        if self.in_backward:  # recomputation inside backward: the backward hooks manage the unit
+            return
+        if torch.is_grad_enabled():
+            for t in _tensors(out):
+                if t.requires_grad:
+                    t.register_hook(lambda g, u=u, prev=prev: self._pre_backward(u, prev))
+        self._release(u)
+
+    def _pre_backward(self, u: _Unit, prev: Optional[_Unit]) -> None:
+        if not self.in_backward:
+            self.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self._ensure(u)
+        if prev is not None:
+            self._gather(prev)
+
+    def grad_arrived(self, bucket) -> None:
+        """Called by GradientSync after a param's gradient is accumulated: free the unit once all
+        its params have theirs (no later backward node of this pass reads them)."""
+        u = self.unit_of[bucket]
+        u.arrived += 1
+        if u.arrived == len(bucket.params) and self.in_backward:
+            self._release(u)
+
+    def _end_backward(self) -> None:
+        self.in_backward = False
+        self.release_all()
