@@ -1,0 +1,202 @@
+#!/usr/bin/env python
+"""Pipeline schedules on CPU: step time and bubble of PP=4 with m=8 micro-batches for gpipe, 1f1b,
+interleaved (vpp 2) and zb-h1, against PP=1 of the same model in the same run.
+
+    python benchmarks/bench_pipeline.py              # real compute: GPT-2 style, 8 layers, h 512
+    python benchmarks/bench_pipeline.py --emulate    # sleep-based stage costs on a tiny model
+
+Every configuration trains warm-up + measured steps with the project's Trainer in forked gloo ranks
+(one torch thread each). In those ranks only, the benchmark wraps PipelineExecutor.run and
+._compute to time, per step, each rank's forward-backward window and every compute action
+(F, B, W, BW). PP=1 runs through the same executor (its one-rank list is F, BW per micro-batch,
+the order of the no-pipelining loop) so the same hooks apply.
+
+Measured bubble of a rank = (makespan - busy) / busy, with makespan from the first rank entering
+the step's forward-backward to the last one leaving it (perf_counter is the system-wide monotonic
+clock, so forked ranks' stamps compare) and busy = its compute actions' time: the definition of
+megatron_lite.parallel.pipeline.simulator. The simulator's bubble replays the same action lists
+with the measured mean F, B, W (BW when fused) per chunk and no transfer time; "implied p2p" (--emulate)
+is the transfer time at which that replay matches the measured makespan. Unit-cost theory: (p-1)/m,
+(p-1)/(v m), (p-1)/(3m).
+
+--emulate pads every compute action with time.sleep to a fixed duration (layers in the chunk x
+--unit-ms x its F/B/W weight from --costs; BW = B + W). Ranks then mostly sleep, so four of them
+run concurrently even on two cores, while the real executor, p2p, gradient sync and optimizer
+still run on tiny tensors: the schedule's own bubble, free of CPU oversubscription.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Dict, List, Optional
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+
+import torch  # noqa: E402
+
+from megatron_lite.parallel.pipeline.schedules import build_schedule  # noqa: E402
+from megatron_lite.parallel.pipeline.simulator import simulate  # noqa: E402
+from megatron_lite.testing import run_distributed  # noqa: E402
+
+PP, M, LAYERS = 4, 8, 8
+SCHEDULES = [  # (label, pp, schedule, vpp)
+    ("PP=1", 1, "1f1b", 1),
+    ("gpipe", PP, "gpipe", 1),
+    ("1f1b", PP, "1f1b", 1),
+    ("interleaved (vpp 2)", PP, "interleaved", 2),
+    ("zb-h1", PP, "zb-h1", 1),
+]
+
+
+def model_flags(args) -> List[str]:
+    size = (["--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16"] if args.emulate else
+            ["--hidden-size", str(args.hidden_size), "--num-attention-heads", "8",
+             "--seq-length", str(args.seq_length)])
+    return size + ["--num-layers", str(LAYERS), "--micro-batch-size", "1", "--global-batch-size", str(M),
+                   "--train-iters", str(args.warmup + args.steps), "--eval-iters", "0", "--lr", "1e-4",
+                   "--device", "cpu", "--log-interval", "1000000"]
+
+
+def _instrument(executor_cls, records: list, pad: Optional[Dict[str, float]]) -> None:
+    """Time every forward-backward and compute action; with `pad` (seconds per layer by action
+    kind), sleep each action up to its emulated duration."""
+    run, compute = executor_cls.run, executor_cls._compute
+
+    def timed_run(self, *a, **k):
+        self.bench_record = {"start": time.perf_counter(), "actions": []}
+        records.append(self.bench_record)
+        out = run(self, *a, **k)
+        self.bench_record["end"] = time.perf_counter()
+        return out
+
+    def timed_compute(self, action):
+        t0 = time.perf_counter()
+        compute(self, action)
+        if pad is not None:
+            rest = pad[action.kind] * len(self.chunks[action.chunk].layers) - (time.perf_counter() - t0)
+            if rest > 0:
+                time.sleep(rest)
+        self.bench_record["actions"].append((action.kind, time.perf_counter() - t0))
+
+    executor_cls.run, executor_cls._compute = timed_run, timed_compute
+
+
+def _worker(rank: int, world: int, argv: List[str], pad: Optional[Dict[str, float]]) -> dict:
+    os.environ["WORLD_SIZE"] = str(world)
+    from pretrain_gpt import resolve
+    from megatron_lite.parallel.pipeline.executor import PipelineExecutor, make_pipelined_forward_backward
+    from megatron_lite.training.loop import Trainer
+
+    records: list = []
+    _instrument(PipelineExecutor, records, pad)  # this forked rank only
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+        cfg, tokenizer = resolve(argv)
+        trainer = Trainer(cfg, tokenizer, torch.device("cpu"))
+        if trainer.dims.pp == 1:
+            trainer.forward_backward = make_pipelined_forward_backward(cfg, trainer.dims, trainer.chunks)
+        history = trainer.train()
+    return {"pp_rank": trainer.dims.pp_rank, "records": records, "step_time": [h["step_time_s"] for h in history],
+            "loss": history[-1]["lm_loss"]}
+
+
+def implied_latency(lists, costs, makespan: float) -> float:
+    """The per-transfer p2p time (simulator comm_cost) at which the replay's makespan equals the
+    measured one: how much of the excess bubble the critical path's transfers would explain."""
+    lo, hi = 0.0, makespan
+    if simulate(lists, costs=costs).makespan >= makespan:
+        return 0.0
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if simulate(lists, costs=costs, comm_cost=mid).makespan < makespan else (lo, mid)
+    return lo
+
+
+def measure(label: str, pp: int, schedule: str, vpp: int, args) -> dict:
+    argv = model_flags(args) + ["--pipeline-model-parallel-size", str(pp)]
+    if pp > 1:
+        argv += ["--pipeline-schedule", schedule]
+        if vpp > 1:
+            argv += ["--virtual-pipeline-model-parallel-size", str(vpp)]
+    pad = None
+    if args.emulate:
+        f, b, w = (float(x) * args.unit_ms / 1e3 for x in args.costs.split(","))
+        pad = {"F": f, "B": b, "W": w, "BW": b + w}
+    ranks = sorted(run_distributed(_worker, pp, argv, pad, timeout=1800), key=lambda r: r["pp_rank"])
+    steps = range(args.warmup, args.warmup + args.steps)
+    bubbles, makespans, busy, kinds = [[] for _ in ranks], [], [[] for _ in ranks], {}
+    for s in steps:
+        recs = [r["records"][s] for r in ranks]
+        makespan = max(x["end"] for x in recs) - min(x["start"] for x in recs)
+        makespans.append(makespan)
+        for i, x in enumerate(recs):
+            b = sum(d for _, d in x["actions"])
+            busy[i].append(b)
+            bubbles[i].append((makespan - b) / b)
+            for kind, d in x["actions"]:
+                kinds.setdefault(kind, []).append(d)
+    step = statistics.median(max(r["step_time"][s] for r in ranks) for s in steps)
+    cost = {k: statistics.mean(v) for k, v in kinds.items()}
+    out = {"label": label, "step_s": step, "fb_s": statistics.median(makespans), "costs": cost,
+           "busy_s": [statistics.median(b) for b in busy], "loss": next(r["loss"] for r in ranks if r["loss"])}
+    if pp > 1:
+        out["bubble"] = [statistics.median(b) for b in bubbles]
+        sim_costs = (cost["F"], cost["B"], cost["W"]) if "W" in cost else (cost["F"], cost["BW"], 0.0)
+        lists = build_schedule(schedule, pp, M, vpp)
+        out["sim"] = statistics.mean(simulate(lists, costs=sim_costs).bubble)
+        # Real compute on shared cores: action times depend on how many ranks run at once, so a
+        # replay with mean costs does not model the makespan and no latency can be inferred.
+        out["latency"] = implied_latency(lists, sim_costs, out["fb_s"]) if args.emulate else None
+        out["theory"] = {"interleaved": (pp - 1) / (vpp * M), "zb-h1": (pp - 1) / (3 * M)}.get(schedule, (pp - 1) / M)
+    return out
+
+
+def report(rows: List[dict], args) -> None:
+    base = rows[0]["step_s"]
+    mode = (f"emulated: sleep {args.costs} x {args.unit_ms} ms per layer (F,B,W)" if args.emulate else
+            f"real compute, h {args.hidden_size}, seq {args.seq_length}")
+    print(f"\nPP={PP}, m={M}, {LAYERS} layers, {mode}; medians of {args.steps} steps after {args.warmup} warm-up; "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}\n")
+    print("| schedule | step ms | fwd-bwd ms | measured bubble (mean; per stage) | simulator bubble | unit-cost theory "
+          "| implied p2p ms | speedup vs PP=1 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "bubble" in r:
+            per = " / ".join(f"{b:.3f}" for b in r["bubble"])
+            latency = "-" if r["latency"] is None else f"{r['latency'] * 1e3:.1f}"
+            cells = f"{statistics.mean(r['bubble']):.3f} ({per}) | {r['sim']:.3f} | {r['theory']:.3f} | {latency}"
+        else:
+            cells = "- | - | - | -"
+        times = f"{r['step_s'] * 1e3:.0f} | {r['fb_s'] * 1e3:.0f}"
+        print(f"| {r['label']} | {times} | {cells} | {base / r['step_s']:.2f}x |")
+    print("\nper-stage busy compute ms per step (rank 0..3) and mean action cost ms per chunk:")
+    for r in rows:
+        busy = " / ".join(f"{b * 1e3:.0f}" for b in r["busy_s"])
+        costs = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(r["costs"].items()))
+        print(f"  {r['label']:<20} busy {busy:<24} {costs}   final loss {r['loss']:.4f}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--emulate", action="store_true", help="sleep-based stage costs on a tiny model")
+    ap.add_argument("--costs", default="1,1,1", help="emulated F,B,W weights per layer (BW = B + W)")
+    ap.add_argument("--unit-ms", type=float, default=20.0, help="emulated ms per layer for weight 1")
+    ap.add_argument("--hidden-size", type=int, default=512)
+    ap.add_argument("--seq-length", type=int, default=128)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--only", default=None, help="comma-separated schedules, e.g. gpipe,zb-h1 (PP=1 always runs)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    wanted = None if args.only is None else set(args.only.split(","))
+    rows = [measure(*s, args) for s in SCHEDULES if wanted is None or s[1] == 1 or s[2] in wanted]
+    report(rows, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
