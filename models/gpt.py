@@ -33,13 +33,17 @@ WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 class GPTModel(nn.Module):
     def __init__(self, cfg: C.ModelConfig, dims: ParallelDims, *, layer_range: Optional[Tuple[int, int]] = None,
                  pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
-                 recompute_granularity: Optional[str] = None, params_dtype=torch.float32,
+                 recompute_granularity: Optional[str] = None, recompute_method: str = "uniform",
+                 recompute_num_layers: int = 1, params_dtype=torch.float32,
                  tracker: Optional[RNGStatesTracker] = None):
         super().__init__()
         self.cfg, self.dims = cfg, dims
         self.pre_process, self.post_process = pre_process, post_process
         self.sequence_parallel = sequence_parallel and dims.tp > 1
         self.recompute_full = recompute_granularity == "full"
+        # Megatron's full recomputation: "uniform" checkpoints groups of recompute_num_layers
+        # consecutive layers; "block" checkpoints only the first recompute_num_layers layers.
+        self.recompute_method, self.recompute_num_layers = recompute_method, max(1, recompute_num_layers)
         self.tracker = tracker or RNGStatesTracker()
         self.padded_vocab = cfg.padded_vocab_size(dims.tp)
         start, end = layer_range or (0, cfg.num_layers)
@@ -102,6 +106,28 @@ class GPTModel(nn.Module):
                 x = F.dropout(x, p, True)
         return x
 
+    def _run_layers(self, x: torch.Tensor, rope, attention_mask) -> torch.Tensor:
+        layers = list(self.layers.values())
+        if not (self.recompute_full and self.training):
+            for layer in layers:
+                x = layer(x, rope, attention_mask)
+            return x
+        n = self.recompute_num_layers
+
+        def run(group):
+            def fn(y):
+                for layer in group:
+                    y = layer(y, rope, attention_mask)
+                return y
+            return fn
+
+        if self.recompute_method == "block":
+            x = recompute(run(layers[:n]), self.tracker, x) if layers[:n] else x
+            return run(layers[n:])(x)
+        for i in range(0, len(layers), n):
+            x = recompute(run(layers[i:i + n]), self.tracker, x)
+        return x
+
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         h = enter_tp_region(h, self.dims, self.sequence_parallel)
         return linear(h, self.output_weight())  # [s, b, padded_vocab / tp]
@@ -125,11 +151,7 @@ class GPTModel(nn.Module):
         rope = None
         if self.cfg.position_embedding_type == "rope":
             rope = rope_cos_sin(position_ids, self.cfg.kv_channels, self.cfg.rotary_base, x.dtype)
-        for layer in self.layers.values():
-            if self.recompute_full and self.training:
-                x = recompute(lambda y, l=layer: l(y, rope, attention_mask), self.tracker, x)
-            else:
-                x = layer(x, rope, attention_mask)
+        x = self._run_layers(x, rope, attention_mask)
         if not self.post_process:
             return x
         logits = self._logits(self.final_norm(x))
@@ -167,7 +189,8 @@ def init_weights(model: GPTModel, seed: int) -> None:
 
 
 def build_model(cfg: C.ModelConfig, dims: ParallelDims, *, seed: int = 1234, sequence_parallel: bool = False,
-                recompute_granularity: Optional[str] = None, params_dtype=torch.float32,
+                recompute_granularity: Optional[str] = None, recompute_method: str = "uniform",
+                recompute_num_layers: int = 1, params_dtype=torch.float32,
                 tracker: Optional[RNGStatesTracker] = None, device=None,
                 first_stage_layers: Optional[int] = None, last_stage_layers: Optional[int] = None) -> List[GPTModel]:
     """This rank's model chunks (one per virtual pipeline stage), initialized layout-independently."""
@@ -177,6 +200,7 @@ def build_model(cfg: C.ModelConfig, dims: ParallelDims, *, seed: int = 1234, seq
         v = c * dims.pp + dims.pp_rank
         m = GPTModel(cfg, dims, layer_range=ranges[v], pre_process=v == 0, post_process=v == len(ranges) - 1,
                      sequence_parallel=sequence_parallel, recompute_granularity=recompute_granularity,
+                     recompute_method=recompute_method, recompute_num_layers=recompute_num_layers,
                      params_dtype=params_dtype, tracker=tracker)
         init_weights(m, seed)
         chunks.append(m.to(device) if device is not None else m)

@@ -18,12 +18,13 @@ LLAMA = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_grou
              attention_dropout=0.0)
 
 
-def _train(rank, world, tp, sp, cfg_kw, steps=5, recompute=None):
+def _train(rank, world, tp, sp, cfg_kw, steps=5, recompute=None, method="uniform", num_layers=1):
     """`steps` SGD steps on fixed batches; returns losses and the gathered full gradients.
     (SGD, not Adam: Adam turns rounding noise in near-zero gradients into O(lr) updates.)"""
     cfg = ModelConfig(**cfg_kw)
     dims = ParallelDims.from_world(tp=tp)
-    model = build_model(cfg, dims, seed=7, sequence_parallel=sp, recompute_granularity=recompute)[0]
+    model = build_model(cfg, dims, seed=7, sequence_parallel=sp, recompute_granularity=recompute,
+                        recompute_method=method, recompute_num_layers=num_layers)[0]
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
     gen = torch.Generator().manual_seed(0)
     losses, grads = [], []
@@ -83,13 +84,14 @@ def _init_weights_single(seed):
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-@pytest.mark.parametrize("granularity", ["full", "selective"])
-def test_recomputation_gives_same_gradients(family, granularity):
+@pytest.mark.parametrize("granularity,method,num_layers", [("full", "uniform", 1), ("full", "uniform", 2),
+                                                            ("full", "block", 1), ("selective", "uniform", 1)])
+def test_recomputation_gives_same_gradients(family, granularity, method, num_layers):
     kw = dict(GPT2 if family == "gpt2" else LLAMA, hidden_dropout=0.1, attention_dropout=0.1)
     out = {}
     for mode in (None, granularity):
         torch.manual_seed(3)  # same dropout masks for both runs
-        losses, grads = _train(0, 1, 1, False, kw, steps=2, recompute=mode)
+        losses, grads = _train(0, 1, 1, False, kw, steps=2, recompute=mode, method=method, num_layers=num_layers)
         out[mode] = (losses, grads)
     assert out[None][0] == out[granularity][0]
     for g, rg in zip(out[granularity][1], out[None][1]):

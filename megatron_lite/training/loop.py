@@ -53,7 +53,8 @@ class Trainer:
         self.tracker = RNGStatesTracker(device)
         model_parallel_seed(self.tracker, t.seed, dims.tp_rank, dims.pp_rank)
         self.chunks = build_model(m, dims, seed=t.seed, sequence_parallel=p.sequence_parallel,
-                                  recompute_granularity=t.recompute_granularity, params_dtype=params_dtype(cfg),
+                                  recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
+                                  recompute_num_layers=t.recompute_num_layers, params_dtype=params_dtype(cfg),
                                   tracker=self.tracker, device=device,
                                   first_stage_layers=p.decoder_first_pipeline_num_layers,
                                   last_stage_layers=p.decoder_last_pipeline_num_layers)
@@ -131,7 +132,7 @@ class Trainer:
                 if self.logs_here:
                     self.logger.info(f"> validation at iteration {self.iteration} | lm loss: {rec['val_lm_loss']:.6E}")
             history.append(rec)
-            self.logger.log(rec, console=self.iteration % t.log_interval == 0 or self.iteration == 1)
+            self.logger.log(rec, console=self.iteration % t.log_interval == 0 or self.iteration in (1, t.train_iters))
         self.grad_sync.wait_param_gather()  # --overlap-param-gather: the last step's params
         self.logger.close()
         return history
