@@ -67,3 +67,16 @@ def test_executor_runs_the_simulated_action_lists(pp, extra, schedule, vpp):
         assert train_part == expected[pp_rank]
         eval_part = trace[len(expected[pp_rank]):]
         assert eval_part == [a for a in expected[pp_rank] if a.kind in ("F", "SEND_F", "RECV_F")]
+
+
+@pytest.mark.parametrize("schedule", [["--pipeline-schedule", "1f1b"], ["--pipeline-schedule", "zb-h1"],
+                                      ["--num-layers-per-virtual-pipeline-stage", "1"]])
+def test_tp2_pp2_dp2_zero1_on_8_ranks_matches_single_process(schedule):
+    ref_losses, ref_params = _reference("llama", [])
+    argv = _argv("llama", schedule + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                      "--zero-stage", "1", "--sequence-parallel"])
+    results = run_distributed(train_and_gather, 8, argv)
+    losses = losses_of([r[0] for r in results])
+    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"iteration {i + 1}: {a} vs {b}"
+    assert_state_close(merged_params(results), ref_params, rtol=1e-5)
