@@ -38,11 +38,12 @@ def make_batches(step, dims, micro_batch, vocab, global_batch=GLOBAL_BATCH):
              "loss_mask": mask[i:i + micro_batch]} for i in range(lo, lo + per_rank, micro_batch)]
 
 
-def setup(tp, stage, dtype=torch.float32, model=MODEL, sp=False, fp16=False, recompute=None, **pkw):
+def setup(tp, stage, dtype=torch.float32, model=MODEL, sp=False, fp16=False, recompute=None, recompute_layers=1,
+          **pkw):
     dims = ParallelDims.from_world(tp=tp)
     cfg = ModelConfig(**model)
     chunks = build_model(cfg, dims, seed=5, sequence_parallel=sp, params_dtype=dtype,
-                         recompute_granularity=recompute)
+                         recompute_granularity=recompute, recompute_num_layers=recompute_layers)
     num_params = sum(p.numel() for p in chunks[0].parameters())  # Psi on this rank, before ZeRO-3 shards it
     tcfg = TrainingConfig(lr=LR, clip_grad=1.0, bf16=dtype == torch.bfloat16, fp16=fp16, initial_loss_scale=1024.0,
                           hysteresis=1)
@@ -130,9 +131,11 @@ def test_zero3_holds_at_most_the_root_and_two_layers():
     assert run_distributed(_live_units, 2)[0] == 3  # root + the running layer + the prefetched one
 
 
-def test_zero3_with_full_recomputation_matches_single_process(reference):
-    result = run_distributed(_train_stages, 2, 1, [3], {"recompute": "full", "overlap_grad_reduce": True})[0][3]
-    assert_matches(result, reference, "zero-3 with recomputation")
+@pytest.mark.parametrize("layers_per_checkpoint", [1, 2])
+def test_zero3_with_full_recomputation_matches_single_process(reference, layers_per_checkpoint):
+    """Recomputation replays layers inside backward: they must be gathered then, and not freed."""
+    pkw = {"recompute": "full", "recompute_layers": layers_per_checkpoint, "overlap_grad_reduce": True}
+    assert_matches(run_distributed(_train_stages, 2, 1, [3], pkw)[0][3], reference, "zero-3 with recomputation")
 
 
 def test_bf16_stages_track_the_fp32_run(reference):

@@ -181,6 +181,7 @@ class GradientSync:
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.arrivals = {p: 0 for p in self.params}
         self.expected: Optional[int] = None
+        self._inflight: List[Bucket] = []  # launched reductions not yet retired
         self._allocate()
         self.zero3 = ShardedParams(self, units) if self.stage == 3 else None
         self._register_hooks(chunks)
@@ -273,18 +274,33 @@ class GradientSync:
             out = b.grad_shard if b.grad_shard is not None else b.grad_data[b.shard]
             b.handle = comm.reduce_scatter(out, b.grad_data, self.group, async_op=True)
         b.launched = True
+        self._inflight.append(b)
+        self._complete(wait=False)
+
+    def _complete(self, wait: bool) -> None:
+        """Retire reductions that are done (all of them when `wait`). Stages 2-3 free a bucket's
+        full gradient right away, so that with --overlap-grad-reduce and several buckets only the
+        buckets still accumulating or in flight exist at once."""
+        pending = []
+        for b in self._inflight:
+            if b.handle is not None and not (wait or b.handle.is_completed()):
+                pending.append(b)
+                continue
+            if b.handle is not None:
+                b.handle.wait()
+                b.handle = None
+            if self.stage >= 2:
+                self._free_grad(b)
+        self._inflight = pending
 
     def finish(self) -> None:
         """After the last micro-batch's backward: every bucket reduced; stages 2-3 keep only shards."""
         for b in self.buckets:
             if not b.launched:
                 self._launch(b)
+        self._complete(wait=True)
         for b in self.buckets:
-            if b.handle is not None:
-                b.handle.wait()
-            b.handle, b.launched, b.missing = None, False, len(b.params)
-            if self.stage >= 2:
-                self._free_grad(b)
+            b.launched, b.missing = False, len(b.params)
         self.expected = None
         for p in self.arrivals:
             self.arrivals[p] = 0
