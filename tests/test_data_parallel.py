@@ -10,7 +10,7 @@ from megatron_lite.optim.optimizer import build_optimizer
 from megatron_lite.parallel.state import ParallelDims
 from megatron_lite.parallel.tensor_parallel import WEIGHT_GRAD_STORE
 from megatron_lite.testing import assert_close, assert_state_close, run_distributed
-from megatron_lite.training.step import forward_backward_no_pipelining, micro_batch_loss_sum, train_step
+from megatron_lite.training.step import micro_batch_loss_sum, train_step
 from models.gpt import build_model
 from test_zero import LR, MODEL, SEQ, make_batches, setup
 from training_utils import losses_of, merged_params, read_metrics, torchrun, train_and_gather, train_in_process
