@@ -126,6 +126,7 @@ class WeightGradStore:
 WEIGHT_GRAD_STORE = WeightGradStore()
 
 
+@torch.no_grad()
 def _weight_grads(x, g, weight, bias):
     g2 = g.reshape(-1, g.shape[-1])
     x2 = x.reshape(-1, x.shape[-1])

@@ -3,6 +3,7 @@ TensorBoard and Weights & Biases. Only the rank that holds the loss writes."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from typing import Dict, Optional
@@ -50,8 +51,9 @@ class MetricsLogger:
     def log(self, rec: Dict, console: bool) -> None:
         if not self.enabled:
             return
-        if self.file:
-            self.file.write(json.dumps(rec) + "\n")
+        if self.file:  # strict JSON: a skipped step's NaN grad norm is written as null
+            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
+            self.file.write(json.dumps(clean, allow_nan=False) + "\n")
             self.file.flush()
         if console:
             print(_console_line(rec, self.tcfg.train_iters), flush=True)
