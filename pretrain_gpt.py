@@ -18,6 +18,7 @@ from megatron_lite.config import Config, ConfigError
 def resolve(argv=None) -> tuple:
     """Parse and validate; returns (config, tokenizer). Raises ConfigError on bad input."""
     from megatron_lite.data import build_tokenizer
+    from megatron_lite.data.builder import check_data_paths
 
     cfg: Config = parse_args(argv)
     d = cfg.data
@@ -25,6 +26,7 @@ def resolve(argv=None) -> tuple:
                                 merge_file=d.merge_file, vocab_size=d.vocab_size)
     cfg.model.vocab_size = tokenizer.vocab_size
     cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
+    check_data_paths(d, tokenizer)
     return cfg, tokenizer
 
 

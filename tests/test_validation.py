@@ -58,6 +58,16 @@ def test_bad_configuration_is_one_clear_line(world, flags, fragments, monkeypatc
         assert frag in err, f"{frag!r} not in {err!r}"
 
 
+def test_missing_data_path_fails_before_training(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    missing = str(tmp_path / "nothing_text_document")
+    assert pretrain_gpt.main(BASE + ["--data-path", "0.5", missing, "0.5", missing]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "nothing_text_document" in err and "\n" not in err, err
+    assert pretrain_gpt.main(BASE + ["--data-path", "0.5", missing, "0.5"]) == 2
+    assert "pairs" in capsys.readouterr().err
+
+
 def test_cli_exit_code_and_no_traceback():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, WORLD_SIZE="2", RANK="0")

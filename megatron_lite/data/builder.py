@@ -115,6 +115,15 @@ def token_range(ds: IndexedDataset, cache_dir: Optional[str]) -> Tuple[int, int]
     return int(lo), int(hi)
 
 
+def check_data_paths(data_config, tokenizer) -> None:
+    """Open every --data-path corpus and check it against the tokenizer (ConfigError if bad), so a
+    wrong path or file fails before any process group exists."""
+    if data_config.mock_data or not data_config.data_path:
+        return
+    for _, prefix in parse_data_path(data_config.data_path):
+        open_dataset(prefix, tokenizer, index_cache_dir(prefix, data_config.data_cache_path))
+
+
 def build_train_valid_test_datasets(data_config, tokenizer, seq_length: int, seed: int,
                                     num_samples: Tuple[int, int, int]):
     """(train, valid, test): each a torch Dataset of at least the requested samples, or None when
