@@ -28,6 +28,7 @@ class PipelineExecutor:
         self.act_shape, self.dtype, self.device = act_shape, dtype, device
         self.trace: Optional[List[Action]] = None  # set to [] to record the executed actions
         self._lists: Dict[Tuple[int, bool], List[Action]] = {}
+        self._warmed_up = False
 
     def actions(self, num_microbatches: int, forward_only: bool) -> List[Action]:
         key = (num_microbatches, forward_only)
@@ -40,6 +41,11 @@ class PipelineExecutor:
 
     def run(self, batches: List[dict], loss_denominator: torch.Tensor, loss_scale: float,
             forward_only: bool = False) -> torch.Tensor:
+        if not self._warmed_up and self.device.type == "cuda":
+            # NCCL sets up a group's communicators lazily; a first batched p2p that does not
+            # involve every rank of the group can hang, so touch the whole group once.
+            torch.distributed.barrier(group=self.dims.pp_group)
+        self._warmed_up = True
         self.batches, self.denominator, self.scale = batches, loss_denominator, loss_scale
         self.forward_only = forward_only
         self.inputs: Dict[Key, torch.Tensor] = {}
