@@ -88,7 +88,7 @@ def test_wrong_magic_version_dtype_and_truncated_index(tmp_path):
 def test_dtype_that_disagrees_with_the_vocab(tmp_path):
     p = corpus(tmp_path, "small")  # uint16
     big = build_tokenizer("NullTokenizer", vocab_size=100_000)
-    expect(tmp_path, [p], p + ".idx", "uint16", "100000", tokenizer=big)
+    expect(tmp_path, [p], p + ".idx", "uint16", "100001", tokenizer=big)
     p = corpus(tmp_path, "big", dtype=np.int32, tokens=range(250, 300))
     expect(tmp_path, [p], p + ".bin", "token id 299", "vocab [0, 257)")
     p = corpus(tmp_path, "float", dtype=np.float32)

@@ -114,7 +114,7 @@ def test_multiple_keys_and_missing_input(tmp_path):
 def test_large_vocab_uses_int32(tmp_path):
     ds = IndexedDataset(preprocess(tmp_path, ["1 70000 5", "69999"], "--tokenizer-type", "NullTokenizer",
                                    "--vocab-size", "70001", "--append-eod"))
-    assert ds.dtype == np.int32 and ds.document(0).tolist() == [1, 70000, 5, 70000]
+    assert ds.dtype == np.int32 and ds.document(0).tolist() == [1, 70000, 5, 70001]
 
 
 def test_cli_with_two_workers(tmp_path):
@@ -134,3 +134,14 @@ def test_cli_with_two_workers(tmp_path):
     assert ds.num_documents == len(good) and ds.num_tokens == sum(len(t) + 1 for t in good)
     for i in (0, 1233, 1234, 11998):
         assert bytes(ds.document(i)[:-1].astype(np.uint8)).decode() == good[i]
+
+
+def test_invalid_unicode_is_skipped_and_counted(tmp_path):
+    """Valid JSON can still hold a lone surrogate ("\\ud800"), which UTF-8 cannot encode."""
+    src = tmp_path / "s.jsonl"
+    src.write_text('{"text": "fine"}\n{"text": "bad \\ud800 text"}\n{"text": "also fine"}\n')
+    stats = preprocess_data.run(preprocess_data.get_args(["--input", str(src), "--output-prefix",
+                                                          str(tmp_path / "s"), "--append-eod"]))
+    assert stats["skipped"] == {"'text' is not valid Unicode": 1}
+    ds = IndexedDataset(str(tmp_path / "s_text_document"))
+    assert len(ds) == 2 and bytes(ds.document(1)[:-1].tolist()).decode() == "also fine"

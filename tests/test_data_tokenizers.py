@@ -38,7 +38,7 @@ def test_byte_tokenizer():
 
 def test_null_tokenizer():
     tok = build_tokenizer("NullTokenizer", vocab_size=100)
-    assert (tok.vocab_size, tok.eod) == (100, 99)
+    assert (tok.vocab_size, tok.eod) == (101, 100)  # Megatron-LM's convention
     assert tok.tokenize("3 1 4") == [3, 1, 4] and tok.detokenize([3, 1, 4]) == "3 1 4"
     with pytest.raises(ConfigError, match="--vocab-size"):
         build_tokenizer("NullTokenizer")

@@ -124,7 +124,11 @@ class Encoder:
             if not isinstance(text, str):
                 problems.append(f"'{key}' is not a string")
                 continue
-            seqs = self.encode_document(text)
+            try:
+                seqs = self.encode_document(text)
+            except UnicodeEncodeError:  # e.g. a lone surrogate escape ("\ud800") from a web scrape
+                problems.append(f"'{key}' is not valid Unicode")
+                continue
             if not seqs:
                 problems.append(f"empty document ('{key}')")
                 continue

@@ -80,14 +80,15 @@ class ByteTokenizer(_Tokenizer):
 
 
 class NullTokenizer(_Tokenizer):
-    """Text is space-separated token ids (Megatron's mock-data tokenizer); eod = vocab_size - 1."""
+    """Text is space-separated token ids (Megatron's mock-data tokenizer). As in Megatron-LM,
+    `--vocab-size N` means ids 0..N-1 plus the end-of-document id N: vocab_size N + 1."""
     name = "NullTokenizer"
 
     def __init__(self, vocab_size: Optional[int]):
-        if vocab_size is None or int(vocab_size) < 2:
-            raise ConfigError(f"NullTokenizer needs --vocab-size >= 2, got {vocab_size}")
-        self.vocab_size = int(vocab_size)
-        self.eod = self.vocab_size - 1
+        if vocab_size is None or int(vocab_size) < 1:
+            raise ConfigError(f"NullTokenizer needs --vocab-size >= 1, got {vocab_size}")
+        self.vocab_size = int(vocab_size) + 1
+        self.eod = int(vocab_size)
         self.fingerprint = f"NullTokenizer:{self.vocab_size}"
 
     def tokenize(self, text: str) -> List[int]:
