@@ -102,6 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--save", default=None)
     o.add_argument("--load", default=None)
     o.add_argument("--save-interval", type=int, default=None)
+    o.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
+    o.add_argument("--keep-last", type=int, default=None, help="keep only the newest N checkpoints")
+    o.add_argument("--finetune", action="store_true",
+                   help="load only the weights from --load; iteration and consumed samples start at 0")
+    o.add_argument("--no-load-optim", action="store_true", help="do not load optimizer state or LR schedule")
+    o.add_argument("--no-load-rng", action="store_true", help="do not load RNG states")
+    o.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM, save after the current iteration and exit 0")
+    o.add_argument("--exit-duration-in-mins", type=float, default=None)
+    o.add_argument("--exit-interval", type=int, default=None)
 
     d = p.add_argument_group("data")
     d.add_argument("--data-path", nargs="+", default=None, help="prefix, or weight prefix weight prefix ...")
@@ -209,7 +219,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
         recompute_num_layers=args.recompute_num_layers, device=args.device, metrics_file=args.metrics_file,
         log_comm_volume=args.log_comm_volume, tensorboard_dir=args.tensorboard_dir,
         wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name, wandb_save_dir=args.wandb_save_dir,
-        save=args.save, load=args.load, save_interval=args.save_interval)
+        save=args.save, load=args.load, save_interval=args.save_interval, async_save=args.async_save,
+        keep_last=args.keep_last, finetune=args.finetune, no_load_optim=args.no_load_optim,
+        no_load_rng=args.no_load_rng, exit_signal_handler=args.exit_signal_handler,
+        exit_duration_in_mins=args.exit_duration_in_mins, exit_interval=args.exit_interval)
     if args.model is None and args.lr_warmup_iters is None and args.lr_warmup_fraction is None \
             and args.train_iters is None:
         training.lr_warmup_iters = 20  # the built-in default run

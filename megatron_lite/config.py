@@ -7,6 +7,7 @@ as a `ConfigError` whose message names the values and the fix. `pretrain_gpt.py`
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, fields
 from typing import List, Optional
 
@@ -239,6 +240,14 @@ class TrainingConfig:
     save: Optional[str] = None
     load: Optional[str] = None
     save_interval: Optional[int] = None
+    async_save: bool = False  # write checkpoint files in the background while training goes on
+    keep_last: Optional[int] = None  # keep only the newest N checkpoints
+    finetune: bool = False  # load only the weights; iteration and consumed samples start at 0
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    exit_signal_handler: bool = False  # SIGTERM: save after the current iteration, exit 0
+    exit_duration_in_mins: Optional[float] = None
+    exit_interval: Optional[int] = None
 
     def validate(self, dp: int) -> None:
         _require(self.micro_batch_size >= 1, f"micro_batch_size ({self.micro_batch_size}) must be >= 1")
@@ -257,6 +266,25 @@ class TrainingConfig:
         _require(self.device in (None, "cpu", "cuda"), f"device ({self.device}) must be cpu or cuda")
         _require(self.log_interval >= 1, f"log_interval ({self.log_interval}) must be >= 1")
         _require(self.eval_interval >= 1, f"eval_interval ({self.eval_interval}) must be >= 1")
+        self._validate_checkpointing()
+
+    def _validate_checkpointing(self) -> None:
+        for flag, value in (("--save-interval", self.save_interval), ("--async-save", self.async_save),
+                            ("--keep-last", self.keep_last)):
+            _require(not value or self.save, f"{flag} needs --save DIR (where checkpoints go)")
+        for flag, value in (("--save-interval", self.save_interval), ("--keep-last", self.keep_last),
+                            ("--exit-interval", self.exit_interval)):
+            _require(value is None or value >= 1, f"{flag} ({value}) must be >= 1")
+        _require(self.exit_duration_in_mins is None or self.exit_duration_in_mins > 0,
+                 f"--exit-duration-in-mins ({self.exit_duration_in_mins}) must be positive")
+        for flag, value in (("--finetune", self.finetune), ("--no-load-optim", self.no_load_optim),
+                            ("--no-load-rng", self.no_load_rng)):
+            _require(not value or self.load, f"{flag} needs --load DIR (the checkpoint to load)")
+        if self.finetune:
+            _require(os.path.isdir(self.load), f"--finetune: --load directory {self.load} does not exist")
+        for flag, path in (("--save", self.save), ("--load", self.load)):
+            _require(not path or not os.path.exists(path) or os.path.isdir(path),
+                     f"{flag} {path} exists and is not a directory")
 
     def num_microbatches(self, dp: int) -> int:
         return self.global_batch_size // (self.micro_batch_size * dp)

@@ -33,10 +33,15 @@ def losses_of(histories):
     raise AssertionError("no rank reported lm_loss")
 
 
-def torchrun(nproc, args, metrics_path, timeout=300, check=True):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-           os.path.join(ROOT, "pretrain_gpt.py"), *args, "--metrics-file", str(metrics_path)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def torchrun_command(nproc, args, metrics_path, launcher=()):
+    """The torchrun command line of pretrain_gpt.py; `launcher`: extra torchrun flags."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", *launcher,
+            os.path.join(ROOT, "pretrain_gpt.py"), *args, "--metrics-file", str(metrics_path)]
+
+
+def torchrun(nproc, args, metrics_path, timeout=300, check=True, launcher=(), env=None):
+    cmd = torchrun_command(nproc, args, metrics_path, launcher)
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     if check and proc.returncode != 0:
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")

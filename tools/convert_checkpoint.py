@@ -3,11 +3,16 @@
 
     python tools/convert_checkpoint.py hf-to-ml --hf-dir gpt2-local/ --out ml-ckpt/
     python tools/convert_checkpoint.py ml-to-hf --ml-dir ml-ckpt/ --out hf-out/ [--family llama]
+    python tools/convert_checkpoint.py consolidate --load ckpts/ --out ml-ckpt/ [--iteration N]
+    python tools/convert_checkpoint.py reshard --load ckpts/ --out ckpts-tp4/ --tensor-model-parallel-size 4
 
 A megatron-lite "full" checkpoint is a directory with `model.safetensors` (unsharded weights,
 true vocabulary, layout-independent names) and `config.json` (our ModelConfig fields); it loads
 at any TP size through models.hf_conversion.load_full_state_dict_into_model. HF directories are
 what `save_pretrained` writes and `from_pretrained` reads (GPT2LMHeadModel, LlamaForCausalLM).
+A training checkpoint (`--save` of pretrain_gpt.py, megatron_lite/checkpoint) loads at any layout
+as it is; `consolidate` turns it into a full checkpoint (for ml-to-hf), `reshard` rewrites its
+files as the ranks of another TP x PP x DP layout would have written them.
 
 Weights are read with safetensors, or torch.load(weights_only=True) for `.bin` files: nothing
 is unpickled. Errors (missing directory, unsupported architecture, ...) print one line and
@@ -142,7 +147,74 @@ def _add_ml_to_hf(sub) -> None:
     p.set_defaults(func=cmd_ml_to_hf)
 
 
-PARSERS: List[Callable] = [_add_hf_to_ml, _add_ml_to_hf]
+def cmd_consolidate(args) -> None:
+    from megatron_lite.checkpoint.offline import full_weights, open_checkpoint
+
+    dtype = DTYPES[args.dtype]
+    with open_checkpoint(args.load, args.iteration) as reader:
+        cfg = ModelConfig(**reader.meta["model_config"])
+        state = full_weights(reader, fp32_from_main=dtype == torch.float32)
+        iteration = reader.meta["iteration"]
+    write_ml_checkpoint(args.out, cfg, state, dtype)
+    print(f"wrote full weights of {reader.dir} (iteration {iteration}; {len(state)} tensors, "
+          f"{sum(t.numel() for t in state.values()):,} parameters) to {args.out}")
+
+
+def _target_ranks(cfg: ModelConfig, tp: int, pp: int, dp: int, vpp: int):
+    """(dims, model chunks on the meta device) of every rank of the target layout, one at a time."""
+    from megatron_lite.parallel.state import ParallelDims
+    from models.gpt import build_model
+
+    for rank in range(tp * pp * dp):
+        dims = ParallelDims(tp=tp, dp=dp, pp=pp, vpp=vpp, rank=rank)
+        with torch.device("meta"):  # shapes and sharding metadata only: no memory, no init
+            chunks = build_model(cfg, dims)
+        yield dims, chunks  # outside the device context, which a suspended generator would leak
+
+
+def cmd_reshard(args) -> None:
+    from megatron_lite.checkpoint.offline import open_checkpoint, reshard
+    from megatron_lite.config import ParallelConfig
+
+    tp, pp, dp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size
+    with open_checkpoint(args.load, args.iteration) as reader:
+        cfg = ModelConfig(**reader.meta["model_config"])
+        vpp = 1
+        if args.num_layers_per_virtual_pipeline_stage:
+            vpp = cfg.num_layers // (pp * args.num_layers_per_virtual_pipeline_stage)
+        pcfg = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+        pcfg.validate(tp * pp * dp, cfg, seq_length=1)
+        layout = {"tp": tp, "pp": pp, "dp": dp, "cp": 1, "vpp": vpp, "world_size": tp * pp * dp, "zero_stage": None}
+        final = reshard(reader, args.out, _target_ranks(cfg, tp, pp, dp, vpp), layout)
+    print(f"wrote {reader.dir} resharded for tp={tp} pp={pp} vpp={vpp} dp={dp} ({tp * pp * dp} files) to {final}")
+
+
+def _add_checkpoint_source(p) -> None:
+    p.add_argument("--load", required=True, help="checkpoint root (its latest) or an iter_* directory")
+    p.add_argument("--iteration", type=int, default=None, help="this iteration instead of the latest")
+
+
+def _add_consolidate(sub) -> None:
+    p = sub.add_parser("consolidate", help="sharded training checkpoint -> megatron-lite full checkpoint")
+    _add_checkpoint_source(p)
+    p.add_argument("--out", required=True, help="output directory (model.safetensors + config.json)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="keep",
+                   help="cast floating tensors (fp32 takes the fp32 main params of bf16/fp16 training)")
+    p.set_defaults(func=cmd_consolidate)
+
+
+def _add_reshard(sub) -> None:
+    p = sub.add_parser("reshard", help="training checkpoint -> the same, written as by another layout")
+    _add_checkpoint_source(p)
+    p.add_argument("--out", required=True, help="output checkpoint root")
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--data-parallel-size"):
+        p.add_argument(flag, type=int, default=1)
+    p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    p.set_defaults(func=cmd_reshard)
+
+
+PARSERS: List[Callable] = [_add_hf_to_ml, _add_ml_to_hf, _add_consolidate, _add_reshard]
 
 
 def build_parser() -> argparse.ArgumentParser:

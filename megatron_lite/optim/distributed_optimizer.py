@@ -152,6 +152,27 @@ class DistributedOptimizer:
         out["optimizer_state_bytes"] = state
         return out
 
+    # --- accessors for checkpoints -------------------------------------------------------------
+    def shard_tensors(self) -> List[Tuple[Bucket, Dict[str, torch.Tensor]]]:
+        """Per bucket, this rank's optimizer tensors over its shard (positions shard_lo onwards of
+        the bucket), to read or fill in place: 'exp_avg', 'exp_avg_sq', and 'main' when the fp32
+        main params are a separate copy of low-precision params (else they are the params)."""
+        return [(s.bucket, {k: v for k, v in s.tensors().items() if k != "main" or s.owns_main})
+                for s in self.shards]
+
+    def scalar_state(self) -> dict:
+        return {"num_updates": self.num_updates, "loss_scaler": type(self.scaler).__name__,
+                "loss_scaler_state": self.scaler.state_dict()}
+
+    def load_scalar_state(self, state: dict) -> bool:
+        """Restore the update count, and the loss scaler when it is of the same kind (fp16 to fp16);
+        returns whether the scaler was restored."""
+        self.num_updates = int(state["num_updates"])
+        if state["loss_scaler"] != type(self.scaler).__name__:
+            return False
+        self.scaler.load_state_dict(state["loss_scaler_state"])
+        return True
+
     def state_dict(self) -> dict:
         """This rank's shard state (its layout depends on the DP size and the buckets)."""
         return {"num_updates": self.num_updates, "scaler": self.scaler.state_dict(),

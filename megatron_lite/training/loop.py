@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import timedelta
 from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
+from ..checkpoint.manager import Checkpointing
 from ..config import Config
 from ..optim.lr_scheduler import LRScheduler
 from ..parallel import comm
@@ -30,7 +32,19 @@ def init_distributed(device: torch.device) -> None:
     """Join the torchrun world (NCCL on GPUs, gloo on CPU); nothing to do for a single process."""
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(backend)
+        return
+    # Under torchrun every restart of the workers reuses the agent's store, where the failed
+    # attempt's keys would hand the new ranks the dead ranks' addresses (torch 2.13: "connection
+    # refused"; pytorch/pytorch#167288). A key prefix per attempt keeps the attempts apart.
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_store and rank == 0, timeout=timedelta(minutes=10))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}", store), rank=rank, world_size=world)
 
 
 def params_dtype(cfg: Config) -> torch.dtype:
@@ -70,16 +84,23 @@ class Trainer:
         num_samples = (t.train_iters * t.global_batch_size, evals * t.eval_iters * t.global_batch_size,
                        t.eval_iters * t.global_batch_size)
         train_ds, valid_ds, _ = build_train_valid_test_datasets(cfg.data, tokenizer, t.seq_length, t.seed, num_samples)
-        self.iteration, self.consumed_samples = 0, 0
-        self.train_loader = build_pretraining_data_loader(train_ds, 0, t.micro_batch_size, t.global_batch_size,
-                                                          dims.dp_rank, dims.dp, cfg.data.num_workers)
+        self.iteration, self.consumed_samples, self.consumed_valid_samples = 0, 0, 0
+        self.checkpointing = Checkpointing(cfg, device)
+        loaded = self.checkpointing.load_at_start(self)  # sets the iteration and consumed samples
+        self.train_loader = build_pretraining_data_loader(train_ds, self.consumed_samples, t.micro_batch_size,
+                                                          t.global_batch_size, dims.dp_rank, dims.dp,
+                                                          cfg.data.num_workers)
         self.train_iter = iter(self.train_loader)
         self.valid_iter = None
         if valid_ds is not None and t.eval_iters > 0:
-            self.valid_iter = iter(build_pretraining_data_loader(valid_ds, 0, t.micro_batch_size, t.global_batch_size,
-                                                                 dims.dp_rank, dims.dp, cfg.data.num_workers))
+            self.valid_iter = iter(build_pretraining_data_loader(
+                valid_ds, self.consumed_valid_samples, t.micro_batch_size, t.global_batch_size, dims.dp_rank, dims.dp,
+                cfg.data.num_workers))
+        if loaded is not None:  # last: creating the data iterators above draws from the RNG
+            loaded.restore_rng(self)
         self.logs_here = dims.is_last_stage and dims.tp_rank == 0 and dims.dp_rank == 0 and dims.cp_rank == 0
-        self.logger = MetricsLogger(t, self.logs_here, cfg.to_dict())
+        # A resumed run appends to its metrics file, so that a restarted job keeps the earlier records.
+        self.logger = MetricsLogger(t, self.logs_here, cfg.to_dict(), append=self.iteration > 0)
         self.flops_per_token = flops_per_token(m, t.seq_length)
         self.peak_tflops = device_peak_tflops(device)
 
@@ -114,6 +135,7 @@ class Trainer:
         self.logger.info("> memory on this rank: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in mem.items()))
         tokens_per_step = t.global_batch_size * t.seq_length
         while self.iteration < t.train_iters:
+            self.checkpointing.poll()  # commit a background save every rank has finished
             self.iteration += 1
             lr = self.lr_schedule.lr(self.iteration)
             comm.COMM_COUNTER.reset()
@@ -129,10 +151,14 @@ class Trainer:
             rec = self._record(out, lr, step_time, tokens_per_step, mem if self.iteration == 1 else None)
             if self.valid_iter is not None and (self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters):
                 rec["val_lm_loss"] = self.evaluate()
+                self.consumed_valid_samples += t.eval_iters * t.global_batch_size
                 if self.logs_here:
                     self.logger.info(f"> validation at iteration {self.iteration} | lm loss: {rec['val_lm_loss']:.6E}")
             history.append(rec)
             self.logger.log(rec, console=self.iteration % t.log_interval == 0 or self.iteration in (1, t.train_iters))
+            if self.checkpointing.after_iteration(self):  # saves when due; True: an exit condition fired
+                break
+        self.checkpointing.at_end(self)
         self.grad_sync.wait_param_gather()  # --overlap-param-gather: the last step's params
         self.logger.close()
         return history

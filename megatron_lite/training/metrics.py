@@ -32,7 +32,7 @@ def _console_line(rec: dict, train_iters: int) -> str:
 
 
 class MetricsLogger:
-    def __init__(self, tcfg: TrainingConfig, enabled: bool, config_dict: Optional[dict] = None):
+    def __init__(self, tcfg: TrainingConfig, enabled: bool, config_dict: Optional[dict] = None, append: bool = False):
         self.tcfg, self.enabled = tcfg, enabled
         self.file = None
         self.tb = None
@@ -41,7 +41,7 @@ class MetricsLogger:
             return
         if tcfg.metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(tcfg.metrics_file)), exist_ok=True)
-            self.file = open(tcfg.metrics_file, "w")
+            self.file = open(tcfg.metrics_file, "a" if append else "w")
         if tcfg.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter  # optional extra, imported on demand
             self.tb = SummaryWriter(log_dir=tcfg.tensorboard_dir)

@@ -1,0 +1,118 @@
+"""The files of a checkpoint: atomic writes, and per-rank safetensors files of pieces.
+
+A rank's file is plain safetensors (readable by `safetensors.safe_open`, nothing is pickled). The
+writer here streams each tensor's bytes straight from its memory, so that a background save
+needs no serialized copy of the whole file and releases the GIL while the OS writes. Every file
+is written to a temporary name, fsynced, then renamed: a file with its final name is complete.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+from safetensors import safe_open
+
+from ..config import ConfigError
+from .faults import fault_point
+from .geometry import Box
+
+DTYPE_CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+               torch.bool: "BOOL"}
+
+
+PIECES = "pieces"  # key of the piece index in each file's safetensors metadata
+FORMAT = "megatron-lite-checkpoint"
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be loaded; the message names the file, tensor or field. A
+    ConfigError, so that pretrain_gpt.py and the tools report it in one line."""
+
+
+def fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems cannot sync a directory
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Replace `path` by `text` so that readers see the old or the new content, never a mix."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def _header(tensors: List[Tuple[str, torch.Tensor]], metadata: Dict[str, str]) -> bytes:
+    entries, offset = {}, 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        entries[name] = {"dtype": DTYPE_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    entries["__metadata__"] = metadata
+    raw = json.dumps(entries, separators=(",", ":")).encode()
+    return raw + b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes with spaces
+
+
+def write_safetensors(path: str, tensors: List[Tuple[str, torch.Tensor]], metadata: Dict[str, str]) -> int:
+    """Write CPU tensors as a safetensors file, atomically; returns its size in bytes."""
+    tensors = [(name, t.contiguous()) for name, t in tensors]
+    header = _header(tensors, metadata)
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(header)))
+        f.write(header)
+        for i, (_, t) in enumerate(tensors):
+            if i == len(tensors) // 2:
+                fault_point("save", f)  # tests: die with the file half written
+            if t.numel():
+                f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return os.path.getsize(path)
+
+
+class PieceSet:
+    """The pieces one rank writes: tensors named `<key>@<box start>`, and the index that says
+    which box of which full tensor each one is (kept in the file's safetensors metadata)."""
+
+    def __init__(self):
+        self.tensors: List[Tuple[str, torch.Tensor]] = []
+        self.index: Dict[str, list] = {}
+
+    def add(self, key: str, box: Box, full_shape: Sequence[int], data: torch.Tensor, copy: bool = False) -> None:
+        name = f"{key}@" + ",".join(str(s) for s, _ in box)
+        data = data.detach()
+        if copy or data.device.type != "cpu":
+            data = data.to("cpu", copy=True)
+        self.tensors.append((name, data))
+        self.index[name] = [key, [list(d) for d in box], list(full_shape)]
+
+    def write(self, path: str) -> int:
+        return write_safetensors(path, self.tensors, {"format": FORMAT, PIECES: json.dumps(self.index)})
+
+
+def describe_files(directory: str, names: Sequence[str]) -> Dict[str, dict]:
+    """metadata.json's `files`: per file its size and its piece index (read from its header)."""
+    out = {}
+    for name in names:
+        path = os.path.join(directory, name)
+        with safe_open(path, framework="pt") as f:
+            pieces = json.loads(f.metadata()[PIECES])
+        out[name] = {"bytes": os.path.getsize(path), PIECES: pieces}
+    return out

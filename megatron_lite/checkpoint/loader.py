@@ -1,0 +1,131 @@
+"""Loading a checkpoint into a trainer of any layout: each rank reads the boxes it holds.
+
+Each rank fills its shard of every bucket (plan.fill_range) from the stored full tensors, then
+ZeRO 1-2 all-gather the shards into the full parameters as after an update. Precision follows
+the run: params are cast to its dtype; fp32 values come from the fp32 main params when the
+checkpoint has them (a bf16/fp16 checkpoint), else from the stored params.
+
+What is restored:
+- always: the weights; unless --finetune: the iteration and consumed samples;
+- unless --finetune / --no-load-optim: Adam's m and v, fp32 main params, the update count and
+  (fp16 to fp16) the loss scaler; the LR schedule is that of this run's flags at the loaded
+  iteration (the same as the checkpoint's unless they changed: a note says what changed);
+- unless --finetune / --no-load-rng, and only at the writing layout: every rank's RNG states.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional
+
+import torch
+
+from ..config import ModelConfig
+from . import directory, rng
+from .files import CheckpointError
+from .plan import MODEL, bucket_sources, fill_range, model_key, optim_key, regions
+from .reader import CheckpointReader
+from .saver import world_rank
+
+# ModelConfig fields that do not change the stored tensors or what they compute with.
+FREE_FIELDS = {"attention_dropout", "hidden_dropout", "init_method_std", "attention_backend",
+               "make_vocab_size_divisible_by"}
+
+
+def check_model_config(saved: dict, current: ModelConfig, where: str) -> None:
+    """Raise naming every field in which the checkpoint's model differs from this one."""
+    diffs = [f"{f.name} is {saved[f.name]!r} there and {getattr(current, f.name)!r} here"
+             for f in dataclasses.fields(ModelConfig)
+             if f.name not in FREE_FIELDS and f.name in saved and saved[f.name] != getattr(current, f.name)]
+    if diffs:
+        raise CheckpointError(f"checkpoint {where} was written by a different model: {'; '.join(diffs)}")
+
+
+def _source_keys(kind: str, name: str, load_optim: bool, dtype: torch.dtype) -> Optional[List[str]]:
+    """Stored keys to fill a tensor from, by preference; None: leave it as it is."""
+    if kind == MODEL:
+        fp32_first = load_optim and dtype == torch.float32
+        return ([optim_key(name, "main")] if fp32_first else []) + [model_key(name)]
+    if kind == "main":
+        return ([optim_key(name, "main")] if load_optim else []) + [model_key(name)]
+    return [optim_key(name, kind)] if load_optim else None
+
+
+@torch.no_grad()
+def fill_tensors(trainer, reader: CheckpointReader, load_optim: bool) -> None:
+    """Every rank: its shard of every bucket's params and optimizer state, from the checkpoint."""
+    for bucket, sources in bucket_sources(trainer.optimizer):
+        lo, hi = fill_range(bucket)
+        for region in regions(bucket, lo, hi, trainer.dims, writers_only=False):
+            runs = region.runs()
+            for kind, (flat, base) in sources.items():
+                keys = _source_keys(kind, region.name, load_optim, flat.dtype)
+                if keys is None:
+                    continue
+                key = reader.first_present(keys) or keys[-1]
+                stored = reader.shapes.get(key)
+                if stored is not None and stored != region.spec.stored_shape:
+                    raise CheckpointError(f"checkpoint {reader.dir}: {key!r} has shape {list(stored)}, this model "
+                                          f"needs {list(region.spec.stored_shape)}")
+                for run in runs:
+                    reader.read_into(key, run.full, run.view(flat, region.start - base))
+    sync = trainer.grad_sync
+    sync.gather_params()  # ZeRO 1-2: every rank's filled shard into the full params
+    sync.wait_param_gather()
+
+
+def _same_layout(saved: dict, dims) -> bool:
+    return all(saved.get(k) == getattr(dims, k) for k in ("tp", "pp", "dp", "cp"))
+
+
+def _schedule_notes(saved: dict, ours: dict) -> List[str]:
+    """The LR schedule is a function of the iteration and the flags: this run's flags win (e.g. a
+    longer --train-iters stretches the decay, as intended); say so when they changed."""
+    changed = [f"{k} {saved[k]} -> {v}" for k, v in ours.items() if k in saved and saved[k] != v]
+    return [f"LR schedule from this run's flags ({', '.join(changed)})"] if changed else []
+
+
+class Loaded:
+    """What a load found; restore_rng() is left to the caller so that it can come after every
+    other use of the RNG while setting up (a DataLoader iterator draws a seed from it)."""
+
+    def __init__(self, ckpt_dir: str, meta: dict, rng_states: Optional[Dict[str, torch.Tensor]], notes: List[str]):
+        self.dir, self.meta, self.rng_states, self.notes = ckpt_dir, meta, rng_states, notes
+
+    def restore_rng(self, trainer) -> None:
+        if self.rng_states:
+            rng.restore(self.rng_states, trainer.dims, trainer.tracker)
+
+
+def load_checkpoint(trainer, path: str, *, load_optim: bool = True, load_rng: bool = True,
+                    finetune: bool = False, iteration: Optional[int] = None) -> Loaded:
+    """Collective: load checkpoint `path` (a root: its latest, or `iteration`; or an iter_* dir)."""
+    ckpt_dir, _ = directory.resolve(path, iteration)
+    meta = directory.read_metadata(ckpt_dir)
+    check_model_config(meta["model_config"], trainer.cfg.model, ckpt_dir)
+    load_optim = load_optim and not finetune
+    notes = []
+    with CheckpointReader(ckpt_dir, meta) as reader:
+        reader.verify_files()
+        fill_tensors(trainer, reader, load_optim)
+        rng_states = None
+        if load_rng and not finetune:
+            prefix = rng.rank_prefix(trainer.dims) + "/"
+            keys = [k for k in reader.pieces if k.startswith(prefix)]
+            if _same_layout(meta["layout"], trainer.dims) and keys:
+                rng_states = {k: reader.read_full(k) for k in keys}
+            else:
+                notes.append("RNG states not restored (written at another layout): dropout streams start "
+                             "from the seed")
+    if not finetune:
+        trainer.iteration = meta["iteration"]
+        trainer.consumed_samples = meta["consumed_samples"]
+        trainer.consumed_valid_samples = meta.get("consumed_valid_samples", 0)
+    if load_optim:
+        notes += _schedule_notes(meta["lr_scheduler"], trainer.lr_schedule.state_dict())
+        if not trainer.optimizer.load_scalar_state(meta["optimizer"]):
+            notes.append(f"loss scaler not restored ({meta['optimizer']['loss_scaler']} in the checkpoint)")
+    if world_rank() == 0:
+        what = "weights" if finetune or not load_optim else "model and optimizer"
+        print(f"> loaded {what} from {ckpt_dir} (iteration {meta['iteration']})"
+              + "".join(f"; {n}" for n in notes), flush=True)
+    return Loaded(ckpt_dir, meta, rng_states, notes)

@@ -1,0 +1,114 @@
+"""The training loop's view of checkpoints: load at start, save on schedule, stop early on demand.
+
+Which checkpoint a run starts from:
+- `--save DIR` that already holds a checkpoint: this run's own progress (a job restarted by
+  torchrun --max-restarts, or resubmitted after preemption); resume it fully, whatever --load;
+- else `--load DIR`: resume it (or only its weights with --finetune / --no-load-optim);
+  a --load directory without a checkpoint starts from scratch with a note, as in Megatron-LM
+  (an error with --finetune, which exists to load weights).
+
+Saves happen every --save-interval iterations, when an exit condition fires, and at the end of
+training (unless that iteration was just saved). With --async-save the files are written in the
+background; the commit happens at the start of a later iteration once every rank is done (one
+tiny all-reduce per iteration while a save is pending) or at the end of training.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Dict, Optional
+
+from ..config import Config, ConfigError
+from .directory import has_checkpoint
+from .exit_conditions import ExitConditions
+from .faults import fault_point, set_iteration
+from .loader import Loaded, load_checkpoint
+from .saver import PendingSave, start_save, world_rank
+
+
+class Checkpointing:
+    def __init__(self, cfg: Config, device):
+        self.tcfg, self.device = cfg.training, device
+        self.pending: Optional[PendingSave] = None
+        self.last_saved: Optional[int] = None
+        self.exit = ExitConditions(self.tcfg, device)
+        self.blocked_s: Dict[int, float] = {}  # per iteration: time the loop spent here (benchmarks)
+        self.load_s = 0.0
+
+    @contextmanager
+    def _timed(self, iteration: int):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.blocked_s[iteration] = self.blocked_s.get(iteration, 0.0) + time.perf_counter() - start
+
+    def load_at_start(self, trainer) -> Optional[Loaded]:
+        start = time.perf_counter()
+        loaded = self._load(trainer)
+        self.load_s = time.perf_counter() - start
+        return loaded
+
+    def _load(self, trainer) -> Optional[Loaded]:
+        t = self.tcfg
+        if has_checkpoint(t.save):
+            loaded = load_checkpoint(trainer, t.save, load_rng=not t.no_load_rng)
+        elif t.load and has_checkpoint(t.load):
+            loaded = load_checkpoint(trainer, t.load, load_optim=not t.no_load_optim, load_rng=not t.no_load_rng,
+                                     finetune=t.finetune)
+        elif t.load:
+            if t.finetune:
+                raise ConfigError(f"--finetune: no checkpoint in --load {t.load}")
+            if world_rank() == 0:
+                print(f"> no checkpoint in --load {t.load}: training from scratch", flush=True)
+            return None
+        else:
+            return None
+        self.last_saved = trainer.iteration
+        return loaded
+
+    def poll(self) -> None:
+        """At the start of an iteration: commit a background save that every rank finished."""
+        if self.pending is not None:
+            with self._timed(self.pending.iteration):
+                if self.pending.ready():
+                    self.pending.commit(self.tcfg.keep_last)
+                    self.pending = None
+
+    def after_iteration(self, trainer) -> bool:
+        """Save if due; True when the run must stop now (after saving)."""
+        set_iteration(trainer.iteration)
+        fault_point("iteration")
+        reason = self.exit.check(trainer.iteration)
+        t = self.tcfg
+        if t.save and (reason or (t.save_interval and trainer.iteration % t.save_interval == 0)):
+            with self._timed(trainer.iteration):
+                self.save(trainer, background=t.async_save and reason is None)
+        if reason and world_rank() == 0:
+            print(f"> exiting after iteration {trainer.iteration}: {reason}", flush=True)
+        return reason is not None
+
+    def save(self, trainer, background: bool = False) -> None:
+        self.finish()  # one save at a time
+        self.pending = start_save(trainer, self.tcfg.save, background)
+        self.last_saved = trainer.iteration
+        if not background:
+            self.finish()
+
+    def finish(self) -> None:
+        """Wait for the pending save, if any, and commit it."""
+        if self.pending is None:
+            return
+        if self.pending.thread is not None:
+            self.pending.thread.join()
+        self.pending.ready()
+        self.pending.commit(self.tcfg.keep_last)
+        self.pending = None
+
+    def at_end(self, trainer) -> None:
+        """End of training: save the final state (Megatron-LM does when --save is given), commit."""
+        with self._timed(trainer.iteration):
+            if self.tcfg.save and trainer.iteration > 0 and self.last_saved != trainer.iteration:
+                self.save(trainer)
+            self.finish()
+        self.exit.close()

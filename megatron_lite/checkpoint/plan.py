@@ -1,0 +1,97 @@
+"""Which parts of which full tensors a rank writes at save time and fills at load time.
+
+Everything a rank holds of the model and optimizer lives in the flat buckets of its GradientSync
+(parameters; and, over the rank's shard of each bucket, the optimizer's m, v and fp32 main
+params). So one description serves every ZeRO stage: a range of bucket positions, cut into
+parameters (`Region`s), each mapped onto boxes of its full tensor by `geometry`.
+
+Stored keys: `model/<name>` (params in their training dtype), `optim/<name>/exp_avg`,
+`optim/<name>/exp_avg_sq`, and `optim/<name>/main` (fp32 main params, only when the params are
+bf16/fp16). Names are the layout-independent global names (layers by global index; the last
+pipeline stage's copy of a tied embedding reads the embedding's name).
+
+Writers (each stored element written exactly once):
+- model parallelism: the rank that counts a parameter in the gradient norm (`counts_in_norm`):
+  TP rank 0 for replicated params, one of each group of TP replicas, the embedding's stage;
+- data parallelism: at ZeRO 1-3 each DP rank writes its own shard; at ZeRO 0 the replicas split
+  each bucket evenly, so the writing is balanced over DP ranks too.
+Readers fill their whole shard of each bucket (the whole bucket at ZeRO 0).
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterator, List, NamedTuple, Tuple
+
+import torch
+
+from ..parallel.data_parallel import Bucket
+from ..parallel.grads import counts_in_norm
+from ..parallel.state import ParallelDims
+from .geometry import Run, ShardSpec, flat_range_to_full, spec_of
+
+MODEL = "model"
+OPTIM_STATES = ("exp_avg", "exp_avg_sq", "main")
+
+
+def model_key(name: str) -> str:
+    return f"model/{name}"
+
+
+def optim_key(name: str, state: str) -> str:
+    return f"optim/{name}/{state}"
+
+
+def param_name(name: str, param: torch.nn.Parameter) -> str:
+    """The stored name of a parameter: the tied embedding's last-stage copy is the embedding."""
+    return getattr(param, "init_name", name) if getattr(param, "shared_embedding", False) else name
+
+
+class Region(NamedTuple):
+    """Local flat elements [lo, hi) of one parameter; local element j sits at bucket position
+    j + start."""
+    name: str
+    spec: ShardSpec
+    lo: int
+    hi: int
+    start: int
+
+    def runs(self) -> List[Run]:
+        return flat_range_to_full(self.spec, self.lo, self.hi)
+
+
+def regions(bucket: Bucket, lo: int, hi: int, dims: ParallelDims, writers_only: bool) -> List[Region]:
+    """The parameters' parts within bucket positions [lo, hi)."""
+    out = []
+    for p, name, shape, (a, b) in zip(bucket.params, bucket.names, bucket.shapes, bucket.offsets):
+        s, e = max(a, lo), min(b, hi)
+        if s >= e or (writers_only and not counts_in_norm(p, dims)):
+            continue
+        out.append(Region(param_name(name, p), spec_of(p, shape, dims.tp_rank, dims.tp), s - a, e - a, a))
+    return out
+
+
+def write_range(bucket: Bucket, zero_stage: int, dp: int, dp_rank: int) -> Tuple[int, int]:
+    if zero_stage >= 1:
+        return bucket.shard_lo, bucket.shard_lo + bucket.shard_numel
+    n = bucket.numel
+    return dp_rank * n // dp, (dp_rank + 1) * n // dp
+
+
+def fill_range(bucket: Bucket) -> Tuple[int, int]:
+    return bucket.shard_lo, bucket.shard_lo + bucket.shard_numel
+
+
+def bucket_sources(optimizer) -> Iterator[Tuple[Bucket, Dict[str, Tuple[torch.Tensor, int]]]]:
+    """Per bucket: stored kind ('model' or an optimizer state) -> (flat tensor, bucket position of
+    its element 0)."""
+    for bucket, states in optimizer.shard_tensors():
+        if bucket.param_data is not None:
+            sources = {MODEL: (bucket.param_data, 0)}
+        else:  # ZeRO-3: the shard is all there is
+            sources = {MODEL: (bucket.param_shard, bucket.shard_lo)}
+        for state, t in states.items():
+            sources[state] = (t, bucket.shard_lo)
+        yield bucket, sources
+
+
+def stored_key(kind: str, name: str) -> str:
+    return model_key(name) if kind == MODEL else optim_key(name, kind)

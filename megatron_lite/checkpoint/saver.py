@@ -1,0 +1,156 @@
+"""Saving: every rank writes its own pieces; rank 0 commits once all of them are on disk.
+
+A save is three steps:
+1. snapshot (main thread, every rank): this rank's pieces of the model, the optimizer and its RNG
+   states; copies when the save is asynchronous (training goes on and changes the tensors);
+2. write (now, or in a background thread with --async-save): one safetensors file per rank into
+   the staging directory, atomically;
+3. commit (main thread, at a point every rank reaches: right away for a synchronous save, at the
+   next poll for an asynchronous one): the ranks agree that every file is written (a failure
+   on any rank fails every rank), then rank 0 writes metadata.json, renames the directory into
+   place and replaces the tracker file (directory.commit).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import threading
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import directory, rng
+from .faults import set_iteration
+from .files import FORMAT, PieceSet, describe_files
+from .geometry import whole_box
+from .plan import bucket_sources, regions, stored_key, write_range
+
+
+def world_min(value: int, device) -> int:
+    """The minimum of `value` over all ranks (a barrier that also carries a status)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def world_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def layout_of(trainer) -> dict:
+    dims, p, t = trainer.dims, trainer.cfg.parallel, trainer.cfg.training
+    return {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "cp": dims.cp, "ep": dims.ep, "vpp": dims.vpp,
+            "zero_stage": p.zero_stage, "world_size": dims.world_size,
+            "precision": "bf16" if t.bf16 else "fp16" if t.fp16 else "fp32"}
+
+
+def checkpoint_metadata(trainer) -> dict:
+    """Everything but the tensors: written by rank 0 as metadata.json."""
+    return {"format": FORMAT, "version": directory.VERSION, "iteration": trainer.iteration,
+            "consumed_samples": trainer.consumed_samples,
+            "consumed_valid_samples": getattr(trainer, "consumed_valid_samples", 0),
+            "model_config": dataclasses.asdict(trainer.cfg.model), "config": trainer.cfg.to_dict(),
+            "layout": layout_of(trainer), "lr_scheduler": trainer.lr_schedule.state_dict(),
+            "optimizer": trainer.optimizer.scalar_state()}
+
+
+def snapshot(trainer, copy: bool) -> PieceSet:
+    """This rank's pieces of the model, the optimizer and its RNG states (copies when `copy`)."""
+    sync, dims = trainer.grad_sync, trainer.dims
+    sync.wait_param_gather()  # --overlap-param-gather: the last update's params
+    pieces = PieceSet()
+    for bucket, sources in bucket_sources(trainer.optimizer):
+        lo, hi = write_range(bucket, sync.stage, sync.dp, sync.dp_rank)
+        for region in regions(bucket, lo, hi, dims, writers_only=True):
+            runs = region.runs()
+            for kind, (flat, base) in sources.items():
+                for run in runs:
+                    pieces.add(stored_key(kind, region.name), run.full, region.spec.stored_shape,
+                               run.view(flat, region.start - base), copy)
+    for key, state in rng.capture(dims, trainer.tracker).items():
+        pieces.add(key, whole_box(state.shape), state.shape, state)
+    return pieces
+
+
+class PendingSave:
+    """One checkpoint being written by this rank; `commit()` finishes it on every rank."""
+
+    def __init__(self, root: str, iteration: int, meta: dict, device, started: float):
+        self.root, self.iteration, self.meta, self.device = root, iteration, meta, device
+        self.started = started
+        self.error: Optional[BaseException] = None
+        self.thread: Optional[threading.Thread] = None
+
+    def write(self, pieces: PieceSet, background: bool) -> None:
+        path = os.path.join(directory.staging_dir(self.root, self.iteration), directory.shard_file(world_rank()))
+
+        def run():
+            try:
+                pieces.write(path)
+            except BaseException as e:  # reported to every rank at commit
+                self.error = e
+
+        if background:
+            self.thread = threading.Thread(target=run, name=f"checkpoint-{self.iteration}", daemon=True)
+            self.thread.start()
+        else:
+            run()
+
+    def status(self) -> int:
+        """1 written, 0 still writing, -1 failed."""
+        if self.thread is not None and self.thread.is_alive():
+            return 0
+        return -1 if self.error is not None else 1
+
+    def ready(self) -> bool:
+        """Collective: True when every rank's file is written (raises if any rank failed)."""
+        state = world_min(self.status(), self.device)
+        if state < 0:
+            raise RuntimeError(f"saving checkpoint iteration {self.iteration} failed on a rank"
+                               + (f": {self.error!r}" if self.error else " (see that rank's error)"))
+        return state == 1
+
+    def commit(self, keep_last: Optional[int]) -> None:
+        """Collective, after ready(): rank 0 writes metadata.json and moves `latest`."""
+        ok = 1
+        if world_rank() == 0:
+            try:
+                self._commit_rank0(keep_last)
+            except BaseException as e:
+                self.error, ok = e, -1
+        if world_min(ok, self.device) < 0:
+            raise RuntimeError(f"committing checkpoint iteration {self.iteration} failed on rank 0: {self.error!r}")
+
+    def _commit_rank0(self, keep_last: Optional[int]) -> None:
+        staging = directory.staging_dir(self.root, self.iteration)
+        self.meta["files"] = describe_files(staging, [directory.shard_file(r) for r in range(world_size())])
+        final = directory.commit(self.root, self.iteration, self.meta)
+        dropped = directory.prune(self.root, keep_last)
+        size = sum(f["bytes"] for f in self.meta["files"].values())
+        print(f"> saved checkpoint iteration {self.iteration} to {final} ({size / 2**20:.1f} MiB, "
+              f"{time.perf_counter() - self.started:.2f} s)" + (f"; pruned {dropped}" if dropped else ""), flush=True)
+
+
+def start_save(trainer, root: str, background: bool) -> PendingSave:
+    """Collective: snapshot and write (or start writing) this rank's file of a checkpoint of the
+    trainer's current state into ROOT. Call commit() (after ready()) to finish it."""
+    started = time.perf_counter()
+    iteration = trainer.iteration
+    set_iteration(iteration)
+    staging = directory.staging_dir(root, iteration)
+    if world_rank() == 0:  # a crashed earlier attempt may have left files here
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+    world_min(1, trainer.device)  # nobody writes before the directory is clean
+    save = PendingSave(root, iteration, checkpoint_metadata(trainer), trainer.device, started)
+    save.write(snapshot(trainer, copy=background), background)
+    return save
