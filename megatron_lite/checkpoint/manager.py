@@ -33,6 +33,7 @@ class Checkpointing:
         self.last_saved: Optional[int] = None
         self.exit = ExitConditions(self.tcfg, device)
         self.blocked_s: Dict[int, float] = {}  # per iteration: time the loop spent here (benchmarks)
+        self.write_s: Dict[int, float] = {}  # per saved iteration: time writing this rank's file took
         self.load_s = 0.0
 
     @contextmanager
@@ -72,8 +73,7 @@ class Checkpointing:
         if self.pending is not None:
             with self._timed(self.pending.iteration):
                 if self.pending.ready():
-                    self.pending.commit(self.tcfg.keep_last)
-                    self.pending = None
+                    self._commit()
 
     def after_iteration(self, trainer) -> bool:
         """Save if due; True when the run must stop now (after saving)."""
@@ -101,8 +101,12 @@ class Checkpointing:
             return
         if self.pending.thread is not None:
             self.pending.thread.join()
-        self.pending.ready()
+        self.pending.ready()  # every rank done (raises if one failed)
+        self._commit()
+
+    def _commit(self) -> None:
         self.pending.commit(self.tcfg.keep_last)
+        self.write_s[self.pending.iteration] = self.pending.write_s
         self.pending = None
 
     def at_end(self, trainer) -> None:

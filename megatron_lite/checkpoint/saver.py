@@ -89,15 +89,18 @@ class PendingSave:
         self.started = started
         self.error: Optional[BaseException] = None
         self.thread: Optional[threading.Thread] = None
+        self.write_s = 0.0  # how long writing this rank's file took
 
     def write(self, pieces: PieceSet, background: bool) -> None:
         path = os.path.join(directory.staging_dir(self.root, self.iteration), directory.shard_file(world_rank()))
 
         def run():
+            start = time.perf_counter()
             try:
                 pieces.write(path)
             except BaseException as e:  # reported to every rank at commit
                 self.error = e
+            self.write_s = time.perf_counter() - start
 
         if background:
             self.thread = threading.Thread(target=run, name=f"checkpoint-{self.iteration}", daemon=True)
