@@ -18,7 +18,7 @@ from megatron_lite.config import Config, ConfigError
 def resolve(argv=None) -> tuple:
     """Parse and validate; returns (config, tokenizer). Raises ConfigError on bad input."""
     from megatron_lite.data import build_tokenizer
-    from megatron_lite.data.builder import check_data_paths
+    from megatron_lite.data.builder import check_data_paths, parse_split
 
     cfg: Config = parse_args(argv)
     d = cfg.data
@@ -27,6 +27,8 @@ def resolve(argv=None) -> tuple:
     cfg.model.vocab_size = tokenizer.vocab_size
     cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
     check_data_paths(d, tokenizer)
+    if cfg.training.train_iters > 0 and parse_split(d.split)[0] == 0:
+        raise ConfigError(f"--split {d.split} leaves no training data; give the first (train) part a weight")
     return cfg, tokenizer
 
 
@@ -45,7 +47,8 @@ def main(argv=None) -> int:
     try:
         Trainer(cfg, tokenizer, device).train()
     except ConfigError as e:  # found while building (e.g. a dataset file): still one line
-        print(f"error: {e}", file=sys.stderr)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
         if dist.is_initialized():

@@ -19,13 +19,34 @@ COMPAT_NOOP_FLAGS = [
     "--no-gradient-accumulation-fusion", "--accumulate-allreduce-grads-in-fp32", "--attention-softmax-in-fp32",
     "--no-async-tensor-model-parallel-allreduce", "--use-rotary-position-embeddings", "--no-rope-fusion",
     "--bias-swiglu-fusion", "--no-bias-swiglu-fusion", "--use-torch-fsdp2", "--no-create-attention-mask-in-dataloader",
+    # logging extras and allocator/IO hints: what they control is either always on here or moot
+    "--log-throughput", "--log-params-norm", "--log-num-zeros-in-grad", "--log-timers-to-tensorboard",
+    "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard", "--log-world-size-to-tensorboard",
+    "--log-loss-scale-to-tensorboard", "--log-learning-rate-to-tensorboard", "--log-batch-size-to-tensorboard",
+    "--manual-gc", "--cross-entropy-loss-fusion", "--use-cpu-initialization", "--no-mmap-bin-files",
+    "--no-persist-layer-norm", "--overlap-p2p-communication", "--tp-comm-overlap",
 ]
 COMPAT_VALUE_FLAGS = ["--distributed-backend", "--transformer-impl", "--timing-log-level", "--distributed-timeout-minutes",
-                      "--num-dataset-builder-threads", "--data-impl"]
+                      "--num-dataset-builder-threads", "--data-impl", "--tensorboard-log-interval", "--ckpt-format",
+                      "--manual-gc-interval", "--tensorboard-queue-size"]
+# Megatron-LM flags that would change training here but are not implemented: refused with one
+# line rather than silently ignored.
+UNSUPPORTED_FLAGS = {"--rampup-batch-size": "batch-size ramp-up", "--train-samples": "sample-based training length",
+                     "--lr-warmup-samples": "sample-based warmup", "--lr-decay-samples": "sample-based decay",
+                     "--lr-warmup-init": "a non-zero warmup start", "--use-checkpoint-args": "model shape from a checkpoint",
+                     "--expert-tensor-parallel-size": "expert tensor parallelism",
+                     "--moe-grouped-gemm": "mixture of experts"}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad command line as one line (no usage dump), exit code 2."""
+
+    def error(self, message):
+        raise ConfigError(f"{message} (see --help)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Pretrain a GPT model (megatron-lite)", allow_abbrev=False)
+    p = _Parser(description="Pretrain a GPT model (megatron-lite)", allow_abbrev=False)
     m = p.add_argument_group("model")
     m.add_argument("--model", default=None, help=f"named config from models/zoo.py (default {DEFAULT_MODEL})")
     for flag, typ in [("--num-layers", int), ("--hidden-size", int), ("--ffn-hidden-size", int),
@@ -35,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                       ("--make-vocab-size-divisible-by", int), ("--vocab-size", int)]:
         m.add_argument(flag, type=typ, default=None)
     m.add_argument("--layernorm-epsilon", type=float, dest="norm_epsilon", default=None, help="alias of --norm-epsilon")
-    m.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default=None)
+    m.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"], default=None)
     m.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default=None)
     m.add_argument("--group-query-attention", action="store_true",
                    help="use --num-query-groups (without it every head has its own K/V)")
@@ -119,8 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--data-cache-path", default=None)
     d.add_argument("--mock-data", action="store_true")
     d.add_argument("--tokenizer-type", default=None,
-                   choices=["ByteTokenizer", "NullTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer",
-                            "GPT2BPETokenizer"])
+                   help="ByteTokenizer (default), NullTokenizer, SentencePieceTokenizer (alias "
+                        "GPTSentencePieceTokenizer, Llama2Tokenizer), HuggingFaceTokenizer, GPT2BPETokenizer")
     d.add_argument("--tokenizer-model", default=None)
     d.add_argument("--vocab-file", default=None)
     d.add_argument("--merge-file", default=None)
@@ -128,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
         d.add_argument(flag, action="store_true")
     d.add_argument("--num-workers", type=int, default=0)
 
+    t.add_argument("--loss-scale", type=float, default=None, help="constant fp16 loss scale (default: dynamic)")
+    t.add_argument("--optimizer", choices=["adam"], default="adam", help="AdamW (decoupled weight decay)")
+    for flag in UNSUPPORTED_FLAGS:
+        p.add_argument(flag, nargs="*", default=None, help=argparse.SUPPRESS)
     compat = p.add_argument_group("accepted for compatibility with Megatron-LM launch scripts (no effect)")
     for flag in COMPAT_NOOP_FLAGS:
         compat.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
@@ -145,18 +170,21 @@ def config_from_args(args: argparse.Namespace) -> Config:
     """Resolve flags (over the named model, over the defaults) into a Config. No validation yet."""
     from models.zoo import get_model_config  # models/ sits above megatron_lite: import late
 
-    if args.num_experts:
+    for flag, what in UNSUPPORTED_FLAGS.items():
+        if getattr(args, flag.lstrip("-").replace("-", "_")) is not None:
+            raise ConfigError(f"{flag} ({what}) is not supported by megatron-lite; remove it from the command line")
+    if args.num_experts is not None:
         raise ConfigError(f"--num-experts ({args.num_experts}): mixture-of-experts models are not implemented "
                           f"yet; drop --num-experts to train a dense model")
     named = get_model_config(args.model or DEFAULT_MODEL)
-    seq_length = args.seq_length or named.pop("seq_length", 1024)
+    seq_length = args.seq_length if args.seq_length is not None else named.pop("seq_length", 1024)
     named.pop("seq_length", None)
     overrides = {k: getattr(args, k) for k in (
         "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
         "max_position_embeddings", "rotary_base", "norm_epsilon", "attention_dropout", "hidden_dropout",
         "init_method_std", "make_vocab_size_divisible_by", "position_embedding_type", "normalization")
         if getattr(args, k) is not None}
-    if args.group_query_attention and args.num_query_groups:
+    if args.group_query_attention and args.num_query_groups is not None:
         overrides["num_query_groups"] = args.num_query_groups
     if args.attention_backend != "auto":
         overrides["attention_backend"] = args.attention_backend
@@ -180,7 +208,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
     model = ModelConfig(**{**named, **overrides})
 
     vpp = args.virtual_pipeline_model_parallel_size
-    if args.num_layers_per_virtual_pipeline_stage:
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        if args.num_layers_per_virtual_pipeline_stage < 1:
+            raise ConfigError(f"--num-layers-per-virtual-pipeline-stage ({args.num_layers_per_virtual_pipeline_stage}) "
+                              f"must be >= 1")
         per_pp = model.num_layers // max(1, args.pipeline_model_parallel_size)
         if per_pp % args.num_layers_per_virtual_pipeline_stage:
             raise ConfigError(
@@ -210,10 +241,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
     tdef.update(given)
     training = TrainingConfig(
         **tdef, global_batch_size=args.global_batch_size, seq_length=seq_length,
-        lr_warmup_iters=args.lr_warmup_iters or 0, lr_warmup_fraction=args.lr_warmup_fraction,
+        lr_warmup_iters=args.lr_warmup_iters if args.lr_warmup_iters is not None else 0, lr_warmup_fraction=args.lr_warmup_fraction,
         lr_decay_iters=args.lr_decay_iters, lr_decay_style=args.lr_decay_style, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
-        bf16=args.bf16, fp16=args.fp16, initial_loss_scale=args.initial_loss_scale,
+        bf16=args.bf16, fp16=args.fp16, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
         min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
         seed=args.seed, recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers, device=args.device, metrics_file=args.metrics_file,
@@ -228,9 +259,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
         training.lr_warmup_iters = 20  # the built-in default run
 
     data = DataConfig(
-        data_path=args.data_path or [], split=args.split, data_cache_path=args.data_cache_path,
+        data_path=args.data_path if args.data_path is not None else [], split=args.split, data_cache_path=args.data_cache_path,
         mock_data=args.mock_data, tokenizer_type=args.tokenizer_type or ("NullTokenizer" if args.mock_data and
-                                                                         args.vocab_size else "ByteTokenizer"),
+                                                                         args.vocab_size is not None
+                                                                         else "ByteTokenizer"),
         tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file, merge_file=args.merge_file,
         vocab_size=args.vocab_size, reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,

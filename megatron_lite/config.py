@@ -49,11 +49,12 @@ class ModelConfig:
     def __post_init__(self):
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
+        self._kv_channels_given = self.kv_channels is not None
         if self.kv_channels is None and self.num_attention_heads:
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.ffn_hidden_size is None:
-            if self.swiglu:  # Llama: 2/3 of 4h, rounded up to a multiple of 64
-                self.ffn_hidden_size = 64 * math.ceil(int(8 * self.hidden_size / 3) / 64)
+            if self.swiglu:  # Megatron-LM's rule: 2/3 of 4h, rounded down to a multiple of 64
+                self.ffn_hidden_size = int((4 * self.hidden_size * 2 / 3) / 64) * 64
             else:
                 self.ffn_hidden_size = 4 * self.hidden_size
 
@@ -91,10 +92,18 @@ class ModelConfig:
         _require(self.num_layers > 0, f"num_layers ({self.num_layers}) must be positive")
         _require(self.hidden_size > 0, f"hidden_size ({self.hidden_size}) must be positive")
         _require(self.num_attention_heads > 0, f"num_attention_heads ({self.num_attention_heads}) must be positive")
+        _require(self._kv_channels_given or self.hidden_size % self.num_attention_heads == 0,
+                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                 f"({self.num_attention_heads}), or set the head size with --kv-channels")
+        _require(self.num_query_groups is not None and self.num_query_groups > 0,
+                 f"num_query_groups ({self.num_query_groups}) must be positive")
+        _require(self.ffn_hidden_size > 0, f"ffn_hidden_size ({self.ffn_hidden_size}) must be positive")
+        _require(self.make_vocab_size_divisible_by >= 1,
+                 f"make_vocab_size_divisible_by ({self.make_vocab_size_divisible_by}) must be >= 1")
         _require(self.normalization in ("LayerNorm", "RMSNorm"),
                  f"normalization ({self.normalization}) must be LayerNorm or RMSNorm")
-        _require(self.position_embedding_type in ("learned_absolute", "rope"),
-                 f"position_embedding_type ({self.position_embedding_type}) must be learned_absolute or rope")
+        _require(self.position_embedding_type in ("learned_absolute", "rope", "none"),
+                 f"position_embedding_type ({self.position_embedding_type}) must be learned_absolute, rope or none")
         _require(self.activation in ("gelu", "gelu_tanh"), f"activation ({self.activation}) must be gelu or gelu_tanh")
         _require(self.num_attention_heads % self.num_query_groups == 0,
                  f"num_attention_heads ({self.num_attention_heads}) must be divisible by num_query_groups "
@@ -219,6 +228,7 @@ class TrainingConfig:
     clip_grad: float = 1.0
     bf16: bool = False
     fp16: bool = False
+    loss_scale: Optional[float] = None  # constant fp16 loss scale; None: dynamic
     initial_loss_scale: float = 2.0 ** 32
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
@@ -258,6 +268,14 @@ class TrainingConfig:
                  f"({self.micro_batch_size}) x data-parallel size ({dp}) = {self.micro_batch_size * dp}")
         _require(self.train_iters >= 0, f"train_iters ({self.train_iters}) must be >= 0")
         _require(self.seq_length >= 1, f"seq_length ({self.seq_length}) must be >= 1")
+        _require(self.global_batch_size >= 1, f"global_batch_size ({self.global_batch_size}) must be >= 1")
+        _require(self.eval_iters >= 0, f"eval_iters ({self.eval_iters}) must be >= 0")
+        _require(0 <= self.seed < 2 ** 32, f"seed ({self.seed}) must lie in [0, 2**32)")
+        _require(self.loss_scale is None or self.loss_scale > 0, f"loss_scale ({self.loss_scale}) must be positive")
+        _require(not (self.lr_warmup_iters and self.lr_warmup_fraction is not None),
+                 "--lr-warmup-iters and --lr-warmup-fraction are exclusive; choose one")
+        _require(self.lr >= 0 and self.min_lr >= 0 and self.min_lr <= self.lr,
+                 f"need 0 <= min_lr ({self.min_lr}) <= lr ({self.lr})")
         _require(not (self.bf16 and self.fp16), "--bf16 and --fp16 are exclusive; choose one")
         _require(self.lr_decay_style in ("cosine", "linear", "constant"),
                  f"lr_decay_style ({self.lr_decay_style}) must be cosine, linear or constant")
@@ -302,6 +320,7 @@ class Config:
         self.parallel.validate(world_size, self.model, self.training.seq_length)
         dp = self.parallel.data_parallel_size(world_size)
         self.training.validate(dp)
+        _require(self.data.num_workers >= 0, f"num_workers ({self.data.num_workers}) must be >= 0")
         self._validate_pipeline(self.training.num_microbatches(dp))
 
     def _validate_pipeline(self, num_microbatches: int) -> None:
@@ -318,4 +337,5 @@ class Config:
                                    self.model.num_layers)
 
     def to_dict(self) -> dict:
-        return {f.name: dict(vars(getattr(self, f.name))) for f in fields(self)}
+        return {f.name: {k: v for k, v in vars(getattr(self, f.name)).items() if not k.startswith("_")}
+                for f in fields(self)}

@@ -26,8 +26,10 @@ def _shape(layers, hidden, heads, **kw):
 MODELS: Dict[str, dict] = {
     # Tiny sizes: unit tests, the built-in default, laptops.
     "gpt2-tiny": dict(_GPT2, **_shape(2, 64, 4), vocab_size=257, max_position_embeddings=256, seq_length=128),
-    "gpt2-small-cpu": dict(_GPT2, **_shape(4, 256, 4), vocab_size=257, max_position_embeddings=256,
-                           seq_length=128, attention_dropout=0.0, hidden_dropout=0.0),
+    # The built-in default (no --model): Megatron-LM's GPT defaults (exact GELU, biases, tied
+    # embeddings) but no dropout, so that every parallel layout reproduces the same losses.
+    "gpt2-small-cpu": dict(_GPT2, **_shape(4, 256, 4), activation="gelu", vocab_size=257,
+                           max_position_embeddings=256, seq_length=128, attention_dropout=0.0, hidden_dropout=0.0),
     "llama-tiny": dict(_LLAMA, **_shape(2, 64, 4), num_query_groups=2, ffn_hidden_size=176, vocab_size=257,
                        max_position_embeddings=256, seq_length=128),
     "llama-20m": dict(_LLAMA, **_shape(6, 512, 8), num_query_groups=4, ffn_hidden_size=1408, vocab_size=2048,

@@ -44,6 +44,22 @@ CASES = [
     (4, ["--pipeline-model-parallel-size", "4", "--num-layers", "8", "--decoder-first-pipeline-num-layers", "3",
          "--global-batch-size", "4", "--micro-batch-size", "1"], ["num_layers (8)", "first (3)"]),
     (1, ["--virtual-pipeline-model-parallel-size", "2"], ["virtual pipeline stages (2)"]),
+    # values that must not be silently replaced or crash deep inside
+    (1, ["--num-attention-heads", "5"], ["hidden_size (64)", "num_attention_heads (5)", "--kv-channels"]),
+    (1, ["--ffn-hidden-size", "0"], ["ffn_hidden_size (0)"]),
+    (1, ["--make-vocab-size-divisible-by", "0"], ["make_vocab_size_divisible_by (0)"]),
+    (1, ["--seed", "-1"], ["seed (-1)"]),
+    (1, ["--num-workers", "-1"], ["num_workers (-1)"]),
+    (1, ["--seq-length", "0"], ["seq_length (0)"]),
+    (1, ["--group-query-attention", "--num-query-groups", "0"], ["num_query_groups (0)"]),
+    (1, ["--global-batch-size", "-4"], ["global_batch_size (-4)"]),
+    (1, ["--eval-iters", "-1"], ["eval_iters (-1)"]),
+    (1, ["--split", "0,100,0"], ["--split 0,100,0", "no training data"]),
+    (1, ["--lr-warmup-iters", "5", "--lr-warmup-fraction", "0.1"], ["exclusive"]),
+    (1, ["--rampup-batch-size", "16", "16", "1000"], ["--rampup-batch-size", "not supported"]),
+    (1, ["--no-such-flag"], ["unrecognized arguments: --no-such-flag"]),
+    (1, ["--lr-decay-style", "exponential"], ["--lr-decay-style", "exponential"]),
+    (1, ["--tokenizer-type", "FancyTokenizer"], ["FancyTokenizer"]),
 ]
 
 

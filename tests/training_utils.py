@@ -67,11 +67,12 @@ def train_and_gather(rank, world, argv, trace=False):
         executor.trace = []
     history = trainer.train()
     params = {}
-    for chunk in trainer.chunks:
-        for name, p in chunk.named_parameters():
-            if getattr(p, "shared_embedding", False) and not chunk.pre_process:
-                continue  # the last stage's copy of the tied embedding
-            params[name] = gather_full_param(p.data, p, trainer.dims).float()
+    with trainer.grad_sync.gathered_params():  # ZeRO-3 keeps only shards between steps
+        for chunk in trainer.chunks:
+            for name, p in chunk.named_parameters():
+                if getattr(p, "shared_embedding", False) and not chunk.pre_process:
+                    continue  # the last stage's copy of the tied embedding
+                params[name] = gather_full_param(p.data, p, trainer.dims).float()
     return history, params, (executor.trace if trace and executor is not None else None), trainer.dims.pp_rank
 
 

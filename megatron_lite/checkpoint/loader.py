@@ -80,7 +80,8 @@ def _same_layout(saved: dict, dims) -> bool:
 def _schedule_notes(saved: dict, ours: dict) -> List[str]:
     """The LR schedule is a function of the iteration and the flags: this run's flags win (e.g. a
     longer --train-iters stretches the decay, as intended); say so when they changed."""
-    changed = [f"{k} {saved[k]} -> {v}" for k, v in ours.items() if k in saved and saved[k] != v]
+    changed = [f"{k} {saved[k]} -> {v}" for k, v in ours.items()
+               if k in saved and k != "num_steps" and saved[k] != v]
     return [f"LR schedule from this run's flags ({', '.join(changed)})"] if changed else []
 
 
@@ -118,6 +119,8 @@ def load_checkpoint(trainer, path: str, *, load_optim: bool = True, load_rng: bo
                              "from the seed")
     if not finetune:
         trainer.iteration = meta["iteration"]
+        # Updates made so far (fewer than iterations when fp16 skipped some): where the LR schedule is.
+        trainer.lr_schedule.num_steps = meta["lr_scheduler"].get("num_steps", meta["iteration"])
         trainer.consumed_samples = meta["consumed_samples"]
         trainer.consumed_valid_samples = meta.get("consumed_valid_samples", 0)
     if load_optim:

@@ -72,7 +72,9 @@ class DistributedOptimizer:
         self.sync, self.tcfg, self.dims = grad_sync, tcfg, grad_sync.dims
         self.sharded = grad_sync.stage >= 1 and grad_sync.dp > 1
         self.shards = [_ShardState(b, self.dims) for b in grad_sync.buckets]
-        if tcfg.fp16:
+        if tcfg.fp16 and tcfg.loss_scale is not None:
+            self.scaler = ConstantLossScaler(tcfg.loss_scale)
+        elif tcfg.fp16:
             self.scaler = DynamicLossScaler(tcfg.initial_loss_scale, tcfg.min_loss_scale, tcfg.loss_scale_window,
                                             tcfg.hysteresis)
         else:

@@ -137,7 +137,7 @@ class Trainer:
         while self.iteration < t.train_iters:
             self.checkpointing.poll()  # commit a background save every rank has finished
             self.iteration += 1
-            lr = self.lr_schedule.lr(self.iteration)
+            lr = self.lr_schedule.lr()
             comm.COMM_COUNTER.reset()
             comm.COMM_COUNTER.enabled = t.log_comm_volume
             start = time.perf_counter()
@@ -147,6 +147,8 @@ class Trainer:
                 torch.cuda.synchronize()
             step_time = time.perf_counter() - start
             comm.COMM_COUNTER.enabled = False
+            if out["update_successful"]:
+                self.lr_schedule.step()
             self.consumed_samples += t.global_batch_size
             rec = self._record(out, lr, step_time, tokens_per_step, mem if self.iteration == 1 else None)
             if self.valid_iter is not None and (self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters):

@@ -37,6 +37,7 @@ class MetricsLogger:
         self.file = None
         self.tb = None
         self.wandb = None
+        self._window = []  # losses since the last console line
         if not enabled:
             return
         if tcfg.metrics_file:
@@ -55,8 +56,14 @@ class MetricsLogger:
             clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
             self.file.write(json.dumps(clean, allow_nan=False) + "\n")
             self.file.flush()
-        if console:
-            print(_console_line(rec, self.tcfg.train_iters), flush=True)
+        if rec.get("lm_loss") is not None and not rec.get("skipped"):
+            self._window.append(rec["lm_loss"])
+        if console:  # like Megatron-LM: the loss averaged over the iterations since the last line
+            shown = dict(rec)
+            if self._window:
+                shown["lm_loss"] = sum(self._window) / len(self._window)
+            self._window = []
+            print(_console_line(shown, self.tcfg.train_iters), flush=True)
         scalars = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "iteration"}
         if self.tb:
             for k, v in scalars.items():
