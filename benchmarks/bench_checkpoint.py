@@ -1,17 +1,20 @@
 #!/usr/bin/env python
 """Checkpoint save and load for a ~100M-parameter GPT at DP=2 on CPU: synchronous vs --async-save.
 
-    python benchmarks/bench_checkpoint.py [--num-layers 14] [--hidden-size 768] [--iters 10] [--interval 3]
+    python benchmarks/bench_checkpoint.py [--num-layers 14] [--hidden-size 768] [--iters 16] [--interval 5] [--repeats 2]
 
 Three training runs of the same command in fresh worlds of forked gloo ranks (ZeRO-1, fp32):
 no checkpoints, `--save-interval` synchronous, and the same with `--async-save`. "Blocked" is the
 time the training loop spent inside checkpoint calls for a save (snapshot and file writing for
 a synchronous save; snapshot copies, the completion polls and the commit for an asynchronous
-one; the slower rank counts). "Slowdown" is the extra step time of the iterations after a save,
-until the next one, against the median step of the run without checkpoints (a background writer
-shares the 2 cores). Lost per save = blocked + slowdown; the last save of a run (at the end of
-training) is left out. Then the checkpoint is loaded at the same layout, resharded into DP=1,
-and into TP=2: the time of the whole load (read, fill, param all-gather), the slower rank.
+one; the slower rank counts). "Slowdown" is the extra time of the steps after a save up to the
+next one (a background writer shares the 2 cores and the disk) over the median step of the run
+without checkpoints just before. Lost per save = blocked + slowdown, for the mid-run saves
+whose following steps all ran. "Write" is how long writing a rank's file took (in the
+background with --async-save). The trio runs `--repeats` times, interleaved, because the load of
+this shared machine drifts. Then the checkpoint is loaded at the same layout, resharded into
+DP=1, and into TP=2: the whole load (read, fill, param all-gather), the slower rank, from a warm
+page cache (the files were just written).
 """
 from __future__ import annotations
 
@@ -39,9 +42,9 @@ def worker(rank, world, argv):
     cfg, tokenizer = resolve(argv)
     trainer = Trainer(cfg, tokenizer, torch.device("cpu"))
     history = trainer.train()
-    return {"steps": {r["iteration"]: r["step_time_s"] for r in history},
-            "blocked": dict(trainer.checkpointing.blocked_s), "load_s": trainer.checkpointing.load_s,
-            "params": cfg.model.num_parameters()}
+    ckpt = trainer.checkpointing
+    return {"steps": {r["iteration"]: r["step_time_s"] for r in history}, "blocked": dict(ckpt.blocked_s),
+            "write": dict(ckpt.write_s), "load_s": ckpt.load_s, "params": cfg.model.num_parameters()}
 
 
 def slowest(results, what):
@@ -50,22 +53,20 @@ def slowest(results, what):
     return {k: max(r[what].get(k, 0.0) for r in results) for k in keys}
 
 
-def lost_per_save(results, baseline_step, saves, last):
-    blocked, steps = slowest(results, "blocked"), slowest(results, "steps")
-    out = []
-    for i, it in enumerate(saves):
-        following = range(it + 1, (saves[i + 1] if i + 1 < len(saves) else last) + 1)
-        slowdown = sum(steps[j] - baseline_step for j in following if j in steps and j not in saves)
-        out.append((blocked.get(it, 0.0), slowdown))
-    return out
+def per_save(results, saves, interval, baseline):
+    """(blocked, slowdown, write) seconds per mid-run save."""
+    blocked, steps, write = slowest(results, "blocked"), slowest(results, "steps"), slowest(results, "write")
+    return [(blocked.get(i, 0.0), sum(steps[j] - baseline for j in range(i + 1, i + interval)), write.get(i, 0.0))
+            for i in saves]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-layers", type=int, default=14)
     ap.add_argument("--hidden-size", type=int, default=768)
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--interval", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=16)
+    ap.add_argument("--interval", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
     args = ap.parse_args()
     root = args.dir or tempfile.mkdtemp(prefix="bench_ckpt_")
@@ -76,29 +77,28 @@ def main() -> None:
     dp2 = model + ["--use-distributed-optimizer"]
     print(f"machine: {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}; checkpoints in {root}")
 
-    base = run_distributed(worker, 2, dp2)
-    steps = slowest(base, "steps")
-    baseline = statistics.median(steps[i] for i in steps if i > 1)
-    print(f"model: {base[0]['params'] / 1e6:.1f}M parameters; DP=2 ZeRO-1 fp32; median step {baseline:.2f} s")
-
-    saves = list(range(args.interval, args.iters, args.interval))  # mid-run saves (the end save is left out)
-    rows = {}
-    for name, extra in (("synchronous", []), ("--async-save", ["--async-save"])):
-        d = os.path.join(root, name.strip("-"))
-        shutil.rmtree(d, ignore_errors=True)
-        res = run_distributed(worker, 2, dp2 + ["--save", d, "--save-interval", str(args.interval), "--keep-last", "2"] + extra)
-        rows[name] = lost_per_save(res, baseline, saves, args.iters)
-    ckpt = os.path.join(root, "synchronous")
+    saves = list(range(args.interval, args.iters - args.interval + 1, args.interval))  # with all next steps run
+    print("| repeat | save mode | median step without saves (s) | write (s) | blocked per save (s) "
+          "| slowdown after it (s) | lost per save (s) | lost / step |")
+    print("|---|---|---|---|---|---|---|---|")
+    for repeat in range(args.repeats):
+        base = run_distributed(worker, 2, dp2)
+        steps = slowest(base, "steps")
+        baseline = statistics.median(t for i, t in steps.items() if i > 1)
+        for name, extra in (("synchronous", []), ("--async-save", ["--async-save"])):
+            ckpt = os.path.join(root, name.strip("-"))
+            shutil.rmtree(ckpt, ignore_errors=True)
+            res = run_distributed(worker, 2, dp2 + ["--save", ckpt, "--save-interval", str(args.interval),
+                                                    "--keep-last", "2"] + extra)
+            per = per_save(res, saves, args.interval, baseline)
+            b, s, w = (statistics.median(x[k] for x in per) for k in range(3))
+            print(f"| {repeat + 1} | {name} | {baseline:.2f} | {w:.2f} | {b:.2f} | {s:.2f} | {b + s:.2f} "
+                  f"| {(b + s) / baseline:.2f} |", flush=True)
     meta = read_metadata(os.path.join(ckpt, f"iter_{read_tracker(ckpt):07d}"))
     size = sum(f["bytes"] for f in meta["files"].values())
     per_file = ", ".join(f"{f['bytes'] / 2**20:.0f}" for f in meta["files"].values())
-    print(f"checkpoint: {size / 2**20:.0f} MiB in {len(meta['files'])} files ({per_file} MiB)\n")
-    print("| save mode | blocked per save (s) | slowdown after it (s) | lost per save (s) | lost / step |")
-    print("|---|---|---|---|---|")
-    for name, per in rows.items():
-        b = statistics.median(x for x, _ in per)
-        s = statistics.median(y for _, y in per)
-        print(f"| {name} | {b:.2f} | {s:.2f} | {b + s:.2f} | {(b + s) / baseline:.2f} |")
+    print(f"\nmodel: {base[0]['params'] / 1e6:.1f}M parameters, DP=2 ZeRO-1 fp32; checkpoint {size / 2**20:.0f} MiB "
+          f"in {len(meta['files'])} files ({per_file} MiB); mid-run saves measured at {saves}")
 
     print("\n| load into | ranks | load time (s) | MB/s read |")
     print("|---|---|---|---|")
