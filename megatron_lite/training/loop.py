@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import resource
+import sys
 import time
 from datetime import timedelta
 from typing import Dict, List, Optional
@@ -178,6 +180,9 @@ class Trainer:
             rec["mfu"] = tflops / self.peak_tflops
         if self.device.type == "cuda":
             rec["max_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        else:  # peak resident memory of this process (KiB on Linux, bytes on macOS)
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            rec["max_memory_gb"] = rss / (2**30 if sys.platform == "darwin" else 2**20)
         if mem is not None:
             rec.update(mem)
         if self.cfg.training.log_comm_volume:
