@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 import torch.distributed as dist
@@ -92,14 +92,6 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group, out_splits=None, in_
         return None
     COMM_COUNTER.add("all_to_all", _nbytes(inp))
     return dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group)
-
-
-def broadcast(t: torch.Tensor, src: int, group):
-    """Broadcast from global rank `src`. `group=None` means a single-member group (no-op)."""
-    if group_size(group) == 1:
-        return None
-    COMM_COUNTER.add("broadcast", _nbytes(t))
-    return dist.broadcast(t, src=src, group=group)
 
 
 def record_p2p(t: torch.Tensor) -> None:
@@ -220,10 +212,6 @@ def reduce_from_tp(x, group):
     return x if group_size(group) == 1 else _ReduceFromRegion.apply(x, group)
 
 
-def scatter_to_tp(x, group, dim: int = -1):
-    return x if group_size(group) == 1 else _ScatterToRegion.apply(x, group, dim % x.dim())
-
-
 def gather_from_tp(x, group, dim: int = -1):
     return x if group_size(group) == 1 else _GatherFromRegion.apply(x, group, dim % x.dim(), False)
 
@@ -243,10 +231,3 @@ def gather_from_sp(x, group, tensor_parallel_output_grad: bool = True):
 
 def reduce_scatter_to_sp(x, group):
     return x if group_size(group) == 1 else _ReduceScatterToRegion.apply(x, group, 0)
-
-
-def sync_tensor(t: torch.Tensor, group: Optional[dist.ProcessGroup], src_rank_in_group: int = 0) -> None:
-    """Broadcast t from one member of `group` to all (no-op on a single rank)."""
-    if group_size(group) == 1:
-        return
-    broadcast(t, dist.get_global_rank(group, src_rank_in_group), group)

@@ -2,9 +2,8 @@
 backward (besides data parallelism), and which ranks count a parameter in the global norm."""
 from __future__ import annotations
 
-from typing import Iterable, List
+from typing import Iterable
 
-import torch
 import torch.nn as nn
 
 from . import comm
@@ -41,9 +40,3 @@ def counts_in_norm(p: nn.Parameter, dims: ParallelDims) -> bool:
     if getattr(p, "tensor_model_parallel", False):
         return dims.tp_rank % getattr(p, "tp_replicas", 1) == 0
     return dims.tp_rank == 0
-
-
-def local_grad_sq_norm(grads: List[torch.Tensor]) -> torch.Tensor:
-    if not grads:
-        return torch.zeros((), dtype=torch.float32)
-    return torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()

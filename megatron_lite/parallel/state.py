@@ -11,7 +11,6 @@ coexist (tests build one per layout).
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -176,12 +175,3 @@ def group_size(group) -> int:
 
 def group_rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
-
-
-def all_layouts(world_size: int, max_tp: int = 8) -> List[Tuple[int, int, int]]:
-    """(tp, pp, dp) triples covering world_size; handy for tests and planning tools."""
-    out = []
-    for tp, pp in itertools.product(range(1, max_tp + 1), range(1, world_size + 1)):
-        if world_size % (tp * pp) == 0:
-            out.append((tp, pp, world_size // (tp * pp)))
-    return out

@@ -119,9 +119,6 @@ class WeightGradStore:
         for x, g, weight, bias in queue:
             _weight_grads(x, g, weight, bias)
 
-    def flush(self) -> None:
-        self.run(self.take())
-
 
 WEIGHT_GRAD_STORE = WeightGradStore()
 

@@ -116,9 +116,6 @@ class Trainer:
     def _next_batches(self, it) -> List[Dict[str, torch.Tensor]]:
         return [move_batch(next(it), self.device) for _ in range(self.num_microbatches)]
 
-    def memory_report(self) -> Dict[str, int]:
-        return self.optimizer.memory_bytes()
-
     def evaluate(self) -> Optional[float]:
         losses = []
         for _ in range(self.cfg.training.eval_iters):
@@ -129,7 +126,7 @@ class Trainer:
     def train(self) -> List[dict]:
         t, dims = self.cfg.training, self.dims
         history = []
-        mem = self.memory_report()
+        mem = self.optimizer.memory_bytes()
         self.logger.info(
             f"> model: {self.cfg.model.num_parameters() / 1e6:.2f}M parameters | layout tp={dims.tp} pp={dims.pp} "
             f"vpp={dims.vpp} cp={dims.cp} dp={dims.dp} | zero stage {self.cfg.parallel.zero_stage} | "
