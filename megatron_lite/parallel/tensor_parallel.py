@@ -119,6 +119,10 @@ class WeightGradStore:
         for x, g, weight, bias in queue:
             _weight_grads(x, g, weight, bias)
 
+    def flush(self) -> None:
+        """Run every queued weight-gradient pass now."""
+        self.run(self.take())
+
 
 WEIGHT_GRAD_STORE = WeightGradStore()
 
