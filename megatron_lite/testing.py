@@ -94,4 +94,27 @@ def assert_state_close(actual: dict, expected: dict, rtol: float = 1e-5, what: s
         assert_close(actual[name], expected[name], rtol=rtol, atol=rtol * total, what=f"{what} {name}")
 
 
-__all__ = ["run_distributed", "assert_close", "assert_state_close", "WorkerError"]
+def assert_same_run(reference, other, rtol: float = 1e-5, grad_norm_rtol: float = None, params=None,
+                    ref_params=None, what: str = ""):
+    """Two runs agree: the same number of iterations, and per iteration `lm_loss` and `grad_norm`
+    within rtol (grad_norm_rtol if given) of the reference; then, where given, the final parameters
+    (`assert_state_close`). `reference` / `other`: lists of per-iteration records (dicts with
+    'lm_loss' and optionally 'grad_norm'), or plain lists of losses."""
+    def as_records(run):
+        return [r if isinstance(r, dict) else {"lm_loss": r} for r in run]
+
+    ref, got = as_records(reference), as_records(other)
+    assert len(got) == len(ref), f"{what}: {len(got)} iterations vs {len(ref)} in the reference"
+    gn_rtol = rtol if grad_norm_rtol is None else grad_norm_rtol
+    for i, (a, b) in enumerate(zip(got, ref)):
+        for key, tol in (("lm_loss", rtol), ("grad_norm", gn_rtol)):
+            if b.get(key) is None:
+                continue
+            assert a.get(key) is not None, f"{what}: iteration {i + 1} has no {key}"
+            assert abs(a[key] - b[key]) <= tol * abs(b[key]), \
+                f"{what}: iteration {i + 1}: {key} {a[key]!r} vs reference {b[key]!r} (rtol {tol:.0e})"
+    if params is not None:
+        assert_state_close(params, ref_params, rtol=rtol, what=f"{what} parameters")
+
+
+__all__ = ["run_distributed", "assert_close", "assert_state_close", "assert_same_run", "WorkerError"]

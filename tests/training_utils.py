@@ -82,3 +82,11 @@ def merged_params(results):
         for k, v in params.items():
             out.setdefault(k, v)
     return out
+
+
+def records_of(histories):
+    """The per-iteration records of whichever rank logged the loss (the last pipeline stage)."""
+    for h in histories:
+        if h and h[0]["lm_loss"] is not None:
+            return h
+    raise AssertionError("no rank reported lm_loss")

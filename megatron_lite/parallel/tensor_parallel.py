@@ -144,7 +144,9 @@ class _LinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        ctx.bias = bias
+        # The parameters themselves, for deferred accumulation: under activation recomputation
+        # the saved tensors come back as detached copies, and a gradient put on one is lost.
+        ctx.weight, ctx.bias = weight, bias
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -152,7 +154,7 @@ class _LinearFn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_x = g.matmul(weight) if ctx.needs_input_grad[0] else None
         if WEIGHT_GRAD_STORE.deferring:
-            WEIGHT_GRAD_STORE.queue.append((x, g, weight, ctx.bias))
+            WEIGHT_GRAD_STORE.queue.append((x, g, ctx.weight, ctx.bias))
             return grad_x, None, None
         g2 = g.reshape(-1, g.shape[-1])
         grad_w = g2.t().matmul(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
