@@ -27,6 +27,8 @@ from ..parallel.state import ParallelDims
 from .adam import adamw_
 from .loss_scaler import ConstantLossScaler, DynamicLossScaler
 
+_NORM_SLICE = 1 << 18  # elements per float64 slice of the gradient norm
+
 
 def no_weight_decay(name: str, ndim: int) -> bool:
     """Biases and norm weights (every 1-D parameter) are not decayed."""
@@ -101,11 +103,15 @@ class DistributedOptimizer:
         return bool(self._all_reduce(flag, dist.ReduceOp.MAX).item())
 
     def _grad_norm(self, grads: List[torch.Tensor]) -> float:
-        sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
+        """sqrt of the sum of squares over every distinct gradient element of the model, summed in
+        float64 (slice by slice, so the float64 copies stay small): float32 sums over millions of
+        elements drift by 1e-5, which would make the clipping coefficient depend on the layout."""
+        sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)
         for s, g in zip(self.shards, grads):
             for lo, hi in s.norm:
-                seg = g[lo:hi]
-                sq += torch.dot(seg, seg)
+                for a in range(lo, hi, _NORM_SLICE):
+                    seg = g[a:min(hi, a + _NORM_SLICE)].double()
+                    sq += torch.dot(seg, seg)
         return math.sqrt(self._all_reduce(sq).item())
 
     @torch.no_grad()
