@@ -12,7 +12,8 @@ import os
 import sys
 
 from megatron_lite.arguments import parse_args
-from megatron_lite.config import Config, ConfigError
+from megatron_lite.config import Config
+from megatron_lite.errors import ConfigError
 
 
 def resolve(argv=None) -> tuple:
@@ -46,9 +47,11 @@ def main(argv=None) -> int:
     init_distributed(device)
     try:
         Trainer(cfg, tokenizer, device).train()
-    except ConfigError as e:  # found while building (e.g. a dataset file): still one line
+    except ConfigError as e:  # found after the world exists: every rank raised the same one
         if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            dist.barrier()  # exit together, so that the launcher sees every rank exit 2
         return 2
     finally:
         if dist.is_initialized():

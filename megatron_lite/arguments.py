@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 from typing import List, Optional
 
-from .config import Config, ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainingConfig
+from .config import Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig
+from .errors import ConfigError
 
 DEFAULT_MODEL = "gpt2-small-cpu"
 
@@ -129,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load only the weights from --load; iteration and consumed samples start at 0")
     o.add_argument("--no-load-optim", action="store_true", help="do not load optimizer state or LR schedule")
     o.add_argument("--no-load-rng", action="store_true", help="do not load RNG states")
+    o.add_argument("--no-verify-checkpoint", action="store_false", dest="verify_checkpoint",
+                   help="do not check the checkpoint's checksums on load")
     o.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM, save after the current iteration and exit 0")
     o.add_argument("--exit-duration-in-mins", type=float, default=None)
@@ -252,7 +255,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name, wandb_save_dir=args.wandb_save_dir,
         save=args.save, load=args.load, save_interval=args.save_interval, async_save=args.async_save,
         keep_last=args.keep_last, finetune=args.finetune, no_load_optim=args.no_load_optim,
-        no_load_rng=args.no_load_rng, exit_signal_handler=args.exit_signal_handler,
+        no_load_rng=args.no_load_rng, verify_checkpoint=args.verify_checkpoint, exit_signal_handler=args.exit_signal_handler,
         exit_duration_in_mins=args.exit_duration_in_mins, exit_interval=args.exit_interval)
     if args.model is None and args.lr_warmup_iters is None and args.lr_warmup_fraction is None \
             and args.train_iters is None:

@@ -11,9 +11,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import List, Optional
 
-
-class ConfigError(ValueError):
-    """A configuration that cannot run. The message says what is wrong and how to fix it."""
+from .errors import ConfigError
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -255,6 +253,7 @@ class TrainingConfig:
     finetune: bool = False  # load only the weights; iteration and consumed samples start at 0
     no_load_optim: bool = False
     no_load_rng: bool = False
+    verify_checkpoint: bool = True  # check checksums on load (--no-verify-checkpoint skips)
     exit_signal_handler: bool = False  # SIGTERM: save after the current iteration, exit 0
     exit_duration_in_mins: Optional[float] = None
     exit_interval: Optional[int] = None

@@ -28,8 +28,9 @@ def _worker(rank: int, world_size: int, tmp: str, fn: Callable, args: tuple) -> 
         result = fn(rank, world_size, *args)
         with open(os.path.join(tmp, f"result_{rank}.pt"), "wb") as f:
             torch.save(result, f)
-        dist.barrier()
-        dist.destroy_process_group()
+        if dist.is_initialized():  # fn may have ended the world itself (pretrain_gpt.main does)
+            dist.barrier()
+            dist.destroy_process_group()
     except BaseException:  # report everything, including assertion failures, to the parent
         with open(os.path.join(tmp, f"error_{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Dict
 
-from megatron_lite.config import ConfigError
+from megatron_lite.errors import ConfigError
 
 _GPT2 = dict(normalization="LayerNorm", position_embedding_type="learned_absolute", swiglu=False,
              activation="gelu_tanh", add_bias_linear=True, untie_embeddings_and_output_weights=False,

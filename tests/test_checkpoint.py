@@ -169,7 +169,7 @@ def test_async_saves_prune_and_record_the_layout(tmp_path):
     assert sorted(meta["files"]) == ["shard_00000.safetensors", "shard_00001.safetensors"]
     for name, entry in meta["files"].items():
         assert os.path.getsize(os.path.join(tmp_path, "iter_0000006", name)) == entry["bytes"]
-    keys = {k for entry in meta["files"].values() for k, _, _ in entry["pieces"].values()}
+    keys = {k for entry in meta["files"].values() for k, *_ in entry["pieces"].values()}
     assert "optim/final_norm.weight/exp_avg_sq" in keys and not any(k.endswith("/main") for k in keys)
     assert {k for k in keys if k.startswith("rng/")} >= {"rng/tp0_cp0_dp0_pp0/cpu", "rng/tp0_cp0_dp1_pp0/cpu"}
     assert_exact_coverage(os.path.join(tmp_path, "iter_0000006"))
@@ -271,7 +271,7 @@ def test_incomplete_checkpoint_is_refused(small_checkpoint, tmp_path):
     (["--save", "x", "--keep-last", "0"], "--keep-last (0) must be >= 1"),
 ])
 def test_checkpoint_flag_validation(argv, message):
-    from megatron_lite.config import ConfigError
+    from megatron_lite.errors import ConfigError
     from pretrain_gpt import resolve
     with pytest.raises(ConfigError) as e:
         resolve(TINY + argv)

@@ -5,7 +5,8 @@ import struct
 import numpy as np
 import pytest
 
-from megatron_lite.config import ConfigError, DataConfig
+from megatron_lite.config import DataConfig
+from megatron_lite.errors import ConfigError
 from megatron_lite.data import build_tokenizer, build_train_valid_test_datasets
 from megatron_lite.data.indexed_dataset import IndexedDatasetWriter
 

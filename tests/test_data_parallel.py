@@ -5,7 +5,8 @@ import torch
 import torch.nn as nn
 
 from megatron_lite.arguments import parse_args
-from megatron_lite.config import ConfigError, ModelConfig, ParallelConfig, TrainingConfig
+from megatron_lite.config import ModelConfig, ParallelConfig, TrainingConfig
+from megatron_lite.errors import ConfigError
 from megatron_lite.optim.optimizer import build_optimizer
 from megatron_lite.parallel.state import ParallelDims
 from megatron_lite.parallel.tensor_parallel import WEIGHT_GRAD_STORE

@@ -8,7 +8,7 @@ import sysconfig
 import numpy as np
 import pytest
 
-from megatron_lite.config import ConfigError
+from megatron_lite.errors import ConfigError
 from megatron_lite.data.indexed_dataset import IndexedDataset
 from megatron_lite.data.tokenizers import build_tokenizer
 from tools import preprocess_data, train_tokenizer

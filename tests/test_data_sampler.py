@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from megatron_lite.config import ConfigError
+from megatron_lite.errors import ConfigError
 from megatron_lite.data import build_pretraining_data_loader
 from megatron_lite.data.sampler import PretrainingBatchSampler
 

@@ -6,7 +6,7 @@ import sysconfig
 import pytest
 import regex
 
-from megatron_lite.config import ConfigError
+from megatron_lite.errors import ConfigError
 from megatron_lite.data.tokenizers import build_tokenizer
 
 TEXTS = ["Hello world!  Two  spaces,\ttabs\nand newlines.", "ünïcödé 日本語 😀", " leading", "don't we'll 1234"]

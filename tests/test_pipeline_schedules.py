@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from megatron_lite.config import ConfigError
+from megatron_lite.errors import ConfigError
 from megatron_lite.parallel.pipeline.schedules import (
     Action, build_schedule, comm_peer, compute_orders, default_schedule, group_steps,
     validate_schedule_args)

@@ -92,7 +92,7 @@ def test_llama_tp2_pp2_sequence_parallel_matches_single_process():
     (-1, None, "(-1) must be >= 0"),
 ])
 def test_impossible_uneven_splits_are_config_errors(first, last, fragment):
-    from megatron_lite.config import ConfigError
+    from megatron_lite.errors import ConfigError
     from megatron_lite.parallel.pipeline.partition import stage_layer_ranges
     with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         stage_layer_ranges(4, 4, 1, first, last)

@@ -33,7 +33,8 @@ import torch  # noqa: E402
 from safetensors import SafetensorError  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from megatron_lite.config import ConfigError, ModelConfig  # noqa: E402
+from megatron_lite.config import ModelConfig  # noqa: E402
+from megatron_lite.errors import ConfigError  # noqa: E402
 from models.hf_conversion import (ConversionError, hf_config_to_model_config, hf_to_megatron_lite,  # noqa: E402
                                   megatron_lite_to_hf, model_config_to_hf_config, model_family)
 
@@ -151,7 +152,7 @@ def cmd_consolidate(args) -> None:
     from megatron_lite.checkpoint.offline import full_weights, open_checkpoint
 
     dtype = DTYPES[args.dtype]
-    with open_checkpoint(args.load, args.iteration) as reader:
+    with open_checkpoint(args.load, args.iteration, args.verify_checkpoint) as reader:
         cfg = ModelConfig(**reader.meta["model_config"])
         state = full_weights(reader, fp32_from_main=dtype == torch.float32)
         iteration = reader.meta["iteration"]
@@ -177,7 +178,7 @@ def cmd_reshard(args) -> None:
     from megatron_lite.config import ParallelConfig
 
     tp, pp, dp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size
-    with open_checkpoint(args.load, args.iteration) as reader:
+    with open_checkpoint(args.load, args.iteration, args.verify_checkpoint) as reader:
         cfg = ModelConfig(**reader.meta["model_config"])
         vpp = 1
         if args.num_layers_per_virtual_pipeline_stage:
@@ -193,6 +194,8 @@ def cmd_reshard(args) -> None:
 def _add_checkpoint_source(p) -> None:
     p.add_argument("--load", required=True, help="checkpoint root (its latest) or an iter_* directory")
     p.add_argument("--iteration", type=int, default=None, help="this iteration instead of the latest")
+    p.add_argument("--no-verify-checkpoint", action="store_false", dest="verify_checkpoint",
+                   help="do not check the checkpoint's checksums")
 
 
 def _add_consolidate(sub) -> None:

@@ -14,7 +14,7 @@ import sys
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_lite.config import ConfigError  # noqa: E402
+from megatron_lite.errors import ConfigError  # noqa: E402
 from megatron_lite.parallel.pipeline.schedules import (  # noqa: E402
     SCHEDULES, build_schedule, default_schedule, validate_schedule_args)
 from megatron_lite.parallel.pipeline.simulator import (  # noqa: E402

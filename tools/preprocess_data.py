@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
-from megatron_lite.config import ConfigError  # noqa: E402
+from megatron_lite.errors import ConfigError  # noqa: E402
 from megatron_lite.data.indexed_dataset import IndexedDatasetWriter, optimal_dtype  # noqa: E402
 from megatron_lite.data.tokenizers import ByteTokenizer, build_tokenizer  # noqa: E402
 

@@ -15,10 +15,12 @@ import json
 import os
 import re
 import shutil
+import socket
+import sys
 from typing import List, Optional, Tuple
 
 from .faults import fault_point
-from .files import FORMAT, CheckpointError, fsync_dir, write_text_atomic
+from .files import FORMAT, CheckpointError, fsync_dir, metadata_checksum, write_text_atomic
 
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "metadata.json"
@@ -64,7 +66,7 @@ def resolve(path: str, iteration: Optional[int] = None) -> Tuple[str, int]:
     return iter_dir(path, iteration), iteration
 
 
-def read_metadata(ckpt_dir: str) -> dict:
+def read_metadata(ckpt_dir: str, verify: bool = True) -> dict:
     path = os.path.join(ckpt_dir, METADATA)
     if not os.path.isdir(ckpt_dir):
         raise CheckpointError(f"checkpoint directory {ckpt_dir} does not exist")
@@ -76,6 +78,9 @@ def read_metadata(ckpt_dir: str) -> dict:
             meta = json.load(f)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path} cannot be read: {e}") from e
+    if verify and "checksum" in meta and meta["checksum"] != metadata_checksum(meta):
+        raise CheckpointError(f"{path} is corrupted: its content does not match its checksum; load an earlier "
+                              f"checkpoint (or pass --no-verify-checkpoint to load it anyway)")
     if meta.get("format") != FORMAT or meta.get("version", 0) > VERSION:
         raise CheckpointError(f"{path}: format {meta.get('format')!r} version {meta.get('version')!r} is not "
                               f"{FORMAT!r} version <= {VERSION}")
@@ -85,6 +90,7 @@ def read_metadata(ckpt_dir: str) -> dict:
 def commit(root: str, iteration: int, meta: dict) -> str:
     """Rank 0, once every rank's file is in the staging directory: metadata.json, rename, tracker."""
     staging, final = staging_dir(root, iteration), iter_dir(root, iteration)
+    meta = dict(meta, checksum=metadata_checksum(meta))
     write_text_atomic(os.path.join(staging, METADATA), json.dumps(meta, indent=1, sort_keys=True) + "\n")
     old = None
     if os.path.exists(final):  # the same iteration saved again: swap, then drop the old copy
@@ -98,6 +104,29 @@ def commit(root: str, iteration: int, meta: dict) -> str:
     if old:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def check_save_dir(root: str, expected_bytes: int, rank: int) -> None:
+    """At start-up, on every rank (each writes its own file): ROOT can be created and written, so
+    that a bad --save stops the run now rather than at the first save hours later; warn when the
+    free space is below one checkpoint's expected size."""
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"--save {root} cannot be created ({e.strerror or e}); choose a writable "
+                              f"directory") from e
+    probe = os.path.join(root, f".write_test.{socket.gethostname()}.{os.getpid()}")
+    try:
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise CheckpointError(f"--save {root} is not writable ({e.strerror or e}); choose a writable "
+                              f"directory") from e
+    free = shutil.disk_usage(root).free
+    if rank == 0 and free < expected_bytes:
+        print(f"warning: --save {root} has {free / 2**30:.1f} GiB free, less than one checkpoint "
+              f"(about {expected_bytes / 2**30:.1f} GiB): saves will fail", file=sys.stderr, flush=True)
 
 
 def complete_iterations(root: str) -> List[int]:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import os
 import struct
+import zlib
 from typing import Dict, List, Sequence, Tuple
 
 import torch
 from safetensors import safe_open
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from .faults import fault_point
 from .geometry import Box
 
@@ -104,7 +105,33 @@ class PieceSet:
         self.index[name] = [key, [list(d) for d in box], list(full_shape)]
 
     def write(self, path: str) -> int:
+        """Write the file; each piece's index entry gets the CRC-32 of its bytes (verified on load)."""
+        for name, t in self.tensors:
+            self.index[name] = self.index[name][:3] + [tensor_crc32(t)]
         return write_safetensors(path, self.tensors, {"format": FORMAT, PIECES: json.dumps(self.index)})
+
+
+def tensor_crc32(t: torch.Tensor) -> int:
+    """CRC-32 of a CPU tensor's bytes as they are written (zlib releases the GIL on big buffers)."""
+    t = t.contiguous()
+    return zlib.crc32(t.reshape(-1).view(torch.uint8).numpy().data) if t.numel() else 0
+
+
+def bytes_crc32(data) -> int:
+    return zlib.crc32(data)
+
+
+def metadata_checksum(meta: dict) -> int:
+    """CRC-32 of metadata.json's content without its own `checksum` field (canonical JSON)."""
+    body = {k: v for k, v in meta.items() if k != "checksum"}
+    return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def read_header(path: str) -> Tuple[int, dict]:
+    """(offset of the data section, header entries) of a safetensors file."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return 8 + n, json.loads(f.read(n))
 
 
 def describe_files(directory: str, names: Sequence[str]) -> Dict[str, dict]:

@@ -20,6 +20,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ..config import ModelConfig
+from ..errors import agree_on_errors
 from . import directory, rng
 from .files import CheckpointError
 from .plan import MODEL, bucket_sources, fill_range, model_key, optim_key, regions
@@ -52,7 +53,8 @@ def _source_keys(kind: str, name: str, load_optim: bool, dtype: torch.dtype) -> 
 
 @torch.no_grad()
 def fill_tensors(trainer, reader: CheckpointReader, load_optim: bool) -> None:
-    """Every rank: its shard of every bucket's params and optimizer state, from the checkpoint."""
+    """Every rank: its shard of every bucket's params and optimizer state, from the checkpoint.
+    Local (no collective): the caller all-gathers the parameters once every rank succeeded."""
     for bucket, sources in bucket_sources(trainer.optimizer):
         lo, hi = fill_range(bucket)
         for region in regions(bucket, lo, hi, trainer.dims, writers_only=False):
@@ -68,9 +70,6 @@ def fill_tensors(trainer, reader: CheckpointReader, load_optim: bool) -> None:
                                           f"needs {list(region.spec.stored_shape)}")
                 for run in runs:
                     reader.read_into(key, run.full, run.view(flat, region.start - base))
-    sync = trainer.grad_sync
-    sync.gather_params()  # ZeRO 1-2: every rank's filled shard into the full params
-    sync.wait_param_gather()
 
 
 def _same_layout(saved: dict, dims) -> bool:
@@ -97,19 +96,16 @@ class Loaded:
             rng.restore(self.rng_states, trainer.dims, trainer.tracker)
 
 
-def load_checkpoint(trainer, path: str, *, load_optim: bool = True, load_rng: bool = True,
-                    finetune: bool = False, iteration: Optional[int] = None) -> Loaded:
-    """Collective: load checkpoint `path` (a root: its latest, or `iteration`; or an iter_* dir)."""
+def _read_local(trainer, path: str, load_optim: bool, load_rng: bool, iteration: Optional[int], verify: bool):
+    """This rank's reads: metadata, its shards of the tensors, its RNG states (no collective)."""
     ckpt_dir, _ = directory.resolve(path, iteration)
-    meta = directory.read_metadata(ckpt_dir)
+    meta = directory.read_metadata(ckpt_dir, verify)
     check_model_config(meta["model_config"], trainer.cfg.model, ckpt_dir)
-    load_optim = load_optim and not finetune
-    notes = []
-    with CheckpointReader(ckpt_dir, meta) as reader:
+    notes, rng_states = [], None
+    with CheckpointReader(ckpt_dir, meta, verify) as reader:
         reader.verify_files()
         fill_tensors(trainer, reader, load_optim)
-        rng_states = None
-        if load_rng and not finetune:
+        if load_rng:
             prefix = rng.rank_prefix(trainer.dims) + "/"
             keys = [k for k in reader.pieces if k.startswith(prefix)]
             if _same_layout(meta["layout"], trainer.dims) and keys:
@@ -117,6 +113,20 @@ def load_checkpoint(trainer, path: str, *, load_optim: bool = True, load_rng: bo
             else:
                 notes.append("RNG states not restored (written at another layout): dropout streams start "
                              "from the seed")
+    return ckpt_dir, meta, rng_states, notes
+
+
+def load_checkpoint(trainer, path: str, *, load_optim: bool = True, load_rng: bool = True,
+                    finetune: bool = False, iteration: Optional[int] = None, verify: bool = True) -> Loaded:
+    """Collective: load checkpoint `path` (a root: its latest, or `iteration`; or an iter_* dir).
+    `verify`: check the checksums of metadata.json and of every piece read. An error on any rank
+    (a missing, truncated or corrupted file) is raised on every rank, naming that rank."""
+    load_optim = load_optim and not finetune
+    ckpt_dir, meta, rng_states, notes = agree_on_errors(
+        lambda: _read_local(trainer, path, load_optim, load_rng and not finetune, iteration, verify), trainer.device)
+    sync = trainer.grad_sync
+    sync.gather_params()  # ZeRO 1-2: every rank's filled shard into the full params
+    sync.wait_param_gather()
     if not finetune:
         trainer.iteration = meta["iteration"]
         # Updates made so far (fewer than iterations when fp16 skipped some): where the LR schedule is.

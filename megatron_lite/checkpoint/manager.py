@@ -18,17 +18,29 @@ import time
 from contextlib import contextmanager
 from typing import Dict, Optional
 
-from ..config import Config, ConfigError
-from .directory import has_checkpoint
+from ..config import Config
+from ..errors import ConfigError, agree_on_errors
+from .directory import check_save_dir, has_checkpoint
 from .exit_conditions import ExitConditions
 from .faults import fault_point, set_iteration
 from .loader import Loaded, load_checkpoint
 from .saver import PendingSave, start_save, world_rank
 
 
+def expected_checkpoint_bytes(cfg: Config) -> int:
+    """About the size of one checkpoint: params in their dtype, Adam's m and v, fp32 main params
+    when the params are bf16/fp16."""
+    t = cfg.training
+    per_param = (2 + 4 if t.bf16 or t.fp16 else 4) + 8
+    return cfg.model.num_parameters() * per_param
+
+
 class Checkpointing:
     def __init__(self, cfg: Config, device):
         self.tcfg, self.device = cfg.training, device
+        if self.tcfg.save:
+            agree_on_errors(lambda: check_save_dir(self.tcfg.save, expected_checkpoint_bytes(cfg), world_rank()),
+                            device)
         self.pending: Optional[PendingSave] = None
         self.last_saved: Optional[int] = None
         self.exit = ExitConditions(self.tcfg, device)
@@ -50,20 +62,28 @@ class Checkpointing:
         self.load_s = time.perf_counter() - start
         return loaded
 
-    def _load(self, trainer) -> Optional[Loaded]:
+    def _source(self) -> Optional[str]:
+        """'save' (resume this run), 'load', or None (train from scratch)."""
         t = self.tcfg
         if has_checkpoint(t.save):
-            loaded = load_checkpoint(trainer, t.save, load_rng=not t.no_load_rng)
-        elif t.load and has_checkpoint(t.load):
+            return "save"
+        if t.load and has_checkpoint(t.load):
+            return "load"
+        if t.load and t.finetune:
+            raise ConfigError(f"--finetune: no checkpoint in --load {t.load}")
+        return None
+
+    def _load(self, trainer) -> Optional[Loaded]:
+        t = self.tcfg
+        source = agree_on_errors(self._source, self.device)
+        if source == "save":
+            loaded = load_checkpoint(trainer, t.save, load_rng=not t.no_load_rng, verify=t.verify_checkpoint)
+        elif source == "load":
             loaded = load_checkpoint(trainer, t.load, load_optim=not t.no_load_optim, load_rng=not t.no_load_rng,
-                                     finetune=t.finetune)
-        elif t.load:
-            if t.finetune:
-                raise ConfigError(f"--finetune: no checkpoint in --load {t.load}")
-            if world_rank() == 0:
-                print(f"> no checkpoint in --load {t.load}: training from scratch", flush=True)
-            return None
+                                     finetune=t.finetune, verify=t.verify_checkpoint)
         else:
+            if t.load and world_rank() == 0:
+                print(f"> no checkpoint in --load {t.load}: training from scratch", flush=True)
             return None
         self.last_saved = trainer.iteration
         return loaded

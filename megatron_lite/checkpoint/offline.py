@@ -20,9 +20,9 @@ from .plan import MODEL, OPTIM_STATES, optim_key, param_name, stored_key
 from .reader import CheckpointReader
 
 
-def open_checkpoint(path: str, iteration: Optional[int] = None) -> CheckpointReader:
+def open_checkpoint(path: str, iteration: Optional[int] = None, verify: bool = True) -> CheckpointReader:
     ckpt_dir, _ = directory.resolve(path, iteration)
-    reader = CheckpointReader(ckpt_dir, directory.read_metadata(ckpt_dir))
+    reader = CheckpointReader(ckpt_dir, directory.read_metadata(ckpt_dir, verify), verify)
     reader.verify_files()
     return reader
 

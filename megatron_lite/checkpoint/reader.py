@@ -6,6 +6,7 @@ mapped), so a rank of any layout reads just what it needs.
 """
 from __future__ import annotations
 
+import mmap
 import os
 from contextlib import ExitStack
 from typing import Dict, List, NamedTuple, Optional
@@ -13,7 +14,7 @@ from typing import Dict, List, NamedTuple, Optional
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .files import DTYPE_CODES, CheckpointError
+from .files import DTYPE_CODES, CheckpointError, bytes_crc32, read_header
 from .geometry import Box, box_volume, intersect, relative_slices, whole_box
 
 
@@ -24,19 +25,49 @@ class Piece(NamedTuple):
     file: str
     name: str  # tensor name inside the file
     box: Box
+    crc: Optional[int]  # CRC-32 of its bytes (None in checkpoints written before checksums)
 
 
 class CheckpointReader:
-    def __init__(self, ckpt_dir: str, meta: dict):
-        self.dir, self.meta = ckpt_dir, meta
+    """`verify`: check each piece's CRC-32 the first time it is read (the whole piece is read
+    once then, also when only a part of it is needed)."""
+
+    def __init__(self, ckpt_dir: str, meta: dict, verify: bool = True):
+        self.dir, self.meta, self.verify = ckpt_dir, meta, verify
         self.pieces: Dict[str, List[Piece]] = {}
         self.shapes: Dict[str, tuple] = {}
         for fname, entry in meta["files"].items():
-            for name, (key, box, shape) in entry["pieces"].items():
-                self.pieces.setdefault(key, []).append(Piece(fname, name, tuple(tuple(d) for d in box)))
+            for name, (key, box, shape, *crc) in entry["pieces"].items():
+                self.pieces.setdefault(key, []).append(
+                    Piece(fname, name, tuple(tuple(d) for d in box), crc[0] if crc else None))
                 self.shapes[key] = tuple(shape)
         self._stack = ExitStack()
         self._handles = {}
+        self._headers: Dict[str, tuple] = {}
+        self._verified = set()
+
+    def _check_piece(self, piece: Piece, key: str) -> None:
+        if not self.verify or piece.crc is None or (piece.file, piece.name) in self._verified:
+            return
+        path = os.path.join(self.dir, piece.file)
+        self._handle(piece.file)  # a file safetensors cannot parse is reported as such first
+        try:
+            if piece.file not in self._headers:  # header offsets, and the file mapped (no copy)
+                start, entries = read_header(path)
+                with open(path, "rb") as f:
+                    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.path.getsize(path) else b""
+                self._headers[piece.file] = (start, entries, mapped)
+            start, entries, mapped = self._headers[piece.file]
+            lo, hi = entries[piece.name]["data_offsets"]
+            with memoryview(mapped) as view:
+                crc = bytes_crc32(view[start + lo:start + hi])
+        except (OSError, ValueError, KeyError, TypeError, OverflowError) as e:
+            raise CheckpointError(f"checkpoint file {path}: cannot read tensor {key} ({piece.name}): {e!r}") from e
+        if crc != piece.crc:
+            raise CheckpointError(f"checkpoint file {path} is corrupted: tensor {key} ({piece.name}) fails its "
+                                  f"checksum (crc32 {crc:08x}, {piece.crc:08x} when saved); load an earlier "
+                                  f"checkpoint, or pass --no-verify-checkpoint to load it anyway")
+        self._verified.add((piece.file, piece.name))
 
     def verify_files(self) -> None:
         """Every file exists with the recorded size (a truncated or missing shard is named)."""
@@ -73,6 +104,7 @@ class CheckpointReader:
             common = intersect(box, piece.box)
             if common is None:
                 continue
+            self._check_piece(piece, key)
             try:
                 data = self._handle(piece.file).get_slice(piece.name)[relative_slices(common, piece.box)]
             except SafetensorError as e:
@@ -100,6 +132,10 @@ class CheckpointReader:
     def close(self) -> None:
         self._stack.close()
         self._handles = {}
+        for _, _, mapped in self._headers.values():
+            if isinstance(mapped, mmap.mmap):
+                mapped.close()
+        self._headers = {}
 
     def __enter__(self):
         return self

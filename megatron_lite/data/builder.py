@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from megatron_lite.config import ConfigError
+from megatron_lite.errors import ConfigError
 from megatron_lite.data.blended_dataset import BlendedDataset, samples_per_dataset
 from megatron_lite.data.cache import file_identity, load_or_build, writable_dir
 from megatron_lite.data.default_corpus import default_corpus_prefix

@@ -17,7 +17,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from megatron_lite.config import ConfigError
+from megatron_lite.errors import ConfigError
 from megatron_lite.data.cache import file_identity, load_or_build
 from megatron_lite.data.indexed_dataset import IndexedDataset
 

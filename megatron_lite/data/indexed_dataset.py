@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from megatron_lite.config import ConfigError
+from megatron_lite.errors import ConfigError
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1

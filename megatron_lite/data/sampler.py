@@ -13,7 +13,7 @@ from typing import Iterator, List
 import torch
 from torch.utils.data import DataLoader
 
-from megatron_lite.config import ConfigError
+from megatron_lite.errors import ConfigError
 
 
 class PretrainingBatchSampler:

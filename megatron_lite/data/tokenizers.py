@@ -13,7 +13,7 @@ from typing import Iterable, List, Optional
 
 import numpy as np
 
-from megatron_lite.config import ConfigError
+from megatron_lite.errors import ConfigError
 
 
 def _file_digest(path: str) -> str:

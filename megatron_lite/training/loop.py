@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ..checkpoint.manager import Checkpointing
 from ..config import Config
+from ..errors import agree_on_errors
 from ..optim.lr_scheduler import LRScheduler
 from ..parallel import comm
 from ..parallel.random import RNGStatesTracker, model_parallel_seed
@@ -85,7 +86,8 @@ class Trainer:
         evals = t.train_iters // t.eval_interval + 1
         num_samples = (t.train_iters * t.global_batch_size, evals * t.eval_iters * t.global_batch_size,
                        t.eval_iters * t.global_batch_size)
-        train_ds, valid_ds, _ = build_train_valid_test_datasets(cfg.data, tokenizer, t.seq_length, t.seed, num_samples)
+        train_ds, valid_ds, _ = agree_on_errors(
+            lambda: build_train_valid_test_datasets(cfg.data, tokenizer, t.seq_length, t.seed, num_samples), device)
         self.iteration, self.consumed_samples, self.consumed_valid_samples = 0, 0, 0
         self.checkpointing = Checkpointing(cfg, device)
         loaded = self.checkpointing.load_at_start(self)  # sets the iteration and consumed samples

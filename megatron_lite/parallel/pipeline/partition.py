@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
-from ...config import ConfigError
+from ...errors import ConfigError
 
 
 def stage_layer_ranges(num_layers: int, pp: int, vpp: int = 1, first: Optional[int] = None,

@@ -52,7 +52,7 @@ import bisect
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from megatron_lite.config import ConfigError
+from megatron_lite.errors import ConfigError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 COMPUTE_KINDS = ("F", "B", "W", "BW")

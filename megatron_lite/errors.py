@@ -1,0 +1,44 @@
+"""The one error type users see, and how ranks agree on it.
+
+A `ConfigError` is a problem with the user's input (flags, data, checkpoint) whose message names
+what is wrong and how to fix it; `pretrain_gpt.py` prints it as one line and exits 2. Found before
+the process group exists, every rank finds the same one. Found after, it may be found by one rank
+only (its shard file is corrupt, its node's disk is read-only): `agree_on_errors` runs a step on
+every rank and then makes every rank raise the first rank's error, so that no rank is left
+waiting in a collective for one that has already exited.
+"""
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run. The message says what is wrong and how to fix it."""
+
+
+def agree_on_errors(step: Callable[[], T], device=None) -> T:
+    """Collective over the whole world: run `step()` here; if it raised a ConfigError on any
+    rank, raise on every rank a ConfigError with the lowest such rank's message and number."""
+    error = None
+    try:
+        result = step()
+    except ConfigError as e:
+        error = e
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return result
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first = torch.tensor([rank if error is not None else world], dtype=torch.int64, device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    src = int(first.item())
+    if src == world:
+        return result
+    message = [str(error) if error is not None else None]
+    dist.broadcast_object_list(message, src=src, device=device)
+    raise ConfigError(f"[rank {src}] {message[0]}") from error
