@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform")
     t.add_argument("--recompute-num-layers", type=int, default=1)
     t.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    t.add_argument("--check-for-nan-in-loss-and-grad", action="store_true", default=True,
+                   help="stop on a non-finite loss or gradient (default on)")
+    t.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false", dest="check_for_nan_in_loss_and_grad")
 
     o = p.add_argument_group("logging and checkpoints")
     o.add_argument("--metrics-file", default=None, help="JSON Lines, one record per iteration")
@@ -256,7 +259,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         save=args.save, load=args.load, save_interval=args.save_interval, async_save=args.async_save,
         keep_last=args.keep_last, finetune=args.finetune, no_load_optim=args.no_load_optim,
         no_load_rng=args.no_load_rng, verify_checkpoint=args.verify_checkpoint, exit_signal_handler=args.exit_signal_handler,
-        exit_duration_in_mins=args.exit_duration_in_mins, exit_interval=args.exit_interval)
+        exit_duration_in_mins=args.exit_duration_in_mins, exit_interval=args.exit_interval,
+        check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad)
     if args.model is None and args.lr_warmup_iters is None and args.lr_warmup_fraction is None \
             and args.train_iters is None:
         training.lr_warmup_iters = 20  # the built-in default run

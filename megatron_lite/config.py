@@ -257,6 +257,7 @@ class TrainingConfig:
     exit_signal_handler: bool = False  # SIGTERM: save after the current iteration, exit 0
     exit_duration_in_mins: Optional[float] = None
     exit_interval: Optional[int] = None
+    check_for_nan_in_loss_and_grad: bool = True  # stop on a non-finite loss or gradient
 
     def validate(self, dp: int) -> None:
         _require(self.micro_batch_size >= 1, f"micro_batch_size ({self.micro_batch_size}) must be >= 1")
@@ -282,8 +283,24 @@ class TrainingConfig:
                  f"recompute_granularity ({self.recompute_granularity}) must be full or selective")
         _require(self.device in (None, "cpu", "cuda"), f"device ({self.device}) must be cpu or cuda")
         _require(self.log_interval >= 1, f"log_interval ({self.log_interval}) must be >= 1")
+        self._validate_optimizer()
         _require(self.eval_interval >= 1, f"eval_interval ({self.eval_interval}) must be >= 1")
         self._validate_checkpointing()
+
+    def _validate_optimizer(self) -> None:
+        for flag, v in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):
+            _require(0.0 <= v < 1.0, f"{flag} ({v}) must lie in [0, 1)")
+        _require(self.adam_eps > 0, f"--adam-eps ({self.adam_eps}) must be positive")
+        _require(self.weight_decay >= 0, f"--weight-decay ({self.weight_decay}) must be >= 0")
+        _require(self.clip_grad >= 0, f"--clip-grad ({self.clip_grad}) must be >= 0 (0 disables clipping)")
+        for flag, v in (("--lr", self.lr), ("--min-lr", self.min_lr)):
+            _require(math.isfinite(v), f"{flag} ({v}) must be finite")
+        _require(self.initial_loss_scale > 0 and self.min_loss_scale > 0,
+                 f"--initial-loss-scale ({self.initial_loss_scale}) and --min-loss-scale ({self.min_loss_scale}) "
+                 f"must be positive")
+        _require(self.loss_scale_window >= 1, f"--loss-scale-window ({self.loss_scale_window}) must be >= 1")
+        _require(self.hysteresis >= 1, f"--hysteresis ({self.hysteresis}) must be >= 1")
+        _require(self.recompute_num_layers >= 1, f"--recompute-num-layers ({self.recompute_num_layers}) must be >= 1")
 
     def _validate_checkpointing(self) -> None:
         for flag, value in (("--save-interval", self.save_interval), ("--async-save", self.async_save),
@@ -329,8 +346,14 @@ class Config:
         p = self.parallel
         vpp = p.virtual_pipeline_model_parallel_size or 1
         _require(vpp == 1 or p.pp > 1, f"virtual pipeline stages ({vpp}) need --pipeline-model-parallel-size > 1")
-        stage_layer_ranges(self.model.num_layers, p.pp, vpp, p.decoder_first_pipeline_num_layers,
-                           p.decoder_last_pipeline_num_layers)
+        ranges = stage_layer_ranges(self.model.num_layers, p.pp, vpp, p.decoder_first_pipeline_num_layers,
+                                    p.decoder_last_pipeline_num_layers)
+        t = self.training
+        if t.recompute_granularity == "full":
+            most = max(end - start for start, end in ranges)
+            _require(t.recompute_num_layers <= most,
+                     f"--recompute-num-layers ({t.recompute_num_layers}) exceeds the {most} layers of a model chunk "
+                     f"({self.model.num_layers} layers over {p.pp * vpp} pipeline stages); use at most {most}")
         if p.pp > 1:
             validate_schedule_args(p.pipeline_schedule or default_schedule(vpp), p.pp, num_microbatches, vpp,
                                    self.model.num_layers)

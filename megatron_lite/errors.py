@@ -21,6 +21,11 @@ class ConfigError(ValueError):
     """A configuration that cannot run. The message says what is wrong and how to fix it."""
 
 
+class NonFiniteError(ConfigError):
+    """Training produced a non-finite loss, gradient or parameter (--check-for-nan-in-loss-and-grad).
+    Every rank raises it at the same point: the values it is decided on are all-reduced."""
+
+
 def agree_on_errors(step: Callable[[], T], device=None) -> T:
     """Collective over the whole world: run `step()` here; if it raised a ConfigError on any
     rank, raise on every rank a ConfigError with the lowest such rank's message and number."""

@@ -60,6 +60,14 @@ CASES = [
     (1, ["--no-such-flag"], ["unrecognized arguments: --no-such-flag"]),
     (1, ["--lr-decay-style", "exponential"], ["--lr-decay-style", "exponential"]),
     (1, ["--tokenizer-type", "FancyTokenizer"], ["FancyTokenizer"]),
+    (1, ["--adam-beta2", "1.5"], ["--adam-beta2 (1.5)", "[0, 1)"]),
+    (1, ["--adam-eps", "0"], ["--adam-eps (0.0)"]),
+    (1, ["--clip-grad", "-1"], ["--clip-grad (-1.0)", "0 disables"]),
+    (1, ["--weight-decay", "-0.1"], ["--weight-decay (-0.1)"]),
+    (1, ["--num-layers", "1", "--recompute-granularity", "full", "--recompute-num-layers", "5"],
+     ["--recompute-num-layers (5)", "1 layers"]),
+    (2, ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
+         "--recompute-num-layers", "3"], ["--recompute-num-layers (3)", "use at most 2"]),
 ]
 
 
@@ -93,3 +101,30 @@ def test_cli_exit_code_and_no_traceback():
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "num_attention_heads (3)" in proc.stderr
+
+
+def _last_error_line(capsys):
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    ckpt = tmp_path / "ckpt"
+    flags = BASE + ["--lr", "1e30", "--lr-warmup-iters", "0", "--train-iters", "6", "--clip-grad", "0",
+                    "--save", str(ckpt), "--save-interval", "1"]
+    assert pretrain_gpt.main(flags) == 2
+    err = _last_error_line(capsys)
+    assert err.startswith("error: iteration ") and "not finite" in err and "is kept" in err, err
+    stopped = int(err.split()[2].rstrip(":"))
+    from megatron_lite.checkpoint import read_tracker
+    assert read_tracker(str(ckpt)) == stopped - 1  # nothing saved from the bad iteration on
+    # and with the check off, the same run goes on to the end
+    assert pretrain_gpt.main(flags[:-4] + ["--no-check-for-nan-in-loss-and-grad"]) == 0
+
+
+def test_fp16_weights_that_overflow_stop_the_run(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert pretrain_gpt.main(BASE + ["--fp16", "--lr", "1e6", "--lr-warmup-iters", "0", "--train-iters", "3",
+                                     "--loss-scale", "1"]) == 2
+    err = _last_error_line(capsys)
+    assert "iteration 1: fp16 parameters overflow" in err and "--bf16" in err, err

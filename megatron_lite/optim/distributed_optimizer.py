@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import TrainingConfig
+from ..errors import NonFiniteError
 from ..parallel import comm
 from ..parallel.data_parallel import Bucket, GradientSync
 from ..parallel.grads import counts_in_norm
@@ -82,6 +83,8 @@ class DistributedOptimizer:
         else:
             self.scaler = ConstantLossScaler(1.0)
         self.num_updates = 0
+        params = [b.param_shard_view() for b in grad_sync.buckets]
+        self.device = params[0].device if params else None
 
     @property
     def loss_scale(self) -> float:
@@ -94,42 +97,59 @@ class DistributedOptimizer:
         comm.all_reduce(t, self.dims.mp_group, op=op)
         return t
 
-    def _found_inf(self, grads: List[torch.Tensor]) -> bool:
-        flag = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else None)
-        for g in grads:
-            if not torch.isfinite(g).all():
-                flag.fill_(1.0)
-                break
-        return bool(self._all_reduce(flag, dist.ReduceOp.MAX).item())
+    def _found_inf(self, tensors: List[torch.Tensor], bad_loss: bool) -> Tuple[bool, bool]:
+        """(any rank has a non-finite element in `tensors`, any rank's loss is non-finite)."""
+        flags = torch.zeros(2, dtype=torch.float32, device=self.device)
+        flags[0] = float(any(not torch.isfinite(t).all() for t in tensors))
+        flags[1] = float(bad_loss)
+        flags = self._all_reduce(flags, dist.ReduceOp.MAX)
+        return bool(flags[0].item()), bool(flags[1].item())
 
-    def _grad_norm(self, grads: List[torch.Tensor]) -> float:
-        """sqrt of the sum of squares over every distinct gradient element of the model, summed in
+    def _grad_norm(self, grads: List[torch.Tensor], bad_loss: bool) -> Tuple[float, bool]:
+        """(global grad norm, any rank's loss non-finite), in one all-reduce. The norm is the sqrt
+        of the sum of squares over every distinct gradient element of the model, summed in
         float64 (slice by slice, so the float64 copies stay small): float32 sums over millions of
         elements drift by 1e-5, which would make the clipping coefficient depend on the layout."""
-        sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)
+        sq = torch.zeros(2, dtype=torch.float64, device=self.device)
         for s, g in zip(self.shards, grads):
             for lo, hi in s.norm:
                 for a in range(lo, hi, _NORM_SLICE):
                     seg = g[a:min(hi, a + _NORM_SLICE)].double()
-                    sq += torch.dot(seg, seg)
-        return math.sqrt(self._all_reduce(sq).item())
+                    sq[0] += torch.dot(seg, seg)
+        sq[1] = float(bad_loss)
+        sq = self._all_reduce(sq)
+        return math.sqrt(sq[0].item()), bool(sq[1].item())
 
     @torch.no_grad()
-    def step(self, lr: float) -> Dict[str, float]:
-        """One update from the reduced gradients (call after GradientSync.finish())."""
+    def step(self, lr: float, loss_is_finite: bool = True) -> Dict[str, float]:
+        """One update from the reduced gradients (call after GradientSync.finish()).
+        `loss_is_finite`: this rank's view of the step's loss (ranks without a loss: True).
+
+        With check_for_nan_in_loss_and_grad, a non-finite loss or gradient norm (fp16: a non-finite
+        loss; its gradient overflows are the loss scaler's to skip) or an fp16 parameter that
+        overflows when cast from its fp32 main param raises NonFiniteError on every rank."""
         self.sync.wait_param_gather()
+        check = self.tcfg.check_for_nan_in_loss_and_grad
         scale = self.scaler.scale
         grads = [s.bucket.grad_shard_view() for s in self.shards]
         grads = [g if g.dtype == torch.float32 else g.float() for g in grads]
         if scale != 1.0:
             for g in grads:
                 g.mul_(1.0 / scale)
-        if self.tcfg.fp16 and self._found_inf(grads):
-            self.scaler.update(True)
-            self.sync.zero_grad()
-            return {"update_successful": False, "grad_norm": float("nan"), "loss_scale": scale}
+        if self.tcfg.fp16:
+            found_inf, bad_loss = self._found_inf(grads, not loss_is_finite)
+            if check and bad_loss:
+                raise NonFiniteError("the loss is not finite")
+            if found_inf:
+                self.scaler.update(True)
+                self.sync.zero_grad()
+                return {"update_successful": False, "grad_norm": float("nan"), "loss_scale": scale}
         self.scaler.update(False)
-        norm = self._grad_norm(grads)
+        norm, bad_loss = self._grad_norm(grads, not loss_is_finite)
+        if check and bad_loss:
+            raise NonFiniteError("the loss is not finite")
+        if check and not math.isfinite(norm):
+            raise NonFiniteError(f"the gradient norm is {norm}")
         clip = self.tcfg.clip_grad
         if clip > 0 and norm > clip:
             coeff = clip / (norm + 1e-6)
@@ -142,6 +162,9 @@ class DistributedOptimizer:
                    beta2=t.adam_beta2, eps=t.adam_eps, weight_decay=t.weight_decay, decay_ranges=s.decay)
             if s.owns_main:
                 s.bucket.param_shard_view().copy_(s.main)
+        if check and self.tcfg.fp16 and self._found_inf([s.bucket.param_shard_view() for s in self.shards], False)[0]:
+            raise NonFiniteError("fp16 parameters overflow (|w| > 65504) when cast from their fp32 main params: the "
+                                 "model diverged; lower --lr, or train with --bf16")
         self.sync.zero_grad()
         self.sync.gather_params()
         return {"update_successful": True, "grad_norm": norm, "loss_scale": scale}

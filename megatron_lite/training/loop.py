@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ..checkpoint.manager import Checkpointing
 from ..config import Config
-from ..errors import agree_on_errors
+from ..errors import NonFiniteError, agree_on_errors
 from ..optim.lr_scheduler import LRScheduler
 from ..parallel import comm
 from ..parallel.random import RNGStatesTracker, model_parallel_seed
@@ -143,7 +143,10 @@ class Trainer:
             comm.COMM_COUNTER.enabled = t.log_comm_volume
             start = time.perf_counter()
             batches = self._next_batches(self.train_iter)
-            out = train_step(self.chunks, batches, dims, self.optimizer, self.grad_sync, lr, self.forward_backward)
+            try:
+                out = train_step(self.chunks, batches, dims, self.optimizer, self.grad_sync, lr, self.forward_backward)
+            except NonFiniteError as e:  # raised on every rank at once: stop before any save
+                self._stop_on_nonfinite(e)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             step_time = time.perf_counter() - start
@@ -165,6 +168,16 @@ class Trainer:
         self.grad_sync.wait_param_gather()  # --overlap-param-gather: the last step's params
         self.logger.close()
         return history
+
+    def _stop_on_nonfinite(self, error: NonFiniteError) -> None:
+        """Finish a background save of an earlier (finite) iteration, then stop with one line."""
+        self.checkpointing.finish()
+        self.checkpointing.exit.close()
+        kept = self.checkpointing.last_saved
+        raise NonFiniteError(
+            f"iteration {self.iteration}: {error}; stopping"
+            + (f" (the last checkpoint, iteration {kept}, is kept)" if kept else "")
+            + ". Lower --lr (or --clip-grad), or pass --no-check-for-nan-in-loss-and-grad to train on anyway") from error
 
     def _record(self, out: dict, lr: float, step_time: float, tokens: int, mem: Optional[dict]) -> dict:
         tokens_per_sec = tokens / step_time

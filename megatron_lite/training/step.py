@@ -7,6 +7,7 @@ layout.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -66,8 +67,9 @@ def train_step(chunks: List[nn.Module], batches: List[Batch], dims: ParallelDims
     grad_sync.start_step(len(batches))  # DP reductions start once every micro-batch's grads are in
     local = forward_backward(chunks, batches, denominator, optimizer.loss_scale)
     grad_sync.finish()
-    out = optimizer.step(lr)
-    out["lm_loss"] = reduce_loss(local, denominator, dims) if dims.is_last_stage else None
+    lm_loss = reduce_loss(local, denominator, dims) if dims.is_last_stage else None
+    out = optimizer.step(lr, loss_is_finite=lm_loss is None or math.isfinite(lm_loss))
+    out["lm_loss"] = lm_loss
     return out
 
 
