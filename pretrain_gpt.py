@@ -18,6 +18,7 @@ from megatron_lite.errors import ConfigError
 
 def resolve(argv=None) -> tuple:
     """Parse and validate; returns (config, tokenizer). Raises ConfigError on bad input."""
+    from megatron_lite.checkpoint.manager import inherit_global_batch_size
     from megatron_lite.data import build_tokenizer
     from megatron_lite.data.builder import check_data_paths, parse_split
 
@@ -26,6 +27,9 @@ def resolve(argv=None) -> tuple:
     tokenizer = build_tokenizer(d.tokenizer_type, tokenizer_model=d.tokenizer_model, vocab_file=d.vocab_file,
                                 merge_file=d.merge_file, vocab_size=d.vocab_size)
     cfg.model.vocab_size = tokenizer.vocab_size
+    inherited = inherit_global_batch_size(cfg.training)
+    if inherited is not None and int(os.environ.get("RANK", "0")) == 0:
+        print(f"> global batch size {inherited} from the checkpoint in --save (--global-batch-size not given)")
     cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
     check_data_paths(d, tokenizer)
     if cfg.training.train_iters > 0 and parse_split(d.split)[0] == 0:

@@ -20,11 +20,23 @@ from typing import Dict, Optional
 
 from ..config import Config
 from ..errors import ConfigError, agree_on_errors
-from .directory import check_save_dir, has_checkpoint
+from .directory import check_save_dir, has_checkpoint, read_metadata, resolve
 from .exit_conditions import ExitConditions
 from .faults import fault_point, set_iteration
 from .loader import Loaded, load_checkpoint
 from .saver import PendingSave, start_save, world_rank
+
+
+def inherit_global_batch_size(tcfg) -> Optional[int]:
+    """Elastic restarts: a run that resumes its own --save checkpoint without --global-batch-size
+    keeps the checkpoint's global batch (not micro-batch x the new DP size), so that a restart on
+    fewer or more ranks continues the same run. Returns it when inherited (before validation)."""
+    if tcfg.global_batch_size is not None or not has_checkpoint(tcfg.save):
+        return None
+    ckpt_dir, _ = resolve(tcfg.save)
+    saved = read_metadata(ckpt_dir, tcfg.verify_checkpoint)["config"]["training"].get("global_batch_size")
+    tcfg.global_batch_size = saved
+    return saved
 
 
 def expected_checkpoint_bytes(cfg: Config) -> int:
