@@ -184,3 +184,42 @@ def test_default_corpus_is_the_stdlib(tmp_path):
     assert len(text) > 10 and torch.equal(train[5]["tokens"], train2[5]["tokens"])
     ix = IndexedDataset(str(tmp_path / "default_corpus" / corpus[0])[:-4])
     assert 10 << 20 < ix.num_tokens <= 21 << 20 and "def " in tok.detokenize(ix.document(0).tolist())
+
+
+def test_replaced_corpus_with_same_sizes_and_mtimes_rebuilds_its_indices(tmp_path):
+    """`cp -p`, `rsync -a` and `tar x` keep sizes and mtimes: the cache must see the new content."""
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(1, 60, 120)
+    docs_a = [np.append(rng.integers(0, 256, n), EOD) for n in lengths]
+    docs_b = [np.append(rng.integers(0, 256, n), EOD) for n in lengths[::-1]]  # same sizes, other order
+    paths = {}
+    for name, docs in (("a", docs_a), ("b", docs_b)):
+        w = IndexedDatasetWriter(str(tmp_path / name), np.uint16)
+        for d in docs:
+            w.add_document(d)
+        w.finalize()
+        paths[name] = str(tmp_path / name)
+    cache, seq = str(tmp_path / "cache"), 16
+    first = GPTDataset(IndexedDataset(paths["a"]), (0, len(docs_a)), 20, seq, 7, SampleOptions(EOD), cache)
+    assert first.built_indices
+    stamps = {ext: os.stat(paths["a"] + ext) for ext in (".idx", ".bin")}
+    for ext, st in stamps.items():  # b's files under a's names, with a's sizes and times
+        os.replace(paths["b"] + ext, paths["a"] + ext)
+        assert os.path.getsize(paths["a"] + ext) == st.st_size
+        os.utime(paths["a"] + ext, ns=(st.st_atime_ns, st.st_mtime_ns))
+    ix = IndexedDataset(paths["a"])
+    again = GPTDataset(ix, (0, len(docs_b)), 20, seq, 7, SampleOptions(EOD), cache)
+    assert again.built_indices, "the stale index of the old corpus was reused"
+    s = stream(ix, again.document_index)
+    for i in range(len(again)):
+        j = int(again.shuffle_index[i])
+        assert np.array_equal(again.sample_tokens(i), s[j * seq:j * seq + seq + 1])
+
+
+def test_reads_past_a_sequence_are_refused(tmp_path):
+    prefix, docs = write_corpus(tmp_path / "c", n_docs=3)
+    ix = IndexedDataset(prefix)
+    assert np.array_equal(ix.get(1, 1, 2), docs[1][1:3])
+    for bad in ((1, 0, len(docs[1]) + 1), (3, 0, 1), (0, -1, 1)):
+        with pytest.raises(IndexError, match="sequence"):
+            ix.get(*bad)

@@ -14,7 +14,7 @@ import numpy as np
 
 from megatron_lite.errors import ConfigError
 from megatron_lite.data.blended_dataset import BlendedDataset, samples_per_dataset
-from megatron_lite.data.cache import file_identity, load_or_build, writable_dir
+from megatron_lite.data.cache import corpus_identity, load_or_build, writable_dir
 from megatron_lite.data.default_corpus import default_corpus_prefix
 from megatron_lite.data.gpt_dataset import GPTDataset, MockGPTDataset, SampleOptions
 from megatron_lite.data.indexed_dataset import IndexedDataset
@@ -109,7 +109,7 @@ def token_range(ds: IndexedDataset, cache_dir: Optional[str]) -> Tuple[int, int]
             lo = int(chunk.min()) if lo is None else min(lo, int(chunk.min()))
             hi = int(chunk.max()) if hi is None else max(hi, int(chunk.max()))
         return {"range": np.array([lo, hi], dtype=np.int64)}
-    desc = {"class": "TokenRange", "bin": file_identity(ds.bin_file), "idx": file_identity(ds.idx_file)}
+    desc = {"class": "TokenRange", "corpus": corpus_identity(ds)}
     arrays, _ = load_or_build(cache_dir, "TokenRange", desc, ("range",), scan)
     lo, hi = arrays["range"]
     return int(lo), int(hi)

@@ -26,9 +26,16 @@ def cache_key(description: dict) -> str:
 
 
 def file_identity(path: str) -> dict:
-    """What tells us a file changed: its absolute path, size and modification time."""
+    """Its absolute path, size and modification time (not enough alone: copies keep them)."""
     st = os.stat(path)
     return {"path": os.path.abspath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def corpus_identity(indexed) -> dict:
+    """What the cached arrays of a corpus are keyed on: the content of its `.idx` and the
+    identity of its `.bin`."""
+    return {"idx_sha256": indexed.content_digest(), "idx": file_identity(indexed.idx_file),
+            "bin": file_identity(indexed.bin_file)}
 
 
 def atomic_save_npy(path: str, array: np.ndarray) -> None:

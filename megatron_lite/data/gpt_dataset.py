@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from megatron_lite.errors import ConfigError
-from megatron_lite.data.cache import file_identity, load_or_build
+from megatron_lite.data.cache import corpus_identity, load_or_build
 from megatron_lite.data.indexed_dataset import IndexedDataset
 
 INDEX_VERSION = 1  # bump when the index construction changes: old caches are then ignored
@@ -109,8 +109,8 @@ class GPTDataset(torch.utils.data.Dataset):
             raise ConfigError(f"{indexed.prefix}: the {split_name} split (sequences {start}-{end}) has "
                               f"{tokens} tokens; need at least 2 (adjust --split or add data)")
         self.description = {
-            "class": "GPTDataset", "version": INDEX_VERSION, "idx": file_identity(indexed.idx_file),
-            "bin": file_identity(indexed.bin_file), "split": split_name, "range": [start, end],
+            "class": "GPTDataset", "version": INDEX_VERSION, "corpus": corpus_identity(indexed),
+            "split": split_name, "range": [start, end],
             "seq_length": seq_length, "seed": seed, "num_samples": num_samples,
         }
         arrays, self.built_indices = load_or_build(

@@ -8,6 +8,7 @@ a 100 GB corpus reads only its header.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 from typing import List, Optional, Sequence
@@ -126,6 +127,7 @@ class IndexedDataset:
     def __init__(self, prefix: str):
         self.prefix = prefix
         self.idx_file, self.bin_file = idx_path(prefix), bin_path(prefix)
+        self._digest: Optional[str] = None
         _check_files_exist(prefix)
         self._read_index()
         self._map_bin()
@@ -203,11 +205,27 @@ class IndexedDataset:
         """All tokens back to back (a memory map; slicing reads only what is sliced)."""
         return self._bin
 
+    def content_digest(self) -> str:
+        """SHA-256 of the `.idx` (sequence lengths, pointers, documents): what the sample indices
+        are built from. Unlike size and mtime, it changes whenever the corpus is replaced by one
+        with different documents, even by `cp -p`, `rsync -a` or `tar x`. Computed once."""
+        if self._digest is None:
+            self._digest = hashlib.sha256(memoryview(self._idx_map)).hexdigest()
+        return self._digest
+
     def get(self, i: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
-        """Tokens of sequence i from `offset`, `length` of them (default: to its end)."""
+        """Tokens of sequence i from `offset`, `length` of them (default: to its end). A read that
+        runs past the sequence is an error (a stale or corrupt sample index), never its neighbour."""
+        n = len(self.sequence_lengths)
+        if not 0 <= i < n:
+            raise IndexError(f"{self.prefix}: sequence {i} does not exist ({n} sequences)")
+        size = int(self.sequence_lengths[i])
+        length = size - offset if length is None else length
+        if offset < 0 or length < 0 or offset + length > size:
+            raise IndexError(f"{self.prefix}: tokens [{offset}, {offset + length}) of sequence {i} asked for, but "
+                             f"it has {size}: the sample index does not belong to this corpus (stale cache?)")
         start = int(self._starts[i]) + offset
-        end = int(self._starts[i]) + int(self.sequence_lengths[i]) if length is None else start + length
-        return self._bin[start:end]
+        return self._bin[start:start + length]
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.get(i)
