@@ -14,7 +14,8 @@ whose following steps all ran. "Write" is how long writing a rank's file took (i
 background with --async-save). The trio runs `--repeats` times, interleaved, because the load of
 this shared machine drifts. Then the checkpoint is loaded at the same layout, resharded into
 DP=1, and into TP=2: the whole load (read, fill, param all-gather), the slower rank, from a warm
-page cache (the files were just written).
+page cache (the files were just written), with the CRC-32 checksums verified (the default) and
+with --no-verify-checkpoint. "Checksums" is the part of a rank's write spent computing them.
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def worker(rank, world, argv):
     history = trainer.train()
     ckpt = trainer.checkpointing
     return {"steps": {r["iteration"]: r["step_time_s"] for r in history}, "blocked": dict(ckpt.blocked_s),
-            "write": dict(ckpt.write_s), "load_s": ckpt.load_s, "params": cfg.model.num_parameters()}
+            "write": dict(ckpt.write_s), "checksum": dict(ckpt.checksum_s), "load_s": ckpt.load_s,
+            "params": cfg.model.num_parameters()}
 
 
 def slowest(results, what):
@@ -54,10 +56,11 @@ def slowest(results, what):
 
 
 def per_save(results, saves, interval, baseline):
-    """(blocked, slowdown, write) seconds per mid-run save."""
+    """(blocked, slowdown, write, checksum) seconds per mid-run save."""
     blocked, steps, write = slowest(results, "blocked"), slowest(results, "steps"), slowest(results, "write")
-    return [(blocked.get(i, 0.0), sum(steps[j] - baseline for j in range(i + 1, i + interval)), write.get(i, 0.0))
-            for i in saves]
+    crc = slowest(results, "checksum")
+    return [(blocked.get(i, 0.0), sum(steps[j] - baseline for j in range(i + 1, i + interval)), write.get(i, 0.0),
+             crc.get(i, 0.0)) for i in saves]
 
 
 def main() -> None:
@@ -78,9 +81,9 @@ def main() -> None:
     print(f"machine: {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}; checkpoints in {root}")
 
     saves = list(range(args.interval, args.iters - args.interval + 1, args.interval))  # with all next steps run
-    print("| repeat | save mode | median step without saves (s) | write (s) | blocked per save (s) "
-          "| slowdown after it (s) | lost per save (s) | lost / step |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| repeat | save mode | median step without saves (s) | write (s) | of which checksums (s) "
+          "| blocked per save (s) | slowdown after it (s) | lost per save (s) | lost / step |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for repeat in range(args.repeats):
         base = run_distributed(worker, 2, dp2)
         steps = slowest(base, "steps")
@@ -91,8 +94,8 @@ def main() -> None:
             res = run_distributed(worker, 2, dp2 + ["--save", ckpt, "--save-interval", str(args.interval),
                                                     "--keep-last", "2"] + extra)
             per = per_save(res, saves, args.interval, baseline)
-            b, s, w = (statistics.median(x[k] for x in per) for k in range(3))
-            print(f"| {repeat + 1} | {name} | {baseline:.2f} | {w:.2f} | {b:.2f} | {s:.2f} | {b + s:.2f} "
+            b, s, w, c = (statistics.median(x[k] for x in per) for k in range(4))
+            print(f"| {repeat + 1} | {name} | {baseline:.2f} | {w:.2f} | {c:.2f} | {b:.2f} | {s:.2f} | {b + s:.2f} "
                   f"| {(b + s) / baseline:.2f} |", flush=True)
     meta = read_metadata(os.path.join(ckpt, f"iter_{read_tracker(ckpt):07d}"))
     size = sum(f["bytes"] for f in meta["files"].values())
@@ -100,14 +103,18 @@ def main() -> None:
     print(f"\nmodel: {base[0]['params'] / 1e6:.1f}M parameters, DP=2 ZeRO-1 fp32; checkpoint {size / 2**20:.0f} MiB "
           f"in {len(meta['files'])} files ({per_file} MiB); mid-run saves measured at {saves}")
 
-    print("\n| load into | ranks | load time (s) | MB/s read |")
-    print("|---|---|---|---|")
+    print("\n| load into | ranks | load time, checksums verified (s) | MB/s | load time, --no-verify-checkpoint (s) "
+          "| MB/s |")
+    print("|---|---|---|---|---|---|")
     for name, world, flags in (("DP=2 ZeRO-1 (same layout)", 2, ["--use-distributed-optimizer"]),
                                ("DP=1 (resharded)", 1, []),
                                ("TP=2 DP=1 (resharded)", 2, ["--tensor-model-parallel-size", "2"])):
-        res = run_distributed(worker, world, model + flags + ["--load", ckpt])
-        load_s = max(r["load_s"] for r in res)
-        print(f"| {name} | {world} | {load_s:.2f} | {size / 2**20 / load_s:.0f} |")
+        row = []
+        for verify in ([], ["--no-verify-checkpoint"]):
+            res = run_distributed(worker, world, model + flags + ["--load", ckpt] + verify)
+            load_s = max(r["load_s"] for r in res)
+            row += [f"{load_s:.2f}", f"{size / 2**20 / load_s:.0f}"]
+        print(f"| {name} | {world} | " + " | ".join(row) + " |")
     if args.dir is None:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -58,6 +58,7 @@ class Checkpointing:
         self.exit = ExitConditions(self.tcfg, device)
         self.blocked_s: Dict[int, float] = {}  # per iteration: time the loop spent here (benchmarks)
         self.write_s: Dict[int, float] = {}  # per saved iteration: time writing this rank's file took
+        self.checksum_s: Dict[int, float] = {}  # ... of which computing its checksums
         self.load_s = 0.0
 
     @contextmanager
@@ -139,6 +140,7 @@ class Checkpointing:
     def _commit(self) -> None:
         self.pending.commit(self.tcfg.keep_last)
         self.write_s[self.pending.iteration] = self.pending.write_s
+        self.checksum_s[self.pending.iteration] = self.pending.checksum_s
         self.pending = None
 
     def at_end(self, trainer) -> None:

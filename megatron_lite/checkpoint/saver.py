@@ -89,7 +89,8 @@ class PendingSave:
         self.started = started
         self.error: Optional[BaseException] = None
         self.thread: Optional[threading.Thread] = None
-        self.write_s = 0.0  # how long writing this rank's file took
+        self.write_s = 0.0  # how long writing this rank's file took (checksums included)
+        self.checksum_s = 0.0
 
     def write(self, pieces: PieceSet, background: bool) -> None:
         path = os.path.join(directory.staging_dir(self.root, self.iteration), directory.shard_file(world_rank()))
@@ -101,6 +102,7 @@ class PendingSave:
             except BaseException as e:  # reported to every rank at commit
                 self.error = e
             self.write_s = time.perf_counter() - start
+            self.checksum_s = pieces.checksum_s
 
         if background:
             self.thread = threading.Thread(target=run, name=f"checkpoint-{self.iteration}", daemon=True)
