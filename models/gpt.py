@@ -21,8 +21,9 @@ from megatron_lite.parallel import comm
 from megatron_lite.parallel.pipeline.partition import stage_layer_ranges
 from megatron_lite.parallel.random import RNGStatesTracker, recompute
 from megatron_lite.parallel.state import ParallelDims
+from megatron_lite.parallel.sharding import replicated, set_spec, spec_of, stored_name, with_tie
 from megatron_lite.parallel.tensor_parallel import (
-    VocabParallelEmbedding, enter_tp_region, linear, set_replicated_meta, set_tp_meta, shard_tensor, vocab_parallel_cross_entropy)
+    VocabParallelEmbedding, enter_tp_region, linear, vocab_parallel_cross_entropy, vocab_parallel_weight)
 from megatron_lite.transformer.block import TransformerLayer
 from megatron_lite.transformer.norm import build_norm
 from megatron_lite.transformer.rope import rope_cos_sin
@@ -48,34 +49,32 @@ class GPTModel(nn.Module):
         self.padded_vocab = cfg.padded_vocab_size(dims.tp)
         start, end = layer_range or (0, cfg.num_layers)
         sp, dt = self.sequence_parallel, params_dtype
+        tied = not cfg.untie_embeddings_and_output_weights
         if pre_process:
             self.embedding = nn.Module()
-            self.embedding.word_embeddings = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, dims, dt)
-            self.embedding.word_embeddings.weight.vocab_rows = cfg.vocab_size
+            self.embedding.word_embeddings = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, dims, dt,
+                                                                    cfg.vocab_size)
+            if tied and not post_process:  # the output layer's copy lives on the last pipeline stage
+                with_tie(self.embedding.word_embeddings.weight, WORD_EMBEDDINGS, primary=True)
             if cfg.position_embedding_type == "learned_absolute":
                 self.embedding.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
                                                                   dtype=dt)
-                set_replicated_meta(self.embedding.position_embeddings.weight)
+                set_spec(self.embedding.position_embeddings.weight,
+                         replicated((cfg.max_position_embeddings, cfg.hidden_size)))
         self.layers = nn.ModuleDict({
             str(i): TransformerLayer(cfg, dims, i, sp, dt, self.tracker,
                                      recompute_core_attention=recompute_granularity == "selective")
             for i in range(start, end)})
         if post_process:
             self.final_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sp, dt)
-            if cfg.untie_embeddings_and_output_weights or not pre_process:
+            if not tied or not pre_process:
                 # Untied output, or the last pipeline stage's copy of the tied embedding (kept equal
                 # to the first stage's by summing their gradients over the embedding group).
                 self.output_layer = nn.Module()
-                self.output_layer.weight = nn.Parameter(torch.empty(self.padded_vocab // dims.tp, cfg.hidden_size,
-                                                                    dtype=dt))
-                w = self.output_layer.weight
-                set_tp_meta(w, 0, (self.padded_vocab, cfg.hidden_size))
-                w.vocab_rows = cfg.vocab_size
-                if not cfg.untie_embeddings_and_output_weights:
-                    w.shared_embedding = True
-                    w.init_name = WORD_EMBEDDINGS
-        if pre_process and post_process is False and not cfg.untie_embeddings_and_output_weights:
-            self.embedding.word_embeddings.weight.shared_embedding = True
+                self.output_layer.weight, _ = vocab_parallel_weight(self.padded_vocab, cfg.hidden_size, dims, dt,
+                                                                    cfg.vocab_size)
+                if tied:
+                    with_tie(self.output_layer.weight, WORD_EMBEDDINGS, primary=False)
 
     # --- forward -------------------------------------------------------------------------------
     def output_weight(self) -> torch.Tensor:
@@ -169,23 +168,19 @@ def _param_seed(seed: int, name: str) -> int:
 
 def init_weights(model: GPTModel, seed: int) -> None:
     """Layout-independent init: each parameter's FULL tensor is drawn from a generator seeded by
-    (seed, global parameter name), then this rank keeps its TP slice. Projections into the
-    residual stream are scaled by 1/sqrt(2 * num_layers) as in Megatron-LM / GPT-2."""
-    cfg, dims = model.cfg, model.dims
-    std = cfg.init_method_std
+    (seed, stored name), then this rank keeps its piece (ShardSpec.shard). Projections into the
+    residual stream ("normal_scaled") get std / sqrt(2 * num_layers), as in Megatron-LM / GPT-2."""
+    cfg = model.cfg
+    std = {"normal": cfg.init_method_std, "normal_scaled": cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)}
     with torch.no_grad():
         for name, p in model.named_parameters():
-            key = getattr(p, "init_name", name)
-            leaf = name.rsplit(".", 1)[-1]
-            if "norm" in name:
-                full = torch.ones(p.full_shape) if leaf == "weight" else torch.zeros(p.full_shape)
-            elif leaf == "bias":
-                full = torch.zeros(p.full_shape)
+            spec = spec_of(p)
+            if spec.init in ("ones", "zeros"):
+                full = (torch.ones if spec.init == "ones" else torch.zeros)(spec.full_shape)
             else:
-                scale = 1.0 / math.sqrt(2.0 * cfg.num_layers) if ("linear_proj" in name or "linear_fc2" in name) else 1.0
-                g = torch.Generator().manual_seed(_param_seed(seed, key))
-                full = torch.empty(p.full_shape).normal_(0.0, std * scale, generator=g)
-            p.copy_(shard_tensor(full, p, dims.tp_rank, dims.tp).to(p.dtype))
+                g = torch.Generator().manual_seed(_param_seed(seed, stored_name(name, p)))
+                full = torch.empty(spec.full_shape).normal_(0.0, std[spec.init], generator=g)
+            p.copy_(spec.shard(full).to(p.dtype))
 
 
 def build_model(cfg: C.ModelConfig, dims: ParallelDims, *, seed: int = 1234, sequence_parallel: bool = False,

@@ -21,11 +21,11 @@ import torch.nn as nn
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.parallel.state import ParallelDims
-from megatron_lite.parallel.tensor_parallel import gather_full_param, pad_vocab, shard_tensor
+from megatron_lite.parallel.sharding import gather_full, spec_of, stored_name
+from models.gpt import WORD_EMBEDDINGS
 
 StateDict = Dict[str, torch.Tensor]
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
-WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"
 # HF buffers that older checkpoints carry and that hold no weights.
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
@@ -292,26 +292,18 @@ def _ours_to_llama(sd: StateDict, cfg: ModelConfig) -> StateDict:
 
 
 # --- full <-> this rank's shards --------------------------------------------------------------
-def _full_name(name: str, p: nn.Parameter) -> str:
-    """The full-state key of a parameter: the last pipeline stage's copy of a tied embedding
-    is stored under the embedding's name."""
-    return getattr(p, "init_name", name) if getattr(p, "shared_embedding", False) else name
-
-
 @torch.no_grad()
 def load_full_state_dict_into_model(model: nn.Module, full_state: StateDict, dims: ParallelDims) -> None:
     """Copy this TP rank's slice of every full tensor into `model` (one chunk), padding vocab rows
     to the layout's padded vocabulary. Extra entries (other pipeline stages' layers) are ignored."""
     missing = []
     for name, p in model.named_parameters():
-        key = _full_name(name, p)
+        key, spec = stored_name(name, p), spec_of(p)
         if key not in full_state:
             missing.append(key)
             continue
-        full = full_state[key]
-        if getattr(p, "vocab_rows", None) is not None:
-            full = pad_vocab(full, p)
-        piece = shard_tensor(full, p, dims.tp_rank, dims.tp)
+        full = spec.pad(full_state[key])
+        piece = spec.shard(full) if tuple(full.shape) == spec.full_shape else full
         if tuple(piece.shape) != tuple(p.shape):
             raise ConversionError(f"{key}: full tensor {tuple(full.shape)} does not fit parameter "
                                   f"(shard {tuple(piece.shape)} != {tuple(p.shape)})")
@@ -326,7 +318,8 @@ def gather_full_state_dict(model: nn.Module, dims: ParallelDims) -> StateDict:
     rank must call it. The last stage's copy of a tied embedding is left out."""
     out = {}
     for name, p in model.named_parameters():
-        if getattr(p, "shared_embedding", False) and name == OUTPUT_LAYER:
+        tie = spec_of(p).tie
+        if tie is not None and not tie.primary:
             continue
-        out[name] = gather_full_param(p.data, p, dims).cpu()
+        out[name] = gather_full(p.data, p, dims).cpu()
     return out

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_lite.checkpoint import CheckpointReader, read_metadata, read_tracker
-from megatron_lite.parallel.tensor_parallel import gather_full_param
+from megatron_lite.parallel.sharding import gather_full
 from megatron_lite.testing import WorkerError, run_distributed
 from training_utils import LLAMA_SWITCHES, ROOT, TINY, losses_of, merged_params, train_and_gather, train_in_process
 
@@ -131,7 +131,7 @@ def _loaded_state(rank, world, argv):
     with trainer.grad_sync.gathered_params():
         for chunk in trainer.chunks:
             for name, p in chunk.named_parameters():
-                params[name] = gather_full_param(p.data, p, trainer.dims).float()
+                params[name] = gather_full(p.data, p, trainer.dims).float()
     exp_avg = sum(s["exp_avg"].abs().sum().item() for _, s in trainer.optimizer.shard_tensors())
     return trainer.iteration, trainer.consumed_samples, params, exp_avg
 

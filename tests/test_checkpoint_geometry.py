@@ -8,11 +8,9 @@ import random
 
 import pytest
 import torch
-import torch.nn as nn
 
-from megatron_lite.checkpoint.geometry import (flat_range_to_boxes, flat_range_to_full, intersect, relative_slices,
-                                               spec_of)
-from megatron_lite.parallel.tensor_parallel import set_replicated_meta, set_tp_meta, shard_tensor
+from megatron_lite.checkpoint.geometry import flat_range_to_boxes, flat_range_to_full, intersect, relative_slices
+from megatron_lite.parallel.sharding import ShardSpec, Split
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -37,31 +35,38 @@ def test_intersect():
     assert intersect(((0, 4),), ((4, 2),)) is None
 
 
-def _random_param(rng):
-    """(full tensor, parameter with TP metadata, tp) of a random layout."""
-    tp = rng.choice([1, 2, 4, 8])
+def _random_layout(rng):
+    """(stored full tensor, [(spec, writes)] for every rank) of a random layout: TP with fused
+    segments, replicated K/V groups and a padded vocabulary, sometimes a second dimension split
+    over EP (stacked experts), or a tensor every rank holds whole."""
     ndim = rng.randint(1, 3)
+    shape = [rng.randint(1, 4) for _ in range(ndim)]
+    tp = rng.choice([1, 2, 4, 8])
     if rng.random() < 0.15:  # replicated on every TP rank (norms, row-parallel biases)
-        shape = [rng.randint(1, 6) for _ in range(ndim)]
-        p = nn.Parameter(torch.empty(shape))
-        set_replicated_meta(p)
-        return torch.randn(shape), p, tp
+        full = torch.randn(shape)
+        return full, [(ShardSpec(tuple(shape)), r == 0) for r in range(tp)]
     replicas = rng.choice([r for r in (1, 2, 4) if tp % r == 0])
     shards = tp // replicas
     dim = rng.randrange(ndim)
-    segments = [shards * rng.randint(1, 3) for _ in range(rng.randint(1, 3))]
-    shape = [rng.randint(1, 4) for _ in range(ndim)]
+    segments = tuple(shards * rng.randint(1, 3) for _ in range(rng.randint(1, 3)))
     shape[dim] = sum(segments)
-    vocab_rows = None
-    if dim == 0 and len(segments) == 1 and rng.random() < 0.5:  # a padded vocabulary
-        vocab_rows = rng.randint(1, shape[0])
-    p = nn.Parameter(torch.empty([s // shards if i == dim else s for i, s in enumerate(shape)]))
-    set_tp_meta(p, dim, shape, segments, replicas)
+    ep, ep_dim = 1, None
+    if ndim > 1 and rng.random() < 0.3:
+        ep_dim = rng.choice([d for d in range(ndim) if d != dim])
+        ep = rng.choice([2, 3])
+        shape[ep_dim] = ep * rng.randint(1, 2)
+    rows = rng.randint(1, shape[0]) if dim == 0 and len(segments) == 1 and ep_dim != 0 and rng.random() < 0.5 else None
     full = torch.randn(shape)
-    if vocab_rows is not None:
-        p.vocab_rows = vocab_rows
-        full[vocab_rows:] = 0.0  # padding rows are not stored: a reader leaves them as they were (0 here)
-    return full, p, tp
+    if rows is not None:
+        full[rows:] = 0.0  # padding rows are not stored: a reader leaves them as they were (0 here)
+    layout = []
+    for ep_rank in range(ep):
+        for tp_rank in range(tp):
+            splits = (Split(dim, "tp", shards, tp_rank // replicas, segments, replicas),)
+            if ep_dim is not None:
+                splits += (Split(ep_dim, "ep", ep, ep_rank, (shape[ep_dim],)),)
+            layout.append((ShardSpec(tuple(shape), splits, stored_rows=rows), tp_rank % replicas == 0))
+    return full, layout
 
 
 def _cuts(rng, n, parts):
@@ -69,19 +74,18 @@ def _cuts(rng, n, parts):
     return list(zip([0] + points, points + [n]))
 
 
-@pytest.mark.parametrize("seed", range(60))
+@pytest.mark.parametrize("seed", range(80))
 def test_every_stored_element_is_written_once_and_read_back(seed):
     rng = random.Random(seed)
-    full, p, tp = _random_param(rng)
+    full, layout = _random_layout(rng)
     dp = rng.randint(1, 3)
-    stored = full[: getattr(p, "vocab_rows", None) or full.shape[0]] if full.dim() else full
+    spec0 = layout[0][0]
+    stored = spec0.trim(full) if full.dim() else full
     written = torch.zeros_like(stored)
     count = torch.zeros(stored.shape, dtype=torch.int64)
-    for tp_rank in range(tp):
-        local = shard_tensor(full, p, tp_rank, tp).contiguous()
-        spec = spec_of(p, local.shape, tp_rank, tp)
-        replicas = getattr(p, "tp_replicas", 1) if getattr(p, "tensor_model_parallel", False) else tp
-        writer = tp_rank % replicas == 0
+    for rank, (spec, writer) in enumerate(layout):
+        local = spec.shard(full).contiguous()
+        assert tuple(local.shape) == spec.local_shape
         flat = local.reshape(-1)
         back = torch.zeros_like(flat)
         for lo, hi in _cuts(rng, flat.numel(), dp):  # a ZeRO-like split of the local tensor over DP
@@ -91,15 +95,20 @@ def test_every_stored_element_is_written_once_and_read_back(seed):
                     written[target] = run.view(flat)
                     count[target] += 1
                 run.view(back).copy_(stored[target])
-        assert torch.equal(back.view(local.shape), local), f"rank {tp_rank} did not read its tensor back"
+        assert torch.equal(back.view(local.shape), local), f"rank {rank} did not read its tensor back"
     assert torch.equal(count, torch.ones_like(count)), "an element was written zero or several times"
     assert torch.equal(written, stored)
 
 
+def test_unshard_inverts_shard():
+    spec = ShardSpec((12, 3), (Split(0, "tp", 2, 0, (4, 8), replicas=2),))
+    full = torch.randn(12, 3)
+    pieces = [ShardSpec((12, 3), (Split(0, "tp", 2, r // 2, (4, 8), replicas=2),)).shard(full) for r in range(4)]
+    assert torch.equal(spec.unshard(pieces), full)
+
+
 def test_run_view_with_offset_reads_a_shard_of_a_bucket():
-    p = nn.Parameter(torch.empty(4, 3))
-    set_replicated_meta(p)
-    spec = spec_of(p, (4, 3), 0, 1)
+    spec = ShardSpec((4, 3))
     bucket = torch.arange(20.0)  # the param sits at bucket positions 5..16; the shard holds 8..19
     shard = bucket[8:]
     runs = flat_range_to_full(spec, 3, 12)  # param elements 3..11 = bucket 8..16

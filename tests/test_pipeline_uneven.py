@@ -15,7 +15,7 @@ BASE = ["--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32
 def _train_keeping_tied_copies(rank, world, argv):
     """train_and_gather, plus this rank's copies of the tied word embedding (first stage: the
     embedding, last stage: the output layer), which train_and_gather leaves out on the last."""
-    from megatron_lite.parallel.tensor_parallel import gather_full_param
+    from megatron_lite.parallel.sharding import gather_full, spec_of
     from megatron_lite.training.loop import Trainer
 
     seen = {}
@@ -28,8 +28,8 @@ def _train_keeping_tied_copies(rank, world, argv):
     Trainer.train = train_and_keep
     out = train_and_gather(rank, world, argv)
     trainer = seen["trainer"]
-    tied = {("first" if chunk.pre_process else "last"): gather_full_param(p.data, p, trainer.dims)
-            for chunk in trainer.chunks for p in chunk.parameters() if getattr(p, "shared_embedding", False)}
+    tied = {("first" if chunk.pre_process else "last"): gather_full(p.data, p, trainer.dims)
+            for chunk in trainer.chunks for p in chunk.parameters() if spec_of(p).tie is not None}
     return out + (tied,)
 
 

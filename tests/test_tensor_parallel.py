@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from megatron_lite.config import ModelConfig
 from megatron_lite.parallel.grads import finalize_model_grads
 from megatron_lite.parallel.state import ParallelDims
-from megatron_lite.parallel.tensor_parallel import gather_full_param, vocab_parallel_cross_entropy
+from megatron_lite.parallel.sharding import gather_full
+from megatron_lite.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from megatron_lite.testing import assert_close, run_distributed
 from models.gpt import build_model
 
@@ -34,7 +35,7 @@ def _train(rank, world, tp, sp, cfg_kw, steps=5, recompute=None, method="uniform
         loss = model(tokens[:, :-1], labels=tokens[:, 1:]).mean()
         loss.backward()
         finalize_model_grads(model.parameters(), dims)
-        grads.append({n: gather_full_param(p.grad, p, dims) for n, p in model.named_parameters()})
+        grads.append({n: gather_full(p.grad, p, dims) for n, p in model.named_parameters()})
         opt.step()
         losses.append(loss.item())
     return losses, grads
@@ -64,7 +65,7 @@ def test_tp_matches_single_process(references, family, tp, sp):
 def _init_weights(rank, world, tp, cfg_kw):
     dims = ParallelDims.from_world(tp=tp)
     model = build_model(ModelConfig(**cfg_kw), dims, seed=11)[0]
-    return {n: gather_full_param(p.data, p, dims) for n, p in model.named_parameters()}
+    return {n: gather_full(p.data, p, dims) for n, p in model.named_parameters()}
 
 
 def test_initialization_is_layout_independent():

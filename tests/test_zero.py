@@ -12,7 +12,7 @@ from megatron_lite.config import ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.optim.optimizer import build_optimizer
 from megatron_lite.parallel import comm
 from megatron_lite.parallel.state import ParallelDims
-from megatron_lite.parallel.tensor_parallel import gather_full_param
+from megatron_lite.parallel.sharding import gather_full
 from megatron_lite.testing import assert_close, run_distributed
 from megatron_lite.training.step import forward_backward_no_pipelining, train_step
 from models.gpt import build_model
@@ -54,7 +54,7 @@ def setup(tp, stage, dtype=torch.float32, model=MODEL, sp=False, fp16=False, rec
 
 def full_params(chunks, sync, dims):
     with sync.gathered_params():
-        return {n: gather_full_param(p, p, dims) for n, p in chunks[0].named_parameters()}
+        return {n: gather_full(p, p, dims) for n, p in chunks[0].named_parameters()}
 
 
 def _train_stages(rank, world, tp, stages, pkw, micro_batch=1, sp=False):

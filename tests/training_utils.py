@@ -58,7 +58,7 @@ def train_and_gather(rank, world, argv, trace=False):
     global name, and the pipeline actions it executed when `trace`."""
     os.environ["WORLD_SIZE"] = str(world)
     from pretrain_gpt import resolve
-    from megatron_lite.parallel.tensor_parallel import gather_full_param
+    from megatron_lite.parallel.sharding import gather_full, spec_of
     from megatron_lite.training.loop import Trainer
     cfg, tokenizer = resolve(argv)
     trainer = Trainer(cfg, tokenizer, torch.device("cpu"))
@@ -70,9 +70,9 @@ def train_and_gather(rank, world, argv, trace=False):
     with trainer.grad_sync.gathered_params():  # ZeRO-3 keeps only shards between steps
         for chunk in trainer.chunks:
             for name, p in chunk.named_parameters():
-                if getattr(p, "shared_embedding", False) and not chunk.pre_process:
+                if spec_of(p).tie is not None and not chunk.pre_process:
                     continue  # the last stage's copy of the tied embedding
-                params[name] = gather_full_param(p.data, p, trainer.dims).float()
+                params[name] = gather_full(p.data, p, trainer.dims).float()
     return history, params, (executor.trace if trace and executor is not None else None), trainer.dims.pp_rank
 
 

@@ -11,12 +11,12 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ..parallel.grads import counts_in_norm
+from ..parallel.sharding import counts_in_norm, spec_of, stored_name
 from ..parallel.state import ParallelDims
 from . import directory
 from .files import PieceSet, describe_files
-from .geometry import flat_range_to_full, spec_of
-from .plan import MODEL, OPTIM_STATES, optim_key, param_name, stored_key
+from .geometry import flat_range_to_full
+from .plan import MODEL, OPTIM_STATES, even_part, optim_key, stored_key
 from .reader import CheckpointReader
 
 
@@ -46,10 +46,8 @@ def _rank_pieces(reader: CheckpointReader, dims: ParallelDims, chunks: List[nn.M
         for name, p in chunk.named_parameters():
             if not counts_in_norm(p, dims):
                 continue
-            name = param_name(name, p)
-            spec = spec_of(p, p.shape, dims.tp_rank, dims.tp)
-            n = p.numel()
-            runs = flat_range_to_full(spec, dims.dp_rank * n // dims.dp, (dims.dp_rank + 1) * n // dims.dp)
+            name, spec = stored_name(name, p), spec_of(p)
+            runs = flat_range_to_full(spec, *even_part(p.numel(), dims.dp, dims.dp_rank))
             for kind in (MODEL,) + OPTIM_STATES:
                 key = stored_key(kind, name)
                 if not reader.has(key):

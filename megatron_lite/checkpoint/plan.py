@@ -24,9 +24,9 @@ from typing import Dict, Iterator, List, NamedTuple, Tuple
 import torch
 
 from ..parallel.data_parallel import Bucket
-from ..parallel.grads import counts_in_norm
+from ..parallel.sharding import ShardSpec, counts_in_norm, spec_of, stored_name
 from ..parallel.state import ParallelDims
-from .geometry import Run, ShardSpec, flat_range_to_full, spec_of
+from .geometry import Run, flat_range_to_full
 
 MODEL = "model"
 OPTIM_STATES = ("exp_avg", "exp_avg_sq", "main")
@@ -38,11 +38,6 @@ def model_key(name: str) -> str:
 
 def optim_key(name: str, state: str) -> str:
     return f"optim/{name}/{state}"
-
-
-def param_name(name: str, param: torch.nn.Parameter) -> str:
-    """The stored name of a parameter: the tied embedding's last-stage copy is the embedding."""
-    return getattr(param, "init_name", name) if getattr(param, "shared_embedding", False) else name
 
 
 class Region(NamedTuple):
@@ -60,20 +55,21 @@ class Region(NamedTuple):
 
 def regions(bucket: Bucket, lo: int, hi: int, dims: ParallelDims, writers_only: bool) -> List[Region]:
     """The parameters' parts within bucket positions [lo, hi)."""
-    out = []
-    for p, name, shape, (a, b) in zip(bucket.params, bucket.names, bucket.shapes, bucket.offsets):
-        s, e = max(a, lo), min(b, hi)
-        if s >= e or (writers_only and not counts_in_norm(p, dims)):
-            continue
-        out.append(Region(param_name(name, p), spec_of(p, shape, dims.tp_rank, dims.tp), s - a, e - a, a))
-    return out
+    return [Region(stored_name(bucket.names[i], bucket.params[i]), spec_of(bucket.params[i]), a, b,
+                   bucket.offsets[i][0])
+            for i, a, b in bucket.segments(lo, hi)
+            if not (writers_only and not counts_in_norm(bucket.params[i], dims))]
+
+
+def even_part(n: int, parts: int, index: int) -> Tuple[int, int]:
+    """[lo, hi) of part `index` of `n` elements cut into `parts` nearly equal runs."""
+    return index * n // parts, (index + 1) * n // parts
 
 
 def write_range(bucket: Bucket, zero_stage: int, dp: int, dp_rank: int) -> Tuple[int, int]:
     if zero_stage >= 1:
         return bucket.shard_lo, bucket.shard_lo + bucket.shard_numel
-    n = bucket.numel
-    return dp_rank * n // dp, (dp_rank + 1) * n // dp
+    return even_part(bucket.numel, dp, dp_rank)
 
 
 def fill_range(bucket: Bucket) -> Tuple[int, int]:

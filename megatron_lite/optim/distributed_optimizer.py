@@ -23,7 +23,7 @@ from ..config import TrainingConfig
 from ..errors import NonFiniteError
 from ..parallel import comm
 from ..parallel.data_parallel import Bucket, GradientSync
-from ..parallel.grads import counts_in_norm
+from ..parallel.sharding import counts_in_norm
 from ..parallel.state import ParallelDims
 from .adam import adamw_
 from .loss_scaler import ConstantLossScaler, DynamicLossScaler

@@ -43,6 +43,7 @@ import torch.nn as nn
 from ..config import ParallelConfig
 from . import comm
 from .grads import finalize_model_grads
+from .sharding import spec_of
 from .state import ParallelDims, group_rank, group_size
 
 
@@ -77,7 +78,7 @@ class Bucket:
         self.missing = len(params)  # params still short of this step's gradients
         # The pipeline-tied embedding is summed over the first and last stage before its DP
         # reduction; that cannot happen inside one stage's backward without deadlock.
-        self.deferred = any(getattr(p, "shared_embedding", False) for p in params)
+        self.deferred = any(spec_of(p).tie is not None for p in params)
 
     @property
     def shard(self) -> slice:
@@ -89,15 +90,15 @@ class Bucket:
     def grad_shard_view(self) -> torch.Tensor:
         return self.grad_shard if self.grad_shard is not None else self.grad_data[self.shard]
 
+    def segments(self, lo: int, hi: int) -> List[Tuple[int, int, int]]:
+        """(param index, a, b): elements [a, b) of that param's flat tensor lie in bucket positions
+        [lo, hi)."""
+        return [(i, max(s, lo) - s, min(e, hi) - s) for i, (s, e) in enumerate(self.offsets) if max(s, lo) < min(e, hi)]
+
     def shard_segments(self) -> List[Tuple[int, int, int]]:
         """(param index, lo, hi): positions [lo, hi) of this rank's shard that belong to that param."""
-        out = []
-        s0, s1 = self.shard_lo, self.shard_lo + self.shard_numel
-        for i, (a, b) in enumerate(self.offsets):
-            lo, hi = max(a, s0), min(b, s1)
-            if lo < hi:
-                out.append((i, lo - s0, hi - s0))
-        return out
+        return [(i, a + self.offsets[i][0] - self.shard_lo, b + self.offsets[i][0] - self.shard_lo)
+                for i, a, b in self.segments(self.shard_lo, self.shard_lo + self.shard_numel)]
 
     def flatten_params(self) -> torch.Tensor:
         flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
@@ -164,6 +165,9 @@ class GradientSync:
         self.grad_dtype = grad_dtype or (torch.bfloat16 if pcfg.grad_reduce_in_bf16 else torch.float32)
         shards = self.dp if self.stage >= 1 else 1
         bucket_size = pcfg.ddp_bucket_size or default_bucket_size(self.dp)
+        for chunk in chunks:
+            for p in chunk.parameters():
+                spec_of(p)  # a plain parameter's default spec, from its shape before ZeRO-3 frees it
         self.buckets: List[Bucket] = []
         units = []  # ZeRO-3: per chunk, its units (module, params) in forward order
         for chunk in chunks:

@@ -1,14 +1,12 @@
 """Tensor-parallel layers: column/row-parallel linear, vocab-parallel embedding and cross entropy.
 
-Every sharded parameter carries metadata describing how it is cut from its full tensor:
-`partition_dim` and `tp_segments` (the full tensor is a concatenation of segments along
-`partition_dim`, e.g. [Q | K | V] or [gate | up]; each segment is split evenly across TP ranks
-and a rank holds its piece of every segment). `shard_tensor` / `unshard_tensors` use it, so
-initialization, checkpoints, conversion and tests agree on one definition of the full weight.
+Each layer sets the `ShardSpec` (sharding.py) of the parameters it creates: how they are cut from
+their full tensors ([Q | K | V] or [gate | up] segments split evenly over TP, replicated K/V
+groups, padded vocabulary rows), which is all that initialization, checkpoints and conversion read.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,77 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import comm
+from .sharding import ShardSpec, replicated, set_spec, tp_split
 from .state import ParallelDims, group_rank, group_size
-
-
-# --- sharding metadata ------------------------------------------------------------------------
-def set_tp_meta(param: nn.Parameter, partition_dim: int, full_shape: Sequence[int],
-                segments: Optional[List[int]] = None, replicas: int = 1) -> None:
-    """Mark `param` as cut along `partition_dim` into tp / replicas shards; `replicas` consecutive
-    TP ranks hold the same shard (grouped-query K/V when there are fewer groups than TP ranks)."""
-    param.tensor_model_parallel = True
-    param.partition_dim = partition_dim
-    param.full_shape = tuple(full_shape)
-    param.tp_segments = list(segments) if segments else [full_shape[partition_dim]]
-    param.tp_replicas = replicas
-
-
-def set_replicated_meta(param: nn.Parameter, sequence_parallel: bool = False) -> None:
-    """A parameter every TP rank holds whole. Under SP its gradient is partial (each rank saw
-    only its sequence slice) and must be summed over TP."""
-    param.tensor_model_parallel = False
-    param.full_shape = tuple(param.shape)
-    param.sequence_parallel = sequence_parallel
-
-
-def shard_tensor(full: torch.Tensor, param: nn.Parameter, tp_rank: int, tp: int) -> torch.Tensor:
-    """This TP rank's piece of `full` according to `param`'s metadata."""
-    if not getattr(param, "tensor_model_parallel", False) or tp == 1:
-        return full
-    dim, replicas = param.partition_dim, getattr(param, "tp_replicas", 1)
-    shards, index = tp // replicas, tp_rank // replicas
-    pieces = []
-    for seg in full.split(param.tp_segments, dim=dim):
-        n = seg.shape[dim] // shards
-        pieces.append(seg.narrow(dim, index * n, n))
-    return torch.cat(pieces, dim=dim)
-
-
-def unshard_tensors(shards: List[torch.Tensor], param: nn.Parameter) -> torch.Tensor:
-    """Inverse of shard_tensor: the full tensor from every TP rank's piece, in rank order."""
-    if not getattr(param, "tensor_model_parallel", False) or len(shards) == 1:
-        return shards[0]
-    shards = shards[:: getattr(param, "tp_replicas", 1)]  # one copy of each distinct shard
-    dim, tp = param.partition_dim, len(shards)
-    local_segments = [s // tp for s in param.tp_segments]
-    per_rank = [s.split(local_segments, dim=dim) for s in shards]
-    segs = [torch.cat([per_rank[r][i] for r in range(tp)], dim=dim) for i in range(len(local_segments))]
-    return torch.cat(segs, dim=dim)
-
-
-def gather_full_param(t: torch.Tensor, param: nn.Parameter, dims: ParallelDims) -> torch.Tensor:
-    """All-gather a TP-sharded tensor shaped like `param` into its full tensor (collective over TP).
-
-    Vocabulary padding (which depends on TP) is dropped: the result is layout-independent."""
-    tp = group_size(dims.tp_group)
-    if not getattr(param, "tensor_model_parallel", False) or tp == 1:
-        return trim_vocab_padding(t.detach().clone(), param)
-    moved = t.detach().movedim(param.partition_dim, 0).contiguous()
-    out = torch.empty((tp * moved.shape[0],) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
-    comm.all_gather(out, moved, dims.tp_group)
-    shards = [s.movedim(0, param.partition_dim) for s in out.chunk(tp, dim=0)]
-    return trim_vocab_padding(unshard_tensors(shards, param), param)
-
-
-def trim_vocab_padding(full: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
-    rows = getattr(param, "vocab_rows", None)
-    return full if rows is None else full[:rows]
-
-
-def pad_vocab(full: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
-    """Inverse of trim_vocab_padding: zero rows up to the padded vocab this layout uses."""
-    missing = param.full_shape[0] - full.shape[0]
-    return full if missing <= 0 else torch.cat([full, full.new_zeros((missing,) + tuple(full.shape[1:]))])
 
 
 # --- weight-gradient deferral (zero-bubble pipeline schedules) --------------------------------
@@ -182,18 +111,16 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, dims: ParallelDims, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
-                 segments: Optional[List[int]] = None, replicas: int = 1, dtype=torch.float32):
+                 segments: Optional[List[int]] = None, replicas: int = 1, dtype=torch.float32,
+                 init: str = "normal"):
         super().__init__()
-        shards = dims.tp // replicas
-        segments = segments or [output_size]
-        for s in segments:
-            assert s % shards == 0, f"output segment {s} not divisible into {shards} tensor-parallel shards"
+        split = tp_split(dims, 0, output_size, segments, replicas)
         self.dims, self.gather_output, self.sequence_parallel = dims, gather_output, sequence_parallel
-        self.weight = nn.Parameter(torch.empty(output_size // shards, input_size, dtype=dtype))
-        set_tp_meta(self.weight, 0, (output_size, input_size), segments, replicas)
+        self.weight = nn.Parameter(torch.empty(output_size // split.shards, input_size, dtype=dtype))
+        set_spec(self.weight, ShardSpec((output_size, input_size), (split,), init=init))
         if bias:
-            self.bias = nn.Parameter(torch.zeros(output_size // shards, dtype=dtype))
-            set_tp_meta(self.bias, 0, (output_size,), segments, replicas)
+            self.bias = nn.Parameter(torch.zeros(output_size // split.shards, dtype=dtype))
+            set_spec(self.bias, ShardSpec((output_size,), (split,), init="zeros"))
         else:
             self.register_parameter("bias", None)
 
@@ -210,16 +137,15 @@ class RowParallelLinear(nn.Module):
     summed (all-reduce, or reduce-scatter along the sequence under SP) and the bias added once."""
 
     def __init__(self, input_size: int, output_size: int, dims: ParallelDims, bias: bool = True,
-                 sequence_parallel: bool = False, dtype=torch.float32):
+                 sequence_parallel: bool = False, dtype=torch.float32, init: str = "normal_scaled"):
         super().__init__()
-        tp = dims.tp
-        assert input_size % tp == 0, f"input size {input_size} not divisible by tensor_model_parallel_size {tp}"
+        split = tp_split(dims, 1, input_size)
         self.dims, self.sequence_parallel = dims, sequence_parallel
-        self.weight = nn.Parameter(torch.empty(output_size, input_size // tp, dtype=dtype))
-        set_tp_meta(self.weight, 1, (output_size, input_size))
+        self.weight = nn.Parameter(torch.empty(output_size, input_size // split.shards, dtype=dtype))
+        set_spec(self.weight, ShardSpec((output_size, input_size), (split,), init=init))
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size, dtype=dtype))
-            set_replicated_meta(self.bias, sequence_parallel)
+            set_spec(self.bias, replicated((output_size,), sequence_parallel, init="zeros"))
         else:
             self.register_parameter("bias", None)
 
@@ -230,19 +156,25 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def vocab_parallel_weight(padded_vocab_size: int, hidden_size: int, dims: ParallelDims, dtype,
+                          vocab_size: Optional[int] = None):
+    """(weight, first row) of this rank's slice of a [padded vocab, hidden] table split by rows;
+    `vocab_size` true rows are stored (the padding rows are never trained or saved)."""
+    split = tp_split(dims, 0, padded_vocab_size)
+    weight = nn.Parameter(torch.empty(padded_vocab_size // split.shards, hidden_size, dtype=dtype))
+    set_spec(weight, ShardSpec((padded_vocab_size, hidden_size), (split,), stored_rows=vocab_size))
+    return weight, split.index * weight.shape[0]
+
+
 class VocabParallelEmbedding(nn.Module):
     """Embedding table split by vocabulary rows across TP. Returns [s, b, h] partial sums that the
     caller reduces (all-reduce, or reduce-scatter along the sequence under SP)."""
 
-    def __init__(self, padded_vocab_size: int, hidden_size: int, dims: ParallelDims, dtype=torch.float32):
+    def __init__(self, padded_vocab_size: int, hidden_size: int, dims: ParallelDims, dtype=torch.float32,
+                 vocab_size: Optional[int] = None):
         super().__init__()
-        tp = dims.tp
-        assert padded_vocab_size % tp == 0
-        self.dims = dims
-        self.per_rank = padded_vocab_size // tp
-        self.vocab_start = dims.tp_rank * self.per_rank
-        self.weight = nn.Parameter(torch.empty(self.per_rank, hidden_size, dtype=dtype))
-        set_tp_meta(self.weight, 0, (padded_vocab_size, hidden_size))
+        self.weight, self.vocab_start = vocab_parallel_weight(padded_vocab_size, hidden_size, dims, dtype, vocab_size)
+        self.dims, self.per_rank = dims, self.weight.shape[0]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [b, s] -> partial embeddings [s, b, h] (exact on a single TP rank)."""

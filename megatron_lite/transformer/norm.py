@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..parallel.tensor_parallel import set_replicated_meta
+from ..parallel.sharding import replicated, set_spec
 
 
 class LayerNorm(nn.Module):
@@ -14,8 +14,8 @@ class LayerNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
-        for p in (self.weight, self.bias):
-            set_replicated_meta(p, sequence_parallel)
+        set_spec(self.weight, replicated((hidden_size,), sequence_parallel, init="ones"))
+        set_spec(self.bias, replicated((hidden_size,), sequence_parallel, init="zeros"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
@@ -26,7 +26,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
-        set_replicated_meta(self.weight, sequence_parallel)
+        set_spec(self.weight, replicated((hidden_size,), sequence_parallel, init="ones"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 whatever the activation dtype, as Llama does.
