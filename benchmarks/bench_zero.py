@@ -13,7 +13,7 @@ model: everything, including activations, the transient full gradient buckets of
 gathered layers of stage 3, and gloo's internal copies (on CPU a reduce-scatter of B bytes
 transiently allocates about 1.6 B, an all-gather about 2 B of its output; NCCL works in place).
 "Between steps" is resident memory after the last step (freed heap returned to the OS first). Communication is bytes of full logical buffers per step and
-rank (`comm.COMM_COUNTER`). The torch peers train the plain Llama of bench_step.py, loaded with
+rank (a `comm.CommCounter` in `dims.comm_counter`). The torch peers train the plain Llama of bench_step.py, loaded with
 our initial weights (their first loss must equal ours), in fp32 beside our fp32 runs.
 """
 from __future__ import annotations
@@ -96,12 +96,11 @@ def run_ours(rank, world, stage, dtype, args):
     times, losses, comm_bytes = [], [], None
     for step in range(args.warmup + args.steps):
         batches = rank_batches(step, args, cfg.vocab_size, world, rank)
-        comm.COMM_COUNTER.reset()
+        dims.comm_counter = comm.CommCounter()
         start = time.perf_counter()
-        with comm.counting_comm():
-            losses.append(train_step(chunks, batches, dims, optimizer, sync, tcfg.lr)["lm_loss"])
+        losses.append(train_step(chunks, batches, dims, optimizer, sync, tcfg.lr)["lm_loss"])
         times.append(time.perf_counter() - start)
-        comm_bytes = comm.COMM_COUNTER.reset()
+        comm_bytes = dims.comm_counter.reset()
     peak = peak_rss_bytes() - base
     return dict(psi=psi, held=held, comm=comm_bytes, step_s=statistics.median(times[args.warmup:]),
                 first_loss=losses[0], steady=rss_bytes() - base, peak=peak)

@@ -83,17 +83,17 @@ class GPTModel(nn.Module):
         return self.embedding.word_embeddings.weight
 
     def _embed(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        group = self.dims.tp_group
+        group, counter = self.dims.tp_group, self.dims.comm_counter
         x = self.embedding.word_embeddings(tokens)  # partial sums over TP, [s, b, h]
         pos = None
         if self.cfg.position_embedding_type == "learned_absolute":
             pos = self.embedding.position_embeddings(position_ids).transpose(0, 1)
         if self.sequence_parallel:
-            x = comm.reduce_scatter_to_sp(x, group)
+            x = comm.reduce_scatter_to_sp(x, group, counter)
             if pos is not None:
-                x = x + comm.scatter_to_sp(pos, group)
+                x = x + comm.scatter_to_sp(pos, group, counter)
         else:
-            x = comm.reduce_from_tp(x, group)
+            x = comm.reduce_from_tp(x, group, counter)
             if pos is not None:
                 x = x + pos
         p = self.cfg.hidden_dropout if self.training else 0.0
@@ -155,7 +155,7 @@ class GPTModel(nn.Module):
             return x
         logits = self._logits(self.final_norm(x))
         if labels is None:
-            full = comm.gather_from_tp(logits, self.dims.tp_group)
+            full = comm.gather_from_tp(logits, self.dims.tp_group, counter=self.dims.comm_counter)
             return full[..., : self.cfg.vocab_size].transpose(0, 1).float()
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.dims, self.cfg.vocab_size)
         return loss.t()

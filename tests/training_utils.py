@@ -55,7 +55,7 @@ def read_metrics(path):
 
 def train_and_gather(rank, world, argv, trace=False):
     """Like train_in_process, but also returns this rank's final full (TP-gathered) parameters by
-    global name, and the pipeline actions it executed when `trace`."""
+    their global names, and the pipeline actions it executed when `trace`."""
     os.environ["WORLD_SIZE"] = str(world)
     from pretrain_gpt import resolve
     from megatron_lite.parallel.sharding import gather_full, spec_of

@@ -139,16 +139,15 @@ class Encoder:
         return problems
 
 
-_ENCODER: Optional[Encoder] = None
+_WORKER = {}  # in each pool worker process: its Encoder, made once by the pool's initializer
 
 
 def _init_worker(args) -> None:
-    global _ENCODER
-    _ENCODER = Encoder(args)
+    _WORKER["encoder"] = Encoder(args)
 
 
 def _encode_in_worker(chunk):
-    return _ENCODER.encode_chunk(chunk)
+    return _WORKER["encoder"].encode_chunk(chunk)
 
 
 def read_chunks(path: str, chunk_bytes: int = CHUNK_BYTES) -> Iterator[Tuple[int, List[bytes]]]:

@@ -19,7 +19,6 @@ import socket
 import sys
 from typing import List, Optional, Tuple
 
-from .faults import fault_point
 from .files import FORMAT, CheckpointError, fsync_dir, metadata_checksum, write_text_atomic
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -87,8 +86,9 @@ def read_metadata(ckpt_dir: str, verify: bool = True) -> dict:
     return meta
 
 
-def commit(root: str, iteration: int, meta: dict) -> str:
-    """Rank 0, once every rank's file is in the staging directory: metadata.json, rename, tracker."""
+def commit(root: str, iteration: int, meta: dict, fault=None) -> str:
+    """Rank 0, once every rank's file is in the staging directory: metadata.json, rename, tracker.
+    `fault`: the crash tests' hook (faults.py), called between the rename and the tracker update."""
     staging, final = staging_dir(root, iteration), iter_dir(root, iteration)
     meta = dict(meta, checksum=metadata_checksum(meta))
     write_text_atomic(os.path.join(staging, METADATA), json.dumps(meta, indent=1, sort_keys=True) + "\n")
@@ -99,7 +99,8 @@ def commit(root: str, iteration: int, meta: dict) -> str:
         os.replace(final, old)
     os.replace(staging, final)
     fsync_dir(root)
-    fault_point("commit")  # tests: die with a complete checkpoint that `latest` does not name yet
+    if fault is not None:  # tests: die with a complete checkpoint that `latest` does not name yet
+        fault("commit", iteration)
     write_text_atomic(os.path.join(root, TRACKER), f"{iteration}\n")
     if old:
         shutil.rmtree(old, ignore_errors=True)

@@ -1,29 +1,33 @@
-"""Fault injection for the crash tests: kill this process with SIGKILL at a named point.
+"""Fault injection for the crash tests: one hook that kills this process with SIGKILL at a named
+point of a named iteration.
 
-`MEGATRON_LITE_FAULT=<point>:<iteration>:<rank>` kills global rank <rank> at <point> of
-iteration <iteration>: "save" (its checkpoint file half written), "commit" (rank 0: the checkpoint
-complete but not yet named by the tracker file) or "iteration" (the end of the iteration). Only the first attempt of a torchrun job dies (TORCHELASTIC_RESTART_COUNT 0 or
-unset), so that a restarted job can run through. Unset, this costs one dictionary lookup.
+`MEGATRON_LITE_FAULT=<point>:<iteration>:<rank>` kills global rank <rank> at <point> of iteration
+<iteration>: "save" (its checkpoint file half written), "commit" (rank 0: the checkpoint complete
+but not yet named by the tracker file) or "iteration" (the end of the iteration). Only the first
+attempt of a torchrun job dies (TORCHELASTIC_RESTART_COUNT 0 or unset), so that a restarted job can
+run through. `fault_hook()` is None when unset: the checkpointing code then calls nothing.
 """
 from __future__ import annotations
 
 import os
 import signal
+from typing import Callable, Optional
 
-_iteration = 0
-
-
-def set_iteration(iteration: int) -> None:
-    global _iteration
-    _iteration = iteration
+FaultHook = Callable[..., None]  # hook(point, iteration, file_to_flush=None)
 
 
-def fault_point(point: str, flush=None) -> None:
+def fault_hook(rank: int) -> Optional[FaultHook]:
     spec = os.environ.get("MEGATRON_LITE_FAULT")
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
-    name, iteration, rank = spec.split(":")
-    if name == point and int(iteration) == _iteration and int(rank) == int(os.environ.get("RANK", "0")):
-        if flush is not None:
-            flush.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
+        return None
+    point, iteration, victim = spec.split(":")
+    if int(victim) != rank:
+        return None
+
+    def hook(at: str, it: int, flush=None) -> None:
+        if at == point and it == int(iteration):
+            if flush is not None:
+                flush.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook

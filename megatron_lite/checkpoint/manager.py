@@ -22,7 +22,7 @@ from ..config import Config
 from ..errors import ConfigError, agree_on_errors
 from .directory import check_save_dir, has_checkpoint, read_metadata, resolve
 from .exit_conditions import ExitConditions
-from .faults import fault_point, set_iteration
+from .faults import fault_hook
 from .loader import Loaded, load_checkpoint
 from .saver import PendingSave, start_save, world_rank
 
@@ -60,6 +60,7 @@ class Checkpointing:
         self.write_s: Dict[int, float] = {}  # per saved iteration: time writing this rank's file took
         self.checksum_s: Dict[int, float] = {}  # ... of which computing its checksums
         self.load_s = 0.0
+        self.fault = fault_hook(world_rank())  # crash tests only (MEGATRON_LITE_FAULT); else None
 
     @contextmanager
     def _timed(self, iteration: int):
@@ -110,8 +111,8 @@ class Checkpointing:
 
     def after_iteration(self, trainer) -> bool:
         """Save if due; True when the run must stop now (after saving)."""
-        set_iteration(trainer.iteration)
-        fault_point("iteration")
+        if self.fault is not None:
+            self.fault("iteration", trainer.iteration)
         reason = self.exit.check(trainer.iteration)
         t = self.tcfg
         if t.save and (reason or (t.save_interval and trainer.iteration % t.save_interval == 0)):
@@ -123,7 +124,7 @@ class Checkpointing:
 
     def save(self, trainer, background: bool = False) -> None:
         self.finish()  # one save at a time
-        self.pending = start_save(trainer, self.tcfg.save, background)
+        self.pending = start_save(trainer, self.tcfg.save, background, self.fault)
         self.last_saved = trainer.iteration
         if not background:
             self.finish()

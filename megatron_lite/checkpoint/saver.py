@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 from . import directory, rng
-from .faults import set_iteration
 from .files import FORMAT, PieceSet, describe_files
 from .geometry import whole_box
 from .plan import bucket_sources, regions, stored_key, write_range
@@ -84,8 +83,9 @@ def snapshot(trainer, copy: bool) -> PieceSet:
 class PendingSave:
     """One checkpoint being written by this rank; `commit()` finishes it on every rank."""
 
-    def __init__(self, root: str, iteration: int, meta: dict, device, started: float):
+    def __init__(self, root: str, iteration: int, meta: dict, device, started: float, fault=None):
         self.root, self.iteration, self.meta, self.device = root, iteration, meta, device
+        self.fault = fault  # the crash tests' hook (faults.py), or None
         self.started = started
         self.error: Optional[BaseException] = None
         self.thread: Optional[threading.Thread] = None
@@ -98,7 +98,8 @@ class PendingSave:
         def run():
             start = time.perf_counter()
             try:
-                pieces.write(path)
+                halfway = None if self.fault is None else (lambda f: self.fault("save", self.iteration, f))
+                pieces.write(path, halfway)
             except BaseException as e:  # reported to every rank at commit
                 self.error = e
             self.write_s = time.perf_counter() - start
@@ -138,24 +139,23 @@ class PendingSave:
     def _commit_rank0(self, keep_last: Optional[int]) -> None:
         staging = directory.staging_dir(self.root, self.iteration)
         self.meta["files"] = describe_files(staging, [directory.shard_file(r) for r in range(world_size())])
-        final = directory.commit(self.root, self.iteration, self.meta)
+        final = directory.commit(self.root, self.iteration, self.meta, self.fault)
         dropped = directory.prune(self.root, keep_last)
         size = sum(f["bytes"] for f in self.meta["files"].values())
         print(f"> saved checkpoint iteration {self.iteration} to {final} ({size / 2**20:.1f} MiB, "
               f"{time.perf_counter() - self.started:.2f} s)" + (f"; pruned {dropped}" if dropped else ""), flush=True)
 
 
-def start_save(trainer, root: str, background: bool) -> PendingSave:
+def start_save(trainer, root: str, background: bool, fault=None) -> PendingSave:
     """Collective: snapshot and write (or start writing) this rank's file of a checkpoint of the
     trainer's current state into ROOT. Call commit() (after ready()) to finish it."""
     started = time.perf_counter()
     iteration = trainer.iteration
-    set_iteration(iteration)
     staging = directory.staging_dir(root, iteration)
     if world_rank() == 0:  # a crashed earlier attempt may have left files here
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
     world_min(1, trainer.device)  # nobody writes before the directory is clean
-    save = PendingSave(root, iteration, checkpoint_metadata(trainer), trainer.device, started)
+    save = PendingSave(root, iteration, checkpoint_metadata(trainer), trainer.device, started, fault)
     save.write(snapshot(trainer, copy=background), background)
     return save

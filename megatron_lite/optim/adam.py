@@ -7,12 +7,28 @@ the plain formula runs over slices, so that its temporaries stay small (whole-sh
 of tens of MB are fresh pages on every step: 3-4x slower on CPU)."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import List, Tuple
 
 import torch
 
 _FUSED = getattr(torch, "_fused_adamw_", None)
+
+
+@functools.cache
+def fused_adamw_available(device_type: str) -> bool:
+    """Whether this build has the fused AdamW kernel for the device: tried once on one element.
+    Only a missing kernel turns the fused path off; errors of real calls (out of memory) propagate."""
+    if _FUSED is None or device_type not in ("cpu", "cuda"):
+        return False
+    one = torch.zeros(1, device=device_type)
+    try:
+        _FUSED([one], [one.clone()], [one.clone()], [one.clone()], [], [torch.ones((), device=device_type)],
+               lr=0.0, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 _SLICE = 1 << 18  # elements per slice of the unfused formula
 
 
@@ -29,18 +45,14 @@ def _adam_formula(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps)
 def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
            step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
            decay_ranges: List[Tuple[int, int]]) -> None:
-    global _FUSED
     if weight_decay:  # decoupled decay first, as torch.optim.AdamW does
         for lo, hi in decay_ranges:
             param[lo:hi].mul_(1.0 - lr * weight_decay)
-    if _FUSED is not None and param.device.type in ("cpu", "cuda"):
+    if fused_adamw_available(param.device.type):
         steps = [torch.tensor(float(step), device=param.device)]
-        try:
-            _FUSED([param], [grad], [exp_avg], [exp_avg_sq], [], steps, lr=lr, beta1=beta1, beta2=beta2,
-                   weight_decay=0.0, eps=eps, amsgrad=False, maximize=False)
-            return
-        except (RuntimeError, NotImplementedError):  # no kernel for this build: use the formula
-            _FUSED = None
+        _FUSED([param], [grad], [exp_avg], [exp_avg_sq], [], steps, lr=lr, beta1=beta1, beta2=beta2,
+               weight_decay=0.0, eps=eps, amsgrad=False, maximize=False)
+        return
     for lo in range(0, param.numel(), _SLICE):
         s = slice(lo, lo + _SLICE)
         _adam_formula(param[s], grad[s], exp_avg[s], exp_avg_sq[s], step, lr, beta1, beta2, eps)

@@ -6,9 +6,9 @@ optimizer keeps the fp32 main params (the param shard itself when params are fp3
 and v, reads the reduced gradient, and writes the updated values back into the param shard;
 GradientSync then all-gathers the params at stages 1-2 (at stage 3 the shard is all there is).
 
-A step: unscale (fp16) -> skip everywhere if any rank found inf/NaN (the scale backs off) ->
-global grad norm (model-parallel ranks count each distinct element once, see
-`grads.counts_in_norm`; sharded stages also sum over DP, each shard counted once) -> clip ->
+A step: unscale (fp16) -> skip everywhere if any rank found inf/NaN (the scale backs off) -> the
+grad norm of the whole model (model-parallel ranks count each distinct element once, see
+`sharding.counts_in_norm`; sharded stages also sum over DP, each shard counted once) -> clip ->
 AdamW -> copy back -> param all-gather.
 """
 from __future__ import annotations
@@ -93,8 +93,8 @@ class DistributedOptimizer:
     def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """Over every rank holding a distinct part of the gradients: DP when sharded, then TP x PP."""
         if self.sharded:
-            comm.all_reduce(t, self.sync.group, op=op)
-        comm.all_reduce(t, self.dims.mp_group, op=op)
+            comm.all_reduce(t, self.sync.group, op=op, counter=self.dims.comm_counter)
+        comm.all_reduce(t, self.dims.mp_group, op=op, counter=self.dims.comm_counter)
         return t
 
     def _found_inf(self, tensors: List[torch.Tensor], bad_loss: bool) -> Tuple[bool, bool]:

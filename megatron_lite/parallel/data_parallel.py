@@ -273,10 +273,11 @@ class GradientSync:
             self._alloc_grad(b)
         finalize_model_grads(b.params, self.dims)
         if self.stage == 0:
-            b.handle = comm.all_reduce(b.grad_data, self.group, async_op=True)
+            b.handle = comm.all_reduce(b.grad_data, self.group, async_op=True, counter=self.dims.comm_counter)
         else:
             out = b.grad_shard if b.grad_shard is not None else b.grad_data[b.shard]
-            b.handle = comm.reduce_scatter(out, b.grad_data, self.group, async_op=True)
+            b.handle = comm.reduce_scatter(out, b.grad_data, self.group, async_op=True,
+                                           counter=self.dims.comm_counter)
         b.launched = True
         self._inflight.append(b)
         self._complete(wait=False)
@@ -323,7 +324,8 @@ class GradientSync:
         if self.stage not in (1, 2):
             return
         for b in self.buckets:
-            b.param_handle = comm.all_gather(b.param_data, b.param_data[b.shard], self.group, async_op=True)
+            b.param_handle = comm.all_gather(b.param_data, b.param_data[b.shard], self.group, async_op=True,
+                                             counter=self.dims.comm_counter)
         if not self.overlap_param_gather:
             self.wait_param_gather()
 

@@ -27,8 +27,8 @@ def finalize_model_grads(params: Iterable[nn.Parameter], dims: ParallelDims) -> 
             continue
         spec = spec_of(p)
         if spec.sequence_parallel:
-            comm.all_reduce(g, dims.tp_group)
+            comm.all_reduce(g, dims.tp_group, counter=dims.comm_counter)
         if spec.replicas("tp") > 1:
-            comm.all_reduce(g, dims.tp_replica_group(spec.replicas("tp")))
+            comm.all_reduce(g, dims.tp_replica_group(spec.replicas("tp")), counter=dims.comm_counter)
         if spec.tie is not None:
-            comm.all_reduce(g, dims.embedding_group)
+            comm.all_reduce(g, dims.embedding_group, counter=dims.comm_counter)

@@ -2,8 +2,8 @@
 
 Every parameter carries one frozen `ShardSpec` (`param.shard_spec`), set by the layer that creates
 it. It is the only description of the cut: initialization draws the full tensor and keeps
-`spec.shard(full)`, gradient finalization sums what `spec` says is partial, the optimizer and the
-global norm count each distinct element once (`counts_in_norm`), checkpoints map local boxes to
+`spec.shard(full)`, gradient finalization sums what `spec` says is partial, the optimizer and
+the global norm count each distinct element once (`counts_in_norm`), checkpoints map local boxes to
 full boxes (`spec.local_to_full`), and conversion pads, shards and gathers through it.
 
 A full tensor may be split along several dimensions, each over one parallel axis (`Split`):
@@ -198,5 +198,5 @@ def gather_full(t: torch.Tensor, param: nn.Parameter, dims) -> torch.Tensor:
         return spec.trim(t.clone())
     moved = t.movedim(s.dim, 0).contiguous()
     out = torch.empty((dims.tp * moved.shape[0],) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
-    comm.all_gather(out, moved, dims.tp_group)
+    comm.all_gather(out, moved, dims.tp_group, counter=dims.comm_counter)
     return spec.trim(spec.unshard([x.movedim(0, s.dim) for x in out.chunk(dims.tp, dim=0)]))

@@ -27,6 +27,7 @@ class ParallelDims:
     vpp: int = 1  # virtual pipeline stages (model chunks) per pipeline rank
     rank: int = 0
     groups: Dict[str, Optional[dist.ProcessGroup]] = field(default_factory=dict, repr=False)
+    comm_counter: Optional[object] = field(default=None, repr=False)  # a comm.CommCounter: bytes moved
     group_ranks: Dict[str, List[int]] = field(default_factory=dict, repr=False)
 
     @property

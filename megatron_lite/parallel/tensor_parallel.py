@@ -99,8 +99,8 @@ def linear(x, weight, bias=None):
 def enter_tp_region(x: torch.Tensor, dims: ParallelDims, sequence_parallel: bool) -> torch.Tensor:
     """Input of column-parallel layers: all-gather the sequence (SP) or mark for grad all-reduce."""
     if sequence_parallel:
-        return comm.gather_from_sp(x, dims.tp_group)
-    return comm.copy_to_tp(x, dims.tp_group)
+        return comm.gather_from_sp(x, dims.tp_group, counter=dims.comm_counter)
+    return comm.copy_to_tp(x, dims.tp_group, counter=dims.comm_counter)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -129,7 +129,7 @@ class ColumnParallelLinear(nn.Module):
         if not input_ready:
             x = enter_tp_region(x, self.dims, self.sequence_parallel)
         y = linear(x, self.weight, self.bias)
-        return comm.gather_from_tp(y, self.dims.tp_group) if self.gather_output else y
+        return comm.gather_from_tp(y, self.dims.tp_group, counter=self.dims.comm_counter) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
@@ -152,7 +152,9 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight)
         group = self.dims.tp_group
-        y = comm.reduce_scatter_to_sp(y, group) if self.sequence_parallel else comm.reduce_from_tp(y, group)
+        counter = self.dims.comm_counter
+        y = (comm.reduce_scatter_to_sp(y, group, counter) if self.sequence_parallel
+             else comm.reduce_from_tp(y, group, counter))
         return y if self.bias is None else y + self.bias
 
 
@@ -190,7 +192,7 @@ class VocabParallelEmbedding(nn.Module):
 # --- vocab-parallel cross entropy -------------------------------------------------------------
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, vocab_start, vocab_size, ignore_index):
+    def forward(ctx, logits, target, group, vocab_start, vocab_size, ignore_index, counter):
         logits = logits.float()
         per_rank = logits.shape[-1]
         n_valid = max(0, min(per_rank, vocab_size - vocab_start))
@@ -198,17 +200,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             logits = logits.clone()
             logits[..., n_valid:] = float("-inf")
         logits_max = logits.max(dim=-1)[0]
-        comm.all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
+        comm.all_reduce(logits_max, group, op=dist.ReduceOp.MAX, counter=counter)
         shifted = logits - logits_max.unsqueeze(-1)
         local_t = target - vocab_start
         ignored = target == ignore_index
         in_range = (local_t >= 0) & (local_t < per_rank) & ~ignored
         safe_t = local_t.masked_fill(~in_range, 0)
         predicted = shifted.gather(-1, safe_t.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)
-        comm.all_reduce(predicted, group)
+        comm.all_reduce(predicted, group, counter=counter)
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
-        comm.all_reduce(sum_exp, group)
+        comm.all_reduce(sum_exp, group, counter=counter)
         loss = (sum_exp.log() - predicted).masked_fill(ignored, 0.0)
         exp.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(exp, safe_t, in_range, ignored)
@@ -220,7 +222,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad = softmax
         grad.scatter_add_(-1, safe_t.unsqueeze(-1), -in_range.unsqueeze(-1).to(grad.dtype))
         grad.mul_((g * (~ignored).to(g.dtype)).unsqueeze(-1))
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, dims: ParallelDims,
@@ -231,4 +233,5 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, dim
     masked out. Targets equal to `ignore_index` get zero loss and zero gradient."""
     group = dims.tp_group
     vocab_start = group_rank(group) * logits.shape[-1]
-    return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start, vocab_size, ignore_index)
+    return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start, vocab_size, ignore_index,
+                                            dims.comm_counter)

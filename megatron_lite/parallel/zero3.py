@@ -98,7 +98,7 @@ class ShardedParams:
             return
         b = u.bucket
         u.full = torch.empty(b.numel, dtype=b.dtype, device=b.device)
-        u.handle = comm.all_gather(u.full, b.param_shard, self.group, async_op=True)
+        u.handle = comm.all_gather(u.full, b.param_shard, self.group, async_op=True, counter=self.sync.dims.comm_counter)
 
     def _ensure(self, u: _Unit) -> None:
         if u.bucket is None:

@@ -67,6 +67,7 @@ class Trainer:
         self.dims = ParallelDims.from_world(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.expert_model_parallel_size,
                                             vpp=p.virtual_pipeline_model_parallel_size or 1)
         dims = self.dims
+        dims.comm_counter = comm.CommCounter() if t.log_comm_volume else None  # bytes per step in the metrics
         self.tracker = RNGStatesTracker(device)
         model_parallel_seed(self.tracker, t.seed, dims.tp_rank, dims.pp_rank)
         self.chunks = build_model(m, dims, seed=t.seed, sequence_parallel=p.sequence_parallel,
@@ -139,8 +140,8 @@ class Trainer:
             self.checkpointing.poll()  # commit a background save every rank has finished
             self.iteration += 1
             lr = self.lr_schedule.lr()
-            comm.COMM_COUNTER.reset()
-            comm.COMM_COUNTER.enabled = t.log_comm_volume
+            if dims.comm_counter is not None:
+                dims.comm_counter.reset()  # count this step's traffic only
             start = time.perf_counter()
             batches = self._next_batches(self.train_iter)
             try:
@@ -150,7 +151,6 @@ class Trainer:
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             step_time = time.perf_counter() - start
-            comm.COMM_COUNTER.enabled = False
             if out["update_successful"]:
                 self.lr_schedule.step()
             self.consumed_samples += t.global_batch_size
@@ -198,5 +198,5 @@ class Trainer:
         if mem is not None:
             rec.update(mem)
         if self.cfg.training.log_comm_volume:
-            rec["comm_bytes"] = comm.COMM_COUNTER.reset()
+            rec["comm_bytes"] = self.dims.comm_counter.reset()
         return rec

@@ -44,14 +44,14 @@ def global_token_count(batches: List[Batch], dims: ParallelDims, device) -> torc
     n = torch.zeros((), dtype=torch.float32, device=device)
     for b in batches:
         n += b["loss_mask"].sum().float()
-    comm.all_reduce(n, dims.dp_cp_group)
+    comm.all_reduce(n, dims.dp_cp_group, counter=dims.comm_counter)
     return n.clamp_min(1.0)
 
 
 def reduce_loss(local_sum: torch.Tensor, denominator: torch.Tensor, dims: ParallelDims) -> float:
     """Global mean loss from each DP rank's local loss sum (meaningful on the last stage)."""
     total = local_sum.clone()
-    comm.all_reduce(total, dims.dp_cp_group)
+    comm.all_reduce(total, dims.dp_cp_group, counter=dims.comm_counter)
     return (total / denominator).item()
 
 

@@ -6,6 +6,7 @@ needed. Selective recomputation checkpoints only this core.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -18,19 +19,14 @@ from ..parallel.state import ParallelDims
 from ..parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, enter_tp_region
 from .rope import apply_rope
 
-_FLASH_ATTN = None
-
-
+@functools.cache
 def _flash_attn_func():
     """flash_attn.flash_attn_func if importable (CUDA only), else None. Imported once, lazily."""
-    global _FLASH_ATTN
-    if _FLASH_ATTN is None:
-        try:
-            from flash_attn import flash_attn_func  # type: ignore
-            _FLASH_ATTN = flash_attn_func
-        except Exception:
-            _FLASH_ATTN = False
-    return _FLASH_ATTN or None
+    try:
+        from flash_attn import flash_attn_func  # type: ignore
+    except Exception:
+        return None
+    return flash_attn_func
 
 
 def core_attention(q, k, v, attention_mask: Optional[torch.Tensor], dropout_p: float, backend: str = "auto"):

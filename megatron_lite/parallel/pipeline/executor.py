@@ -88,7 +88,7 @@ class PipelineExecutor:
                 ops.append(("recv", buf, peer))
             if self.trace is not None:
                 self.trace.append(a)
-        return P2PBatch(ops)
+        return P2PBatch(ops, self.dims.comm_counter)
 
     @staticmethod
     def _uses(a: Action, received: set) -> bool:

@@ -12,11 +12,12 @@ from .. import comm
 class P2PBatch:
     """Posted sends/receives of one batch. `wait()` completes them (keeps sent tensors alive)."""
 
-    def __init__(self, ops: List[Tuple[str, torch.Tensor, int]]):
+    def __init__(self, ops: List[Tuple[str, torch.Tensor, int]], counter=None):
         self.tensors = [t for _, t, _ in ops]
         p2p_ops = []
         for kind, tensor, peer in ops:
-            comm.record_p2p(tensor)
+            if kind == "send":  # bytes sent by this rank (a receive is its peer's send)
+                comm.record_p2p(tensor, counter)
             p2p_ops.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer))
         self.works = dist.batch_isend_irecv(p2p_ops) if p2p_ops else []
 
