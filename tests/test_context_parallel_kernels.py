@@ -71,7 +71,8 @@ S = 7
 BLOCK_CASES = [
     ("mha_causal", 2, 2, torch.arange(S), torch.arange(S), False, True, None),
     ("gqa_causal", 4, 2, torch.arange(S), torch.arange(S), False, True, None),
-    ("gqa_shuffled", 6, 2, torch.tensor([9, 2, 5, 7, 0, 4, 8]), torch.tensor([3, 8, 1, 6, 0, 2, 9, 5]), False, True, None),
+    ("gqa_shuffled", 6, 2, torch.tensor([9, 2, 5, 7, 0, 4, 8]), torch.tensor([3, 8, 1, 6, 0, 2, 9, 5]),
+     False, True, None),
     ("docs", 4, 1, torch.arange(S), torch.arange(S), True, True, None),
     ("window", 2, 1, torch.arange(S), torch.arange(S), False, True, 3),
     ("docs_window", 4, 2, torch.arange(S), torch.arange(S), True, True, 2),
@@ -155,11 +156,13 @@ def test_block_attention_dropout():
     keep = dropout_keep_mask((1, 2, 2 * 6, 6), 0.4, 123, q.device).view(1, 4, 6, 6)
     rep_k, rep_v = k.repeat_interleave(2, 2), v.repeat_interleave(2, 2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, rep_k) * 3 ** -0.5
-    probs = torch.softmax(scores.masked_fill(~(idx[:, None] >= idx[None, :]), float("-inf")), -1)
+    scores = scores.masked_fill(~(idx[:, None] >= idx[None, :]), float("-inf"))
+    probs = torch.softmax(scores, -1)
     ref = torch.einsum("bhqk,bkhd->bqhd", probs * keep / 0.6, rep_v)
     assert (out - ref).abs().max() <= 1e-12
-    assert (lse - torch.logsumexp(scores.masked_fill(~(idx[:, None] >= idx[None, :]), float("-inf")), -1)).abs().max() <= 1e-12
-    assert 0.2 < 1 - keep.double().mean() < 0.6 and not torch.equal(out, attention_block(q, k, v, q_index=idx, k_index=idx)[0])
+    assert (lse - torch.logsumexp(scores, -1)).abs().max() <= 1e-12  # the lse is that of the undropped scores
+    assert 0.2 < 1 - keep.double().mean() < 0.6
+    assert not torch.equal(out, attention_block(q, k, v, q_index=idx, k_index=idx)[0])
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     assert torch.autograd.gradcheck(lambda q, k, v: attention_block(q, k, v, **kw), (q, k, v))
 
@@ -261,6 +264,19 @@ def test_invalid_inputs_raise_clear_errors():
         cp_attention(q, q, q, comm_type="ring", q_index=torch.arange(4))
     with pytest.raises(ValueError, match="q_index"):
         cp_attention(q, q, q, comm_type="p2p", q_index=torch.arange(3))
+    with pytest.raises(ValueError, match="a2a_group / p2p_group are for a2a\\+p2p"):
+        cp_attention(q, q, q, comm_type="p2p", q_index=torch.arange(4), a2a_group=object())
+    with pytest.raises(ValueError, match="not cp_group"):
+        cp_attention(q, q, q, comm_type="a2a+p2p", q_index=torch.arange(4), cp_group=object())
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "a2a", "all_gather", "a2a+p2p"])
+def test_cp_attention_with_one_rank_is_block_attention(comm_type):
+    q, k, v = _qkv(2, 8, 8, 4, 2, 3)
+    idx, doc = torch.arange(8), _docs([[3, 5], [8]])
+    out = cp_attention(q, k, v, comm_type=comm_type, q_index=idx, q_doc=doc, window=4)
+    ref, _ = reference_attention(q, k, v, reference_mask(idx, idx, doc, doc, window=4, batch=2))
+    assert (out - ref).abs().max() <= 1e-12
 
 
 # --- the ring's block plan reproduces the zigzag skipping rule -----------------------------------
@@ -282,9 +298,18 @@ def test_ring_block_plan_is_the_zigzag_rule():
     # only chunk 6 (tokens 18-20) of rank 1, and nothing of rank 2 (chunks 2, 5 = tokens 6-8, 15-17).
     assert ring_block_plan(index[0], index[1], causal=True, window=2) == [(second, second)]
     assert ring_block_plan(index[0], index[2], causal=True, window=2) == []
+    # Boundaries (one-token chunks, touching ranges): a pair at distance 0 is visible, at distance w not.
+    assert ring_block_plan([5], [5], causal=True, window=None) == [(slice(0, 1), slice(0, 1))]
+    assert ring_block_plan([5, 6], [6, 7], causal=True, window=None) == [(slice(1, 2), slice(0, 1))]
+    assert ring_block_plan([5, 6], [7, 8], causal=True, window=None) == []
+    assert ring_block_plan([10, 11], [7, 8], causal=True, window=3) == [(slice(0, 1), slice(1, 2))]
+    assert ring_block_plan([10, 11], [7, 8], causal=True, window=2) == []
+    assert ring_block_plan([7, 8], [10, 11], causal=False, window=3) == [(slice(1, 2), slice(0, 1))]
+    assert ring_block_plan([7, 8], [10, 11], causal=False, window=2) == []
 
 
 # --- every comm type against full-sequence attention ---------------------------------------------
+TIMEOUT = 60  # seconds; a ring that deadlocks fails here instead of after the harness's 300 s
 SEQ, BATCH, DIM = 24, 2, 4  # divisible by 2 * cp for cp in {2, 4}; chunks of 3 or 6 tokens
 CP_CASES = {  # name: (hq, hkv, packed documents?, causal, window)
     "mha_causal": (4, 4, False, True, None),
@@ -334,11 +359,12 @@ def _layout_groups(kind, world):
     return dict(a2a_group=pick(inner, blocks), p2p_group=pick(outer, [list(g) for g in zip(*blocks)])), rank
 
 
-def _cp_worker(rank, world, comm_type, layout, split, names):
+def _cp_worker(rank, world, comm_type, layout, split, names, dtype=torch.float32):
     kw, cp_rank = _layout_groups(layout, world)
     results = {}
     for name in names:
         q, k, v, dout, docs, opts = _cp_inputs(name)
+        q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
         if split == "zigzag":
             index = zigzag_indices(SEQ, world, cp_rank)
         else:  # a plain contiguous split: unbalanced, but the attention must still be exact
@@ -351,15 +377,15 @@ def _cp_worker(rank, world, comm_type, layout, split, names):
     return results
 
 
-def _check_against_reference(results, names, what):
+def _check_against_reference(results, names, what, rtol=1e-5):
     for name in names:
         ref = _cp_reference(name)
         index = torch.cat([r[name][0] for r in results])
         assert torch.equal(torch.sort(index).values, torch.arange(SEQ))
         for pos, label in enumerate(("out", "dq", "dk", "dv"), start=1):
-            full = torch.empty_like(ref[pos - 1], dtype=torch.float32)
+            full = torch.empty_like(ref[pos - 1], dtype=results[0][name][pos].dtype)
             full[:, index] = torch.cat([r[name][pos] for r in results], dim=1)
-            assert_close(full, ref[pos - 1], rtol=1e-5, what=f"{what} {name} {label}")
+            assert_close(full, ref[pos - 1], rtol=rtol, what=f"{what} {name} {label}")
 
 
 def _names_for(comm_type, cp):
@@ -376,13 +402,22 @@ def _names_for(comm_type, cp):
 def test_cp_attention_matches_full_sequence(comm_type, cp, layout):
     names = _names_for(comm_type, cp)
     assert "gqa_causal" in names  # GQA with fewer K/V heads than ranks is always covered
-    results = run_distributed(_cp_worker, cp, comm_type, layout, "zigzag", names)
+    results = run_distributed(_cp_worker, cp, comm_type, layout, "zigzag", names, timeout=TIMEOUT)
     _check_against_reference(results, names, f"{comm_type} cp={cp} {layout}")
 
 
 def test_ring_is_exact_for_a_contiguous_split_too():
     names = ["gqa2_docs", "gqa_window"]
-    _check_against_reference(run_distributed(_cp_worker, 4, "p2p", "flat", "contiguous", names), names, "p2p contiguous")
+    results = run_distributed(_cp_worker, 4, "p2p", "flat", "contiguous", names, timeout=TIMEOUT)
+    _check_against_reference(results, names, "p2p contiguous")
+
+
+def test_ring_in_bf16_accumulates_in_fp32():
+    names = ["gqa2_docs"]
+    results = run_distributed(_cp_worker, 2, "p2p", "flat", "zigzag", names, torch.bfloat16, timeout=TIMEOUT)
+    assert results[0]["gqa2_docs"][1].dtype == torch.bfloat16 and results[0]["gqa2_docs"][3].dtype == torch.bfloat16
+    # The reference sees the fp32 inputs: the bound covers rounding the inputs to bf16 too.
+    _check_against_reference(results, names, "p2p bf16", rtol=1e-2)
 
 
 # --- communication volume ---------------------------------------------------------------------------
@@ -406,7 +441,7 @@ def _bytes_worker(rank, world, comm_type, layout, hq, hkv):
 
 def test_ring_p2p_bytes_match_the_formula():
     cp, hq, hkv = 4, 4, 1
-    forward, backward = run_distributed(_bytes_worker, cp, "p2p", "flat", hq, hkv)[0]
+    forward, backward = run_distributed(_bytes_worker, cp, "p2p", "flat", hq, hkv, timeout=TIMEOUT)[0]
     s = SEQ // cp
     kv_bytes = 2 * BATCH * s * hkv * DIM * 4  # this rank's K and V (fp32); the query heads never travel
     # Forward: K/V travel cp - 1 hops. Backward: K/V again cp - 1 hops, and dK/dV (fp32) cp hops:
@@ -420,13 +455,14 @@ def test_ring_p2p_bytes_match_the_formula():
 
 def test_hierarchical_bytes_match_the_formula():
     cp, inner, hq, hkv = 4, 2, 4, 1
-    forward, backward = run_distributed(_bytes_worker, cp, "a2a+p2p", "consecutive", hq, hkv)[0]
+    forward, backward = run_distributed(_bytes_worker, cp, "a2a+p2p", "consecutive", hq, hkv, timeout=TIMEOUT)[0]
     s, outer = SEQ // cp, cp // inner
     kv_rep = max(hkv, inner)  # K/V heads replicated up to the a2a size
     qkv_bytes = BATCH * s * (hq + 2 * kv_rep) * DIM * 4
     out_bytes = BATCH * s * hq * DIM * 4
     assert forward["all_to_all"] == qkv_bytes + out_bytes and backward["all_to_all"] == qkv_bytes + out_bytes
-    ring_kv = 2 * BATCH * (inner * s) * (kv_rep // inner) * DIM * 4  # after the a2a: inner * s tokens, K/V heads / inner
+    # The ring runs after the a2a: inner * s tokens per rank, kv_rep / inner K/V heads.
+    ring_kv = 2 * BATCH * (inner * s) * (kv_rep // inner) * DIM * 4
     assert forward["p2p"] == (outer - 1) * ring_kv
     assert backward["p2p"] == (outer - 1) * ring_kv + outer * ring_kv
 
@@ -441,5 +477,5 @@ def _bad_heads_worker(rank, world):
 
 
 def test_a2a_with_indivisible_heads_raises_value_error():
-    for message in run_distributed(_bad_heads_worker, 2):
+    for message in run_distributed(_bad_heads_worker, 2, timeout=TIMEOUT):
         assert message is not None and "3 query heads" in message and "use --cp-comm-type p2p" in message
