@@ -430,12 +430,11 @@ def _bytes_worker(rank, world, comm_type, layout, hq, hkv):
     k = torch.randn(BATCH, s, hkv, DIM, generator=gen, requires_grad=True)
     v = torch.randn(BATCH, s, hkv, DIM, generator=gen, requires_grad=True)
     docs = torch.zeros(BATCH, s, dtype=torch.long)
-    comm.COMM_COUNTER.reset()
-    with comm.counting_comm():
-        out = cp_attention(q, k, v, comm_type=comm_type, q_index=index, q_doc=docs, **kw)
-        forward = comm.COMM_COUNTER.reset()
-        out.sum().backward()
-        backward = comm.COMM_COUNTER.reset()
+    counter = comm.CommCounter()
+    out = cp_attention(q, k, v, comm_type=comm_type, q_index=index, q_doc=docs, counter=counter, **kw)
+    forward = counter.reset()
+    out.sum().backward()
+    backward = counter.reset()
     return forward, backward
 
 

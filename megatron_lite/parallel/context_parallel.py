@@ -98,10 +98,10 @@ _MAX_PARTS = 16  # beyond this many index runs, plan whole blocks (correct, just
 class _RingExchange:
     """One posted ring transfer: send a tensor to the next rank, receive one from the previous."""
 
-    def __init__(self, send: torch.Tensor, group, tag: int):
+    def __init__(self, send: torch.Tensor, group, tag: int, counter=None):
         size, rank = group_size(group), group_rank(group)
         self.recv = torch.empty_like(send)
-        comm.record_p2p(send)  # counted once per rank: the bytes this rank sends
+        comm.record_p2p(send, counter)  # counted once per rank: the bytes this rank sends
         ops = [dist.P2POp(dist.isend, send, dist.get_global_rank(group, (rank + 1) % size), group, tag),
                dist.P2POp(dist.irecv, self.recv, dist.get_global_rank(group, (rank - 1) % size), group, tag)]
         self.works = dist.batch_isend_irecv(ops)
@@ -180,7 +180,7 @@ class _RingAttention(torch.autograd.Function):
     indices / document ids of every ring rank's local chunk (K/V of step i come from rank r - i)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, all_index, all_docs, plans, group, opts):
+    def forward(ctx, q, k, v, all_index, all_docs, plans, group, opts, counter):
         size, rank = group_size(group), group_rank(group)
         acc = accumulation_dtype(q.dtype)
         b, s, hq, d = q.shape
@@ -190,7 +190,7 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v])  # one transfer per step: only the K/V heads travel
         for step in range(size):
             src = (rank - step) % size
-            pending = _RingExchange(kv, group, _TAG_KV) if step < size - 1 else None  # overlaps the compute below
+            pending = _RingExchange(kv, group, _TAG_KV, counter) if step < size - 1 else None  # overlaps the compute
             k_doc = None if all_docs is None else all_docs[src]
             for rows, cols in plans[step]:
                 o, l = attention_block(q[:, rows], kv[0][:, cols], kv[1][:, cols], q_index=all_index[rank][rows],
@@ -202,7 +202,7 @@ class _RingAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         # No per-step activations: backward recomputes every block from q, k, v and the final lse.
         ctx.save_for_backward(q, k, v, out, lse, all_index, all_docs)
-        ctx.plans, ctx.group, ctx.opts = plans, group, opts
+        ctx.plans, ctx.group, ctx.opts, ctx.counter = plans, group, opts, counter
         return out
 
     @staticmethod
@@ -218,7 +218,7 @@ class _RingAttention(torch.autograd.Function):
         incoming_dkv = None  # the gradient of the K/V now held, accumulated by the ranks before
         for step in range(size):
             src = (rank - step) % size
-            pending_kv = _RingExchange(kv, group, _TAG_KV) if step < size - 1 else None
+            pending_kv = _RingExchange(kv, group, _TAG_KV, ctx.counter) if step < size - 1 else None
             k_doc = None if all_docs is None else all_docs[src]
             dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
             for rows, cols in plans[step]:
@@ -233,32 +233,32 @@ class _RingAttention(torch.autograd.Function):
             if incoming_dkv is not None:
                 dkv += incoming_dkv.wait()
             # dK/dV travel with their K/V; after the last step one more hop brings them home.
-            incoming_dkv = _RingExchange(dkv, group, _TAG_DKV) if size > 1 else None
+            incoming_dkv = _RingExchange(dkv, group, _TAG_DKV, ctx.counter) if size > 1 else None
             if pending_kv is not None:
                 kv = pending_kv.wait()
         if incoming_dkv is not None:
             dkv = incoming_dkv.wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
 
 
-def _gather_positions(q_index: torch.Tensor, q_doc: Optional[torch.Tensor], group):
+def _gather_positions(q_index: torch.Tensor, q_doc: Optional[torch.Tensor], group, counter=None):
     """Every rank's indices [P * s] and document ids [b, P * s] (or None), in group rank order."""
-    index = comm.gather_along(q_index, 0, group)
-    docs = None if q_doc is None else comm.gather_along(q_doc, 1, group)
+    index = comm.gather_along(q_index, 0, group, counter)
+    docs = None if q_doc is None else comm.gather_along(q_doc, 1, group, counter)
     return index, docs
 
 
 def ring_attention(q, k, v, *, group, q_index, q_doc=None, causal: bool = True, window: Optional[int] = None,
-                   softmax_scale: Optional[float] = None) -> torch.Tensor:
+                   softmax_scale: Optional[float] = None, counter=None) -> torch.Tensor:
     """Ring attention (p2p) of this rank's queries over the keys of every rank of `group`.
     q [b, s, hq, d], k/v [b, s, hkv, d], q_index [s], q_doc [b, s] or None -> out [b, s, hq, d]."""
     size = group_size(group)
-    index, docs = _gather_positions(q_index, q_doc, group)
+    index, docs = _gather_positions(q_index, q_doc, group, counter)
     all_index = index.view(size, -1)
     all_docs = None if docs is None else docs.view(docs.shape[0], size, -1).transpose(0, 1)
     plans = _ring_plans(all_index.cpu(), group_rank(group), causal, window)
     opts = dict(causal=causal, window=window, softmax_scale=softmax_scale)
-    return _RingAttention.apply(q, k, v, all_index, all_docs, plans, group, opts)
+    return _RingAttention.apply(q, k, v, all_index, all_docs, plans, group, opts, counter)
 
 
 # --- Ulysses (a2a) ---------------------------------------------------------------------------
@@ -276,24 +276,24 @@ def check_ulysses(num_heads: int, num_kv_heads: int, cp: int) -> None:
                          "replicated); use --cp-comm-type p2p, or a2a+p2p with a smaller a2a group")
 
 
-def _seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+def _seq_to_heads(x: torch.Tensor, group, counter=None) -> torch.Tensor:
     """[b, s, h, d] sequence-sharded -> [b, n * s, h / n, d] head-sharded (n = group size);
     the gathered sequence is the ranks' local chunks in group rank order."""
     n = group_size(group)
     b, s, h, d = x.shape
     send = x.reshape(b, s, n, h // n, d).permute(2, 0, 1, 3, 4).contiguous()  # [dest, b, s, h/n, d]
     recv = torch.empty_like(send)  # [src, b, s, h/n, d]
-    comm.all_to_all(recv, send, group)
+    comm.all_to_all(recv, send, group, counter=counter)
     return recv.permute(1, 0, 2, 3, 4).reshape(b, n * s, h // n, d)
 
 
-def _heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
+def _heads_to_seq(x: torch.Tensor, group, counter=None) -> torch.Tensor:
     """Inverse of _seq_to_heads: [b, n * s, h / n, d] -> [b, s, h, d]."""
     n = group_size(group)
     b, ns, hl, d = x.shape
     send = x.reshape(b, n, ns // n, hl, d).transpose(0, 1).contiguous()  # [dest, b, s, h/n, d]
     recv = torch.empty_like(send)  # [src = head slice, b, s, h/n, d]
-    comm.all_to_all(recv, send, group)
+    comm.all_to_all(recv, send, group, counter=counter)
     return recv.permute(1, 2, 0, 3, 4).reshape(b, ns // n, n * hl, d)
 
 
@@ -301,20 +301,22 @@ class _UlyssesAllToAll(torch.autograd.Function):
     """Sequence -> heads (to_heads) or heads -> sequence; the backward is the reverse all-to-all."""
 
     @staticmethod
-    def forward(ctx, x, group, to_heads: bool):
-        ctx.group, ctx.to_heads = group, to_heads
-        return _seq_to_heads(x, group) if to_heads else _heads_to_seq(x, group)
+    def forward(ctx, x, group, to_heads: bool, counter):
+        ctx.group, ctx.to_heads, ctx.counter = group, to_heads, counter
+        return _seq_to_heads(x, group, counter) if to_heads else _heads_to_seq(x, group, counter)
 
     @staticmethod
     def backward(ctx, g):
-        return (_heads_to_seq(g, ctx.group) if ctx.to_heads else _seq_to_heads(g, ctx.group)), None, None
+        back = _heads_to_seq if ctx.to_heads else _seq_to_heads
+        return back(g, ctx.group, ctx.counter), None, None, None
 
 
 CoreAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
 
 
 def ulysses_attention(q, k, v, *, group, q_index, q_doc=None, causal: bool = True, window: Optional[int] = None,
-                      softmax_scale: Optional[float] = None, core: Optional[CoreAttention] = None) -> torch.Tensor:
+                      softmax_scale: Optional[float] = None, core: Optional[CoreAttention] = None,
+                      counter=None) -> torch.Tensor:
     """Ulysses (a2a): q/k/v [b, s, h, d] sequence-sharded -> head-sharded over the whole gathered
     sequence -> core(q, k, v, index, docs) -> back to [b, s, hq, d]. K/V heads are replicated first
     when there are fewer of them than ranks. `core` defaults to one attention_block over the
@@ -327,27 +329,27 @@ def ulysses_attention(q, k, v, *, group, q_index, q_doc=None, causal: bool = Tru
     hkv = k.shape[2]
     # One all-to-all for q, k and v: per destination rank, its query heads then its K and V heads.
     qkv = torch.cat([t.unflatten(2, (n, -1)) for t in (q, k, v)], dim=3).flatten(2, 3)
-    qkv = _UlyssesAllToAll.apply(qkv, group, True)
+    qkv = _UlyssesAllToAll.apply(qkv, group, True, counter)
     q, k, v = qkv.split([hq // n, hkv // n, hkv // n], dim=2)
-    index, docs = _gather_positions(q_index, q_doc, group)
+    index, docs = _gather_positions(q_index, q_doc, group, counter)
     if core is None:
         out = attention_block(q, k, v, q_index=index, k_index=index, q_doc=docs, k_doc=docs, causal=causal,
                               window=window, softmax_scale=softmax_scale)[0]
     else:
         out = core(q, k, v, index, docs)
-    return _UlyssesAllToAll.apply(out, group, False)
+    return _UlyssesAllToAll.apply(out, group, False, counter)
 
 
 # --- all-gather K/V -----------------------------------------------------------------------------
 def all_gather_attention(q, k, v, *, group, q_index, q_doc=None, causal: bool = True, window: Optional[int] = None,
-                         softmax_scale: Optional[float] = None) -> torch.Tensor:
+                         softmax_scale: Optional[float] = None, counter=None) -> torch.Tensor:
     """Local queries attend the K/V all-gathered over `group`; the backward reduce-scatters dK/dV
     (every rank's queries contribute to every key's gradient)."""
     hkv = k.shape[2]
     kv = torch.cat([k, v], dim=2).transpose(0, 1)  # [s, b, 2 hkv, d]: one gather, along dim 0
-    kv = comm.gather_from_sp(kv, group, tensor_parallel_output_grad=True).transpose(0, 1)
+    kv = comm.gather_from_sp(kv, group, tensor_parallel_output_grad=True, counter=counter).transpose(0, 1)
     k, v = kv.split(hkv, dim=2)
-    k_index, k_doc = _gather_positions(q_index, q_doc, group)
+    k_index, k_doc = _gather_positions(q_index, q_doc, group, counter)
     return attention_block(q, k, v, q_index=q_index, k_index=k_index, q_doc=q_doc, k_doc=k_doc, causal=causal,
                            window=window, softmax_scale=softmax_scale)[0]
 
@@ -356,7 +358,7 @@ def all_gather_attention(q, k, v, *, group, q_index, q_doc=None, causal: bool = 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm_type: str, q_index: torch.Tensor,
                  cp_group=None, a2a_group=None, p2p_group=None, q_doc: Optional[torch.Tensor] = None,
                  causal: bool = True, window: Optional[int] = None,
-                 softmax_scale: Optional[float] = None) -> torch.Tensor:
+                 softmax_scale: Optional[float] = None, counter=None) -> torch.Tensor:
     """Context-parallel core attention of this rank's local chunk.
 
     q [b, s_local, hq, d], k/v [b, s_local, hkv, d]: this rank's tokens (zigzag chunks), heads
@@ -364,6 +366,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm_type
     q_doc [b, s_local]: their document ids, or None. K/V are the same tokens (self-attention).
     Groups: cp_group for "p2p", "a2a", "all_gather"; for "a2a+p2p" a2a_group (inner, Ulysses,
     size A) and p2p_group (outer, ring, size B), whose product is the CP group. None = one rank.
+    `counter`: the comm.CommCounter to count the bytes in (dims.comm_counter), or None.
     Returns out [b, s_local, hq, d] in q.dtype."""
     if comm_type not in CP_COMM_TYPES:
         raise ValueError(f"unknown cp comm type {comm_type!r}; choose one of {', '.join(CP_COMM_TYPES)}")
@@ -374,7 +377,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm_type
     if q.dim() != 4 or k.shape[:2] != q.shape[:2] or q_index.shape != (q.shape[1],):
         raise ValueError(f"expected q [b, s, hq, d], k/v [b, s, hkv, d] and q_index [s] for the same local "
                          f"tokens; got q {tuple(q.shape)}, k {tuple(k.shape)}, q_index {tuple(q_index.shape)}")
-    opts = dict(q_index=q_index, q_doc=q_doc, causal=causal, window=window, softmax_scale=softmax_scale)
+    opts = dict(q_index=q_index, q_doc=q_doc, causal=causal, window=window, softmax_scale=softmax_scale,
+                counter=counter)
     if comm_type == "p2p":
         return ring_attention(q, k, v, group=cp_group, **opts)
     if comm_type == "a2a":
@@ -384,7 +388,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm_type
 
     def ring_core(q_, k_, v_, index, docs):  # across the outer groups, over the inner-gathered tokens
         return ring_attention(q_, k_, v_, group=p2p_group, q_index=index, q_doc=docs, causal=causal,
-                              window=window, softmax_scale=softmax_scale)
+                              window=window, softmax_scale=softmax_scale, counter=counter)
 
     return ulysses_attention(q, k, v, group=a2a_group, core=ring_core, **opts)
 
