@@ -37,6 +37,32 @@ def resolve(argv=None) -> tuple:
     return cfg, tokenizer
 
 
+def model_provider(cfg: Config, ctx):
+    """GPT's model chunks for this rank (one per virtual pipeline stage)."""
+    from models.gpt import build_model
+
+    p = cfg.parallel
+    return build_model(cfg.model, ctx, seed=cfg.training.seed, first_stage_layers=p.decoder_first_pipeline_num_layers,
+                       last_stage_layers=p.decoder_last_pipeline_num_layers)
+
+
+def datasets_provider(cfg: Config, tokenizer, num_samples):
+    """The GPT train / valid / test datasets (Megatron .bin/.idx, blends, mock, the built-in corpus)."""
+    from megatron_lite.data import build_train_valid_test_datasets
+
+    return build_train_valid_test_datasets(cfg.data, tokenizer, cfg.training.seq_length, cfg.training.seed,
+                                           num_samples)
+
+
+def make_trainer(cfg: Config, tokenizer, device):
+    """The Trainer of a GPT run: GPT's model, datasets and forward step."""
+    from megatron_lite.training.loop import Trainer
+    from models.gpt import gpt_forward_step
+
+    return Trainer(cfg, tokenizer, device, model_provider=model_provider, datasets_provider=datasets_provider,
+                   forward_step=gpt_forward_step)
+
+
 def main(argv=None) -> int:
     try:
         cfg, tokenizer = resolve(argv)
@@ -45,12 +71,12 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr)
         return 2
     import torch.distributed as dist
-    from megatron_lite.training.loop import Trainer, choose_device, init_distributed
+    from megatron_lite.training.loop import choose_device, init_distributed
 
     device = choose_device(cfg.training.device)
     init_distributed(device)
     try:
-        Trainer(cfg, tokenizer, device).train()
+        make_trainer(cfg, tokenizer, device).train()
     except ConfigError as e:  # found after the world exists: every rank raised the same one
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)

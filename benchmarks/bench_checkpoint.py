@@ -39,9 +39,9 @@ from megatron_lite.testing import run_distributed  # noqa: E402
 def worker(rank, world, argv):
     os.environ["WORLD_SIZE"] = str(world)
     from pretrain_gpt import resolve
-    from megatron_lite.training.loop import Trainer
+    from pretrain_gpt import make_trainer
     cfg, tokenizer = resolve(argv)
-    trainer = Trainer(cfg, tokenizer, torch.device("cpu"))
+    trainer = make_trainer(cfg, tokenizer, torch.device("cpu"))
     history = trainer.train()
     ckpt = trainer.checkpointing
     return {"steps": {r["iteration"]: r["step_time_s"] for r in history}, "blocked": dict(ckpt.blocked_s),

@@ -28,8 +28,9 @@ import torch.nn.functional as F  # noqa: E402
 from megatron_lite.config import ModelConfig, ParallelConfig, TrainingConfig  # noqa: E402
 from megatron_lite.parallel.state import ParallelDims  # noqa: E402
 from megatron_lite.training.step import train_step  # noqa: E402
+from megatron_lite.optim.optimizer import build_optimizer  # noqa: E402
 from models import zoo  # noqa: E402
-from models.gpt import build_model  # noqa: E402
+from models.gpt import build_model, gpt_forward_step  # noqa: E402
 from models.hf_conversion import gather_full_state_dict, megatron_lite_to_hf  # noqa: E402
 
 
@@ -134,24 +135,13 @@ def plain_step(model, opt, batch, clip: float) -> float:
 
 
 # --- setup, correctness check, timing ---------------------------------------------------------
-def build_ours_optimizer(chunks, dims, t: TrainingConfig, pcfg: ParallelConfig):
-    """(optimizer, grad_sync) as the training loop builds them, across the optimizer rewrite."""
-    try:
-        from megatron_lite.optim.optimizer import build_optimizer
-    except ImportError:  # the older API: MixedPrecisionOptimizer + a separate GradientSync
-        from megatron_lite.optim.optimizer import MixedPrecisionOptimizer
-        from megatron_lite.parallel.data_parallel import GradientSync
-        return MixedPrecisionOptimizer(chunks, dims, t, pcfg), GradientSync(chunks, dims)
-    return build_optimizer(chunks, dims, t, pcfg)
-
-
 def build_both(cfg: ModelConfig, t: TrainingConfig):
     dims = ParallelDims().build_groups()
     chunks = build_model(cfg, dims, seed=t.seed)
-    optimizer, grad_sync = build_ours_optimizer(chunks, dims, t, ParallelConfig())  # may rebind params
+    optimizer, grad_sync = build_optimizer(chunks, dims, t, ParallelConfig())  # may rebind params
     plain = PlainLlama(cfg)
     plain.load_state_dict(megatron_lite_to_hf(gather_full_state_dict(chunks[0], dims), cfg, "llama"), strict=True)
-    ours_step = lambda batch: train_step(chunks, [batch], dims, optimizer, grad_sync, t.lr)["lm_loss"]  # noqa: E731
+    ours_step = lambda batch: train_step(chunks, [batch], dims, optimizer, grad_sync, t.lr, gpt_forward_step)["lm_loss"]  # noqa: E731,E501
     return chunks[0], plain, ours_step, plain_optimizer(plain, t)
 
 

@@ -41,7 +41,7 @@ from megatron_lite.parallel.state import ParallelDims  # noqa: E402
 from megatron_lite.testing import run_distributed  # noqa: E402
 from megatron_lite.training.step import train_step  # noqa: E402
 from models import zoo  # noqa: E402
-from models.gpt import build_model  # noqa: E402
+from models.gpt import build_model, gpt_forward_step  # noqa: E402
 
 MB = 2 ** 20
 
@@ -98,7 +98,7 @@ def run_ours(rank, world, stage, dtype, args):
         batches = rank_batches(step, args, cfg.vocab_size, world, rank)
         dims.comm_counter = comm.CommCounter()
         start = time.perf_counter()
-        losses.append(train_step(chunks, batches, dims, optimizer, sync, tcfg.lr)["lm_loss"])
+        losses.append(train_step(chunks, batches, dims, optimizer, sync, tcfg.lr, gpt_forward_step)["lm_loss"])
         times.append(time.perf_counter() - start)
         comm_bytes = dims.comm_counter.reset()
     peak = peak_rss_bytes() - base

@@ -2,15 +2,17 @@
 embeddings) and Llama (RMSNorm, RoPE, SwiGLU, GQA, no biases, untied output) by configuration.
 
 A GPTModel instance is one pipeline chunk: it holds layers [start, end) (named by their global
-index, so parameter names do not depend on the layout), plus the embedding on the first stage
-(`pre_process`) and the final norm, output layer and loss on the last (`post_process`).
-Activations flow as [s, b, h], split along s across TP under sequence parallelism.
+index, so parameter names do not depend on the layout), each built from `gpt_layer_spec`, plus
+the embedding on the first stage (`pre_process`) and the final norm, output layer and loss on the
+last (`post_process`). Activations flow as [s, b, h], split along s across TP under sequence
+parallelism. `gpt_forward_step` is the forward-step protocol of megatron_lite.training.step.
 """
 from __future__ import annotations
 
+import functools
 import math
 import zlib
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -19,37 +21,43 @@ import torch.nn.functional as F
 from megatron_lite import config as C
 from megatron_lite.parallel import comm
 from megatron_lite.parallel.pipeline.partition import stage_layer_ranges
-from megatron_lite.parallel.random import RNGStatesTracker, recompute
-from megatron_lite.parallel.state import ParallelDims
+from megatron_lite.parallel.random import recompute
 from megatron_lite.parallel.sharding import replicated, set_spec, spec_of, stored_name, with_tie
+from megatron_lite.parallel.state import ParallelDims
 from megatron_lite.parallel.tensor_parallel import (
     VocabParallelEmbedding, enter_tp_region, linear, vocab_parallel_cross_entropy, vocab_parallel_weight)
+from megatron_lite.transformer.attention import SelfAttention
 from megatron_lite.transformer.block import TransformerLayer
+from megatron_lite.transformer.core_attention import PackedSeq, core_attention_class
+from megatron_lite.transformer.mlp import MLP
 from megatron_lite.transformer.norm import build_norm
 from megatron_lite.transformer.rope import rope_cos_sin
+from megatron_lite.transformer.spec import BuildContext, TransformerLayerSpec
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
 
+def gpt_layer_spec(cfg: C.ModelConfig, layer_number: int) -> TransformerLayerSpec:
+    """The submodules of GPT layer `layer_number`: the norms of the config, self-attention over the
+    configured core-attention backend, a dense MLP."""
+    return TransformerLayerSpec(input_layernorm=build_norm, self_attention=SelfAttention,
+                                core_attention=core_attention_class(cfg.attention_backend),
+                                pre_mlp_layernorm=build_norm, mlp=MLP)
+
+
 class GPTModel(nn.Module):
-    def __init__(self, cfg: C.ModelConfig, dims: ParallelDims, *, layer_range: Optional[Tuple[int, int]] = None,
-                 pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
-                 recompute_granularity: Optional[str] = None, recompute_method: str = "uniform",
-                 recompute_num_layers: int = 1, params_dtype=torch.float32,
-                 tracker: Optional[RNGStatesTracker] = None):
+    def __init__(self, cfg: C.ModelConfig, ctx: BuildContext, *, layer_range: Optional[Tuple[int, int]] = None,
+                 pre_process: bool = True, post_process: bool = True,
+                 layer_spec: Callable[[C.ModelConfig, int], TransformerLayerSpec] = gpt_layer_spec):
         super().__init__()
-        self.cfg, self.dims = cfg, dims
+        dims = ctx.dims
+        self.cfg, self.ctx, self.dims = cfg, ctx, dims
         self.pre_process, self.post_process = pre_process, post_process
-        self.sequence_parallel = sequence_parallel and dims.tp > 1
-        self.recompute_full = recompute_granularity == "full"
-        # Megatron's full recomputation: "uniform" checkpoints groups of recompute_num_layers
-        # consecutive layers; "block" checkpoints only the first recompute_num_layers layers.
-        self.recompute_method, self.recompute_num_layers = recompute_method, max(1, recompute_num_layers)
-        self.tracker = tracker or RNGStatesTracker()
+        self.sequence_parallel, self.tracker = ctx.sequence_parallel, ctx.tracker
+        self.input_tensor: Optional[torch.Tensor] = None  # a later pipeline stage's input (set_input_tensor)
         self.padded_vocab = cfg.padded_vocab_size(dims.tp)
         start, end = layer_range or (0, cfg.num_layers)
-        sp, dt = self.sequence_parallel, params_dtype
-        tied = not cfg.untie_embeddings_and_output_weights
+        dt, tied = ctx.params_dtype, not cfg.untie_embeddings_and_output_weights
         if pre_process:
             self.embedding = nn.Module()
             self.embedding.word_embeddings = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, dims, dt,
@@ -61,12 +69,10 @@ class GPTModel(nn.Module):
                                                                   dtype=dt)
                 set_spec(self.embedding.position_embeddings.weight,
                          replicated((cfg.max_position_embeddings, cfg.hidden_size)))
-        self.layers = nn.ModuleDict({
-            str(i): TransformerLayer(cfg, dims, i, sp, dt, self.tracker,
-                                     recompute_core_attention=recompute_granularity == "selective")
-            for i in range(start, end)})
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, ctx, i, layer_spec(cfg, i))
+                                     for i in range(start, end)})
         if post_process:
-            self.final_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sp, dt)
+            self.final_norm = build_norm(cfg, ctx)
             if not tied or not pre_process:
                 # Untied output, or the last pipeline stage's copy of the tied embedding (kept equal
                 # to the first stage's by summing their gradients over the embedding group).
@@ -75,6 +81,15 @@ class GPTModel(nn.Module):
                                                                     cfg.vocab_size)
                 if tied:
                     with_tie(self.output_layer.weight, WORD_EMBEDDINGS, primary=False)
+
+    # --- the pipeline and ZeRO-3 protocols -----------------------------------------------------
+    def set_input_tensor(self, x: Optional[torch.Tensor]) -> None:
+        """The hidden states [s, b, h] from the previous pipeline stage (not for the first)."""
+        self.input_tensor = x
+
+    def sharding_units(self) -> List[nn.Module]:
+        """ZeRO-3 gathers and frees the parameters of each of these modules together."""
+        return list(self.layers.values())
 
     # --- forward -------------------------------------------------------------------------------
     def output_weight(self) -> torch.Tensor:
@@ -105,22 +120,25 @@ class GPTModel(nn.Module):
                 x = F.dropout(x, p, True)
         return x
 
-    def _run_layers(self, x: torch.Tensor, rope, attention_mask) -> torch.Tensor:
+    def _run_layers(self, x: torch.Tensor, rope, packed) -> torch.Tensor:
         layers = list(self.layers.values())
-        if not (self.recompute_full and self.training):
+        ctx = self.ctx
+        if not (ctx.recompute_granularity == "full" and self.training):
             for layer in layers:
-                x = layer(x, rope, attention_mask)
+                x = layer(x, rope, packed)
             return x
-        n = self.recompute_num_layers
+        n = max(1, ctx.recompute_num_layers)
 
         def run(group):
             def fn(y):
                 for layer in group:
-                    y = layer(y, rope, attention_mask)
+                    y = layer(y, rope, packed)
                 return y
             return fn
 
-        if self.recompute_method == "block":
+        # Megatron's full recomputation: "uniform" checkpoints groups of recompute_num_layers
+        # consecutive layers; "block" checkpoints only the first recompute_num_layers layers.
+        if ctx.recompute_method == "block":
             x = recompute(run(layers[:n]), self.tracker, x) if layers[:n] else x
             return run(layers[n:])(x)
         for i in range(0, len(layers), n):
@@ -129,28 +147,23 @@ class GPTModel(nn.Module):
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         h = enter_tp_region(h, self.dims, self.sequence_parallel)
-        return linear(h, self.output_weight())  # [s, b, padded_vocab / tp]
+        return linear(h, self.output_weight(), None, self.ctx.weight_grad_store)  # [s, b, padded_vocab / tp]
 
     def forward(self, tokens: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
-                hidden_states: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """tokens/position_ids/labels [b, s]; attention_mask optional bool [b, s, s] (True = attend).
+                labels: Optional[torch.Tensor] = None, packed: Optional[PackedSeq] = None) -> torch.Tensor:
+        """tokens/position_ids/labels [b, s]; `packed`: document ids (tokens attend only within
+        their document). A later pipeline stage reads its input from set_input_tensor.
 
         Returns per-token loss [b, s] (fp32) on the last stage when labels are given, full logits
         [b, s, vocab] when they are not, else the hidden states [s, b, h] for the next stage."""
         if position_ids is None:
-            if tokens is not None or labels is not None:
-                b, s = (tokens if tokens is not None else labels).shape
-            else:  # a middle pipeline stage: hidden states [s (/tp under SP), b, h]
-                s = hidden_states.shape[0] * (self.dims.tp if self.sequence_parallel else 1)
-                b = hidden_states.shape[1]
-            position_ids = torch.arange(s, device=(tokens if tokens is not None else hidden_states).device)
-            position_ids = position_ids.unsqueeze(0).expand(b, s)
-        x = self._embed(tokens, position_ids) if self.pre_process else hidden_states
+            ref = tokens if tokens is not None else labels
+            position_ids = torch.arange(ref.shape[1], device=ref.device).unsqueeze(0).expand(ref.shape[0], -1)
+        x = self._embed(tokens, position_ids) if self.pre_process else self.input_tensor
         rope = None
         if self.cfg.position_embedding_type == "rope":
             rope = rope_cos_sin(position_ids, self.cfg.kv_channels, self.cfg.rotary_base, x.dtype)
-        x = self._run_layers(x, rope, attention_mask)
+        x = self._run_layers(x, rope, packed)
         if not self.post_process:
             return x
         logits = self._logits(self.final_norm(x))
@@ -159,6 +172,19 @@ class GPTModel(nn.Module):
             return full[..., : self.cfg.vocab_size].transpose(0, 1).float()
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.dims, self.cfg.vocab_size)
         return loss.t()
+
+
+# --- the forward-step protocol ---------------------------------------------------------------
+def gpt_loss_func(loss_mask: torch.Tensor, token_loss: torch.Tensor):
+    """(sum of the masked token losses, number of loss-bearing tokens, logs) of a micro-batch."""
+    return (token_loss * loss_mask).sum(), loss_mask.sum(), {}
+
+
+def gpt_forward_step(batch: dict, model: GPTModel):
+    """One micro-batch through one model chunk: (output, loss function over that output)."""
+    packed = PackedSeq(batch["document_ids"]) if "document_ids" in batch else None
+    output = model(batch["tokens"], batch.get("position_ids"), batch["labels"], packed)
+    return output, functools.partial(gpt_loss_func, batch["loss_mask"])
 
 
 # --- initialization --------------------------------------------------------------------------
@@ -183,20 +209,19 @@ def init_weights(model: GPTModel, seed: int) -> None:
             p.copy_(spec.shard(full).to(p.dtype))
 
 
-def build_model(cfg: C.ModelConfig, dims: ParallelDims, *, seed: int = 1234, sequence_parallel: bool = False,
-                recompute_granularity: Optional[str] = None, recompute_method: str = "uniform",
-                recompute_num_layers: int = 1, params_dtype=torch.float32,
-                tracker: Optional[RNGStatesTracker] = None, device=None,
-                first_stage_layers: Optional[int] = None, last_stage_layers: Optional[int] = None) -> List[GPTModel]:
-    """This rank's model chunks (one per virtual pipeline stage), initialized layout-independently."""
+def build_model(cfg: C.ModelConfig, ctx, *, seed: int = 1234, device=None, first_stage_layers: Optional[int] = None,
+                last_stage_layers: Optional[int] = None, **context) -> List[GPTModel]:
+    """This rank's model chunks (one per virtual pipeline stage), initialized layout-independently.
+    `ctx`: a BuildContext, or a ParallelDims with the BuildContext fields as keyword arguments."""
+    if isinstance(ctx, ParallelDims):
+        ctx = BuildContext(ctx, **context)
+    dims = ctx.dims
     ranges = stage_layer_ranges(cfg.num_layers, dims.pp, dims.vpp, first_stage_layers, last_stage_layers)
     chunks = []
     for c in range(dims.vpp):
         v = c * dims.pp + dims.pp_rank
-        m = GPTModel(cfg, dims, layer_range=ranges[v], pre_process=v == 0, post_process=v == len(ranges) - 1,
-                     sequence_parallel=sequence_parallel, recompute_granularity=recompute_granularity,
-                     recompute_method=recompute_method, recompute_num_layers=recompute_num_layers,
-                     params_dtype=params_dtype, tracker=tracker)
+        m = GPTModel(cfg, ctx, layer_range=ranges[v], pre_process=v == 0, post_process=v == len(ranges) - 1)
         init_weights(m, seed)
+        device = device if device is not None else ctx.device
         chunks.append(m.to(device) if device is not None else m)
     return chunks

@@ -123,10 +123,9 @@ def test_zero3_and_zero0_reshard_into_each_other(tmp_path):
 def _loaded_state(rank, world, argv):
     """Build a trainer (which loads) and report what it holds, without training."""
     os.environ["WORLD_SIZE"] = str(world)
-    from pretrain_gpt import resolve
-    from megatron_lite.training.loop import Trainer
+    from pretrain_gpt import make_trainer, resolve
     cfg, tokenizer = resolve(argv)
-    trainer = Trainer(cfg, tokenizer, torch.device("cpu"))
+    trainer = make_trainer(cfg, tokenizer, torch.device("cpu"))
     params = {}
     with trainer.grad_sync.gathered_params():
         for chunk in trainer.chunks:

@@ -9,11 +9,11 @@ from megatron_lite.config import ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.errors import ConfigError
 from megatron_lite.optim.optimizer import build_optimizer
 from megatron_lite.parallel.state import ParallelDims
-from megatron_lite.parallel.tensor_parallel import WEIGHT_GRAD_STORE
+from megatron_lite.parallel.tensor_parallel import WeightGradStore
 from megatron_lite.testing import assert_close, assert_state_close, run_distributed
-from megatron_lite.training.step import micro_batch_loss_sum, train_step
-from models.gpt import build_model
-from test_zero import LR, MODEL, SEQ, make_batches, setup
+from megatron_lite.training.step import LossTotals
+from models.gpt import build_model, gpt_forward_step
+from test_zero import LR, MODEL, SEQ, make_batches, run_step, setup
 from training_utils import losses_of, merged_params, read_metrics, torchrun, train_and_gather, train_in_process
 
 
@@ -48,14 +48,18 @@ def _launch_timing(rank, world, stage, overlap):
     dims, cfg, chunks, optimizer, sync, _ = setup(1, stage, ddp_bucket_size=3000, overlap_grad_reduce=overlap)
     seen = []
 
-    def recording(chunks_, batches, denom, scale, forward_only=False):
+    def recording(chunks_, batches, forward_step, scale, forward_only=False):
+        totals = LossTotals(torch.device("cpu"))
         for batch in batches:  # one micro-batch at a time, noting what was launched after each
-            (micro_batch_loss_sum(chunks_[0], batch) * (scale / denom)).backward()
+            output, loss_func = forward_step(batch, chunks_[0])
+            loss_sum, tokens, logs = loss_func(output)
+            (loss_sum * scale).backward()
+            totals.add(loss_sum, tokens, logs)
             seen.append([b.launched for b in sync.buckets])
-        return torch.zeros(())
+        return totals
 
-    train_step(chunks, make_batches(0, dims, 1, cfg.vocab_size, global_batch=2 * world), dims, optimizer, sync, LR,
-               recording)
+    run_step(chunks, make_batches(0, dims, 1, cfg.vocab_size, global_batch=2 * world), dims, optimizer, sync,
+             recording)
     return seen
 
 
@@ -72,17 +76,20 @@ def _deferred_weight_grads(rank, world, stage, defer):
     """Weight gradients computed outside autograd (zero-bubble W pass) reach the buckets too.
     (Untied output layer: a tied one would get two gradients per micro-batch, one per path.)"""
     untied = dict(MODEL, untie_embeddings_and_output_weights=True)
-    dims, cfg, chunks, optimizer, sync, _ = setup(1, stage, model=untied, overlap_grad_reduce=True)
+    store = WeightGradStore()
+    dims, cfg, chunks, optimizer, sync, _ = setup(1, stage, model=untied, overlap_grad_reduce=True,
+                                                  weight_grad_store=store)
     batches = make_batches(0, dims, 1, cfg.vocab_size)
     denom = sum(b["loss_mask"].sum() for b in batches) * world
     sync.start_step(len(batches))
     for batch in batches:
-        WEIGHT_GRAD_STORE.deferring = defer
+        store.deferring = defer
         try:
-            (micro_batch_loss_sum(chunks[0], batch) / denom).backward()
+            output, loss_func = gpt_forward_step(batch, chunks[0])
+            (loss_func(output)[0] / denom).backward()
         finally:
-            WEIGHT_GRAD_STORE.deferring = False
-        WEIGHT_GRAD_STORE.flush()
+            store.deferring = False
+        store.flush()
     sync.finish()
     return [b.grad_shard_view().clone() for b in sync.buckets]
 
@@ -103,7 +110,7 @@ def _unused(rank, world, stage):
     chunks[0].unused = nn.Parameter(torch.ones(8))  # never touched by forward
     pcfg = ParallelConfig(zero_stage=stage, overlap_grad_reduce=True, ddp_bucket_size=3000)
     optimizer, sync = build_optimizer(chunks, dims, TrainingConfig(lr=LR), pcfg)
-    out = [train_step(chunks, make_batches(s, dims, 1, cfg.vocab_size), dims, optimizer, sync, LR)["lm_loss"]
+    out = [run_step(chunks, make_batches(s, dims, 1, cfg.vocab_size), dims, optimizer, sync)["lm_loss"]
            for s in range(2)]
     with sync.gathered_params():
         out.append(chunks[0].unused.detach().clone())

@@ -19,10 +19,9 @@ LLAMA_SWITCHES = ["--normalization", "RMSNorm", "--swiglu", "--position-embeddin
 def train_in_process(rank, world, argv):
     """Run pretrain_gpt's Trainer on this forked rank; returns its per-iteration records."""
     os.environ["WORLD_SIZE"] = str(world)
-    from pretrain_gpt import resolve
-    from megatron_lite.training.loop import Trainer
+    from pretrain_gpt import make_trainer, resolve
     cfg, tokenizer = resolve(argv)
-    return Trainer(cfg, tokenizer, torch.device("cpu")).train()
+    return make_trainer(cfg, tokenizer, torch.device("cpu")).train()
 
 
 def losses_of(histories):
@@ -57,11 +56,10 @@ def train_and_gather(rank, world, argv, trace=False):
     """Like train_in_process, but also returns this rank's final full (TP-gathered) parameters by
     their global names, and the pipeline actions it executed when `trace`."""
     os.environ["WORLD_SIZE"] = str(world)
-    from pretrain_gpt import resolve
+    from pretrain_gpt import make_trainer, resolve
     from megatron_lite.parallel.sharding import gather_full, spec_of
-    from megatron_lite.training.loop import Trainer
     cfg, tokenizer = resolve(argv)
-    trainer = Trainer(cfg, tokenizer, torch.device("cpu"))
+    trainer = make_trainer(cfg, tokenizer, torch.device("cpu"))
     executor = getattr(trainer.forward_backward, "executor", None)
     if trace and executor is not None:
         executor.trace = []

@@ -121,9 +121,11 @@ class DistributedOptimizer:
         return math.sqrt(sq[0].item()), bool(sq[1].item())
 
     @torch.no_grad()
-    def step(self, lr: float, loss_is_finite: bool = True) -> Dict[str, float]:
+    def step(self, lr: float, loss_is_finite: bool = True, grad_scale: float = 1.0) -> Dict[str, float]:
         """One update from the reduced gradients (call after GradientSync.finish()).
-        `loss_is_finite`: this rank's view of the step's loss (ranks without a loss: True).
+        `loss_is_finite`: this rank's view of the step's loss (ranks without a loss: True);
+        `grad_scale`: what the reduced gradients are multiplied by first (1 / global token count:
+        the schedules backpropagate loss sums), in the same pass as the loss-scale unscaling.
 
         With check_for_nan_in_loss_and_grad, a non-finite loss or gradient norm (fp16: a non-finite
         loss; its gradient overflows are the loss scaler's to skip) or an fp16 parameter that
@@ -133,9 +135,9 @@ class DistributedOptimizer:
         scale = self.scaler.scale
         grads = [s.bucket.grad_shard_view() for s in self.shards]
         grads = [g if g.dtype == torch.float32 else g.float() for g in grads]
-        if scale != 1.0:
+        if grad_scale / scale != 1.0:
             for g in grads:
-                g.mul_(1.0 / scale)
+                g.mul_(grad_scale / scale)
         if self.tcfg.fp16:
             found_inf, bad_loss = self._found_inf(grads, not loss_is_finite)
             if check and bad_loss:

@@ -40,7 +40,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ..config import ParallelConfig
 from . import comm
 from .grads import finalize_model_grads
 from .sharding import spec_of
@@ -152,28 +151,31 @@ class GradientSync:
     then the optimizer reads `bucket.grad_shard_view()`, writes `bucket.param_shard_view()` and
     calls `zero_grad()` and `gather_params()`."""
 
-    def __init__(self, chunks: List[nn.Module], dims: ParallelDims, pcfg: Optional[ParallelConfig] = None,
-                 grad_dtype: Optional[torch.dtype] = None):
+    def __init__(self, chunks: List[nn.Module], dims: ParallelDims, *, zero_stage: int = 0,
+                 bucket_size: Optional[int] = None, overlap_grad_reduce: bool = False,
+                 overlap_param_gather: bool = False, grad_dtype: torch.dtype = torch.float32,
+                 units: Optional[List[List[nn.Module]]] = None):
+        """`units` (ZeRO-3): per chunk, the modules whose parameters are gathered and freed
+        together (a model's transformer layers); the rest of a chunk is one more unit."""
         from .zero3 import ShardedParams, unit_params  # zero3 builds on Bucket: import late
 
-        pcfg = pcfg or ParallelConfig()
-        self.dims, self.stage = dims, pcfg.zero_stage
+        self.dims, self.stage = dims, zero_stage
         self.group = dims.dp_cp_group
         self.dp, self.dp_rank = group_size(self.group), group_rank(self.group)
-        self.overlap_grad_reduce = pcfg.overlap_grad_reduce
-        self.overlap_param_gather = pcfg.overlap_param_gather and self.stage in (1, 2)
-        self.grad_dtype = grad_dtype or (torch.bfloat16 if pcfg.grad_reduce_in_bf16 else torch.float32)
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.overlap_param_gather = overlap_param_gather and self.stage in (1, 2)
+        self.grad_dtype = grad_dtype
         shards = self.dp if self.stage >= 1 else 1
-        bucket_size = pcfg.ddp_bucket_size or default_bucket_size(self.dp)
+        bucket_size = bucket_size or default_bucket_size(self.dp)
         for chunk in chunks:
             for p in chunk.parameters():
                 spec_of(p)  # a plain parameter's default spec, from its shape before ZeRO-3 frees it
         self.buckets: List[Bucket] = []
-        units = []  # ZeRO-3: per chunk, its units (module, params) in forward order
-        for chunk in chunks:
+        units_of_chunks, units = units, []  # ZeRO-3: per chunk, its units (module, params) in forward order
+        for c, chunk in enumerate(chunks):
             names = {p: n for n, p in chunk.named_parameters()}
             if self.stage == 3:
-                units.append(unit_params(chunk))
+                units.append(unit_params(chunk, units_of_chunks[c] if units_of_chunks else []))
                 groups = [ps[::-1] for _, ps in units[-1][::-1] if ps]  # backward order
             else:
                 params = [(names[p], p) for p in chunk.parameters() if p.requires_grad][::-1]

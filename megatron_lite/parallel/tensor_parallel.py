@@ -31,8 +31,9 @@ def accumulate_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
 
 
 class WeightGradStore:
-    """While `deferring`, linear layers compute only input gradients in backward and queue the
-    weight-gradient GEMMs here; `flush()` runs them later (the W pass of zero-bubble schedules)."""
+    """While `deferring`, the linear layers built with this store compute only input gradients in
+    backward and queue the weight-gradient GEMMs here; `flush()` runs them later (the W pass of
+    zero-bubble schedules). Owned by the pipeline executor that defers, given to the layers at build."""
 
     def __init__(self):
         self.deferring = False
@@ -53,9 +54,6 @@ class WeightGradStore:
         self.run(self.take())
 
 
-WEIGHT_GRAD_STORE = WeightGradStore()
-
-
 @torch.no_grad()
 def _weight_grads(x, g, weight, bias):
     g2 = g.reshape(-1, g.shape[-1])
@@ -67,12 +65,12 @@ def _weight_grads(x, g, weight, bias):
 
 
 class _LinearFn(torch.autograd.Function):
-    """y = x W^T + b, whose weight gradient may be deferred to WEIGHT_GRAD_STORE."""
+    """y = x W^T + b, whose weight gradient may be deferred to a WeightGradStore."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, store):
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.store = bias is not None, store
         # The parameters themselves, for deferred accumulation: under activation recomputation
         # the saved tensors come back as detached copies, and a gradient put on one is lost.
         ctx.weight, ctx.bias = weight, bias
@@ -82,17 +80,20 @@ class _LinearFn(torch.autograd.Function):
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
         grad_x = g.matmul(weight) if ctx.needs_input_grad[0] else None
-        if WEIGHT_GRAD_STORE.deferring:
-            WEIGHT_GRAD_STORE.queue.append((x, g, ctx.weight, ctx.bias))
-            return grad_x, None, None
+        if ctx.store is not None and ctx.store.deferring:
+            ctx.store.queue.append((x, g, ctx.weight, ctx.bias))
+            return grad_x, None, None, None
         g2 = g.reshape(-1, g.shape[-1])
         grad_w = g2.t().matmul(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
         grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b
+        return grad_x, grad_w, grad_b, None
 
 
-def linear(x, weight, bias=None):
-    return _LinearFn.apply(x, weight, bias)
+def linear(x, weight, bias=None, store: Optional[WeightGradStore] = None):
+    """F.linear whose weight gradient `store` (if given) may defer."""
+    if store is None:
+        return F.linear(x, weight, bias)
+    return _LinearFn.apply(x, weight, bias, store)
 
 
 # --- layers -----------------------------------------------------------------------------------
@@ -112,10 +113,11 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, dims: ParallelDims, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
                  segments: Optional[List[int]] = None, replicas: int = 1, dtype=torch.float32,
-                 init: str = "normal"):
+                 init: str = "normal", weight_grad_store: Optional[WeightGradStore] = None):
         super().__init__()
         split = tp_split(dims, 0, output_size, segments, replicas)
         self.dims, self.gather_output, self.sequence_parallel = dims, gather_output, sequence_parallel
+        self.weight_grad_store = weight_grad_store
         self.weight = nn.Parameter(torch.empty(output_size // split.shards, input_size, dtype=dtype))
         set_spec(self.weight, ShardSpec((output_size, input_size), (split,), init=init))
         if bias:
@@ -128,7 +130,7 @@ class ColumnParallelLinear(nn.Module):
         """input_ready: the caller already entered the TP region (shared by several layers)."""
         if not input_ready:
             x = enter_tp_region(x, self.dims, self.sequence_parallel)
-        y = linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias, self.weight_grad_store)
         return comm.gather_from_tp(y, self.dims.tp_group, counter=self.dims.comm_counter) if self.gather_output else y
 
 
@@ -137,10 +139,12 @@ class RowParallelLinear(nn.Module):
     summed (all-reduce, or reduce-scatter along the sequence under SP) and the bias added once."""
 
     def __init__(self, input_size: int, output_size: int, dims: ParallelDims, bias: bool = True,
-                 sequence_parallel: bool = False, dtype=torch.float32, init: str = "normal_scaled"):
+                 sequence_parallel: bool = False, dtype=torch.float32, init: str = "normal_scaled",
+                 weight_grad_store: Optional[WeightGradStore] = None):
         super().__init__()
         split = tp_split(dims, 1, input_size)
         self.dims, self.sequence_parallel = dims, sequence_parallel
+        self.weight_grad_store = weight_grad_store
         self.weight = nn.Parameter(torch.empty(output_size, input_size // split.shards, dtype=dtype))
         set_spec(self.weight, ShardSpec((output_size, input_size), (split,), init=init))
         if bias:
@@ -150,7 +154,7 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight)
+        y = linear(x, self.weight, None, self.weight_grad_store)
         group = self.dims.tp_group
         counter = self.dims.comm_counter
         y = (comm.reduce_scatter_to_sp(y, group, counter) if self.sequence_parallel

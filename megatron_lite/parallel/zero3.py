@@ -1,8 +1,8 @@
 """ZeRO-3 parameter sharding: each DP rank stores only its 1/N shard of every parameter; a unit's
 full parameters are all-gathered just before they are needed and freed right after.
 
-Units are the transformer layers of a model chunk (`chunk.layers`) and the root: the chunk's
-other parameters (embeddings, final norm, output layer). The root is used at both ends of the
+Units are the modules the model names (GPTModel.sharding_units: its transformer layers) and the
+root: the chunk's other parameters (embeddings, final norm, output layer). The root is used at both ends of the
 model (embedding first, logits last, and the same tied weight for both), so it stays gathered
 through the whole forward and again through the whole backward. Each unit is gathered exactly
 twice per micro-batch, which is what ZeRO-3's communication theory counts.
@@ -38,10 +38,9 @@ import torch.nn as nn
 from . import comm
 
 
-def unit_params(chunk: nn.Module) -> List[Tuple[nn.Module, List[nn.Parameter]]]:
-    """The chunk's units in forward order: (chunk itself, root params), then (layer, its params)."""
-    layers = getattr(chunk, "layers", None) or []
-    layers = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+def unit_params(chunk: nn.Module, layers: List[nn.Module]) -> List[Tuple[nn.Module, List[nn.Parameter]]]:
+    """The chunk's units in forward order: (chunk itself, root params), then (layer, its params)
+    for the given sub-modules (the model's sharding units, in forward order)."""
     in_layers = {p for layer in layers for p in layer.parameters()}
     root = [p for p in chunk.parameters() if p.requires_grad and p not in in_layers]
     return [(chunk, root)] + [(layer, [p for p in layer.parameters() if p.requires_grad]) for layer in layers]

@@ -6,7 +6,7 @@ import resource
 import sys
 import time
 from datetime import timedelta
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -20,7 +20,11 @@ from ..parallel.random import RNGStatesTracker, model_parallel_seed
 from ..parallel.state import ParallelDims
 from .flops import device_peak_tflops, flops_per_token
 from .metrics import MetricsLogger
-from .step import eval_step, move_batch, train_step
+from ..parallel.pipeline.executor import PipelineExecutor, activation_shape
+from ..parallel.pipeline.schedules import ZERO_BUBBLE, default_schedule
+from ..parallel.tensor_parallel import WeightGradStore
+from ..transformer.spec import BuildContext
+from .step import eval_step, forward_backward_no_pipelining, move_batch, pipelined_forward_backward, train_step
 
 
 def choose_device(requested: Optional[str]) -> torch.device:
@@ -55,14 +59,21 @@ def params_dtype(cfg: Config) -> torch.dtype:
 
 
 class Trainer:
-    """Holds the model chunks, optimizer, data and logging of one run (one per process)."""
+    """Holds the model chunks, optimizer, data and logging of one run (one per process).
 
-    def __init__(self, cfg: Config, tokenizer, device: torch.device):
-        from models.gpt import build_model  # models/ sits above megatron_lite: import late
-        from ..data import build_pretraining_data_loader, build_train_valid_test_datasets
+    The model and its data come from the entry point (pretrain_gpt.py passes GPT's):
+      model_provider(cfg, ctx: BuildContext) -> this rank's model chunks (one per virtual pipeline
+          stage), initialized and on ctx.device; chunks may offer sharding_units() (ZeRO-3) and
+          must offer set_input_tensor(x) (pipeline stages after the first);
+      datasets_provider(cfg, tokenizer, num_samples: (train, valid, test)) -> three datasets (or None);
+      forward_step(batch, chunk) -> (output, loss_func): the protocol of training/step.py."""
+
+    def __init__(self, cfg: Config, tokenizer, device: torch.device, *, model_provider: Callable,
+                 datasets_provider: Callable, forward_step: Callable):
+        from ..data import build_pretraining_data_loader
         from ..optim.optimizer import build_optimizer
 
-        self.cfg, self.device = cfg, device
+        self.cfg, self.device, self.forward_step = cfg, device, forward_step
         m, p, t = cfg.model, cfg.parallel, cfg.training
         self.dims = ParallelDims.from_world(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.expert_model_parallel_size,
                                             vpp=p.virtual_pipeline_model_parallel_size or 1)
@@ -70,25 +81,31 @@ class Trainer:
         dims.comm_counter = comm.CommCounter() if t.log_comm_volume else None  # bytes per step in the metrics
         self.tracker = RNGStatesTracker(device)
         model_parallel_seed(self.tracker, t.seed, dims.tp_rank, dims.pp_rank)
-        self.chunks = build_model(m, dims, seed=t.seed, sequence_parallel=p.sequence_parallel,
-                                  recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
-                                  recompute_num_layers=t.recompute_num_layers, params_dtype=params_dtype(cfg),
-                                  tracker=self.tracker, device=device,
-                                  first_stage_layers=p.decoder_first_pipeline_num_layers,
-                                  last_stage_layers=p.decoder_last_pipeline_num_layers)
+        schedule = (p.pipeline_schedule or default_schedule(dims.vpp)) if dims.pp > 1 else None
+        store = WeightGradStore() if schedule in ZERO_BUBBLE else None
+        ctx = BuildContext(dims, sequence_parallel=p.sequence_parallel, params_dtype=params_dtype(cfg),
+                           tracker=self.tracker, weight_grad_store=store,
+                           recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
+                           recompute_num_layers=t.recompute_num_layers, device=device)
+        self.chunks = model_provider(cfg, ctx)
         self.optimizer, self.grad_sync = build_optimizer(self.chunks, dims, t, p)
         warmup = t.lr_warmup_iters
         if t.lr_warmup_fraction is not None:
             warmup = int(t.lr_warmup_fraction * (t.lr_decay_iters or t.train_iters))
         self.lr_schedule = LRScheduler(t.lr, t.min_lr, warmup, t.lr_decay_iters or t.train_iters, t.lr_decay_style)
         self.num_microbatches = t.num_microbatches(dims.dp)
-        self.forward_backward = self._forward_backward_func()
+        self.forward_backward = forward_backward_no_pipelining
+        if dims.pp > 1:
+            executor = PipelineExecutor(
+                self.chunks, dims, schedule, activation_shape(t.seq_length, t.micro_batch_size, m.hidden_size, dims,
+                                                              ctx.sequence_parallel),
+                params_dtype(cfg), device, store)
+            self.forward_backward = pipelined_forward_backward(executor)
 
         evals = t.train_iters // t.eval_interval + 1
         num_samples = (t.train_iters * t.global_batch_size, evals * t.eval_iters * t.global_batch_size,
                        t.eval_iters * t.global_batch_size)
-        train_ds, valid_ds, _ = agree_on_errors(
-            lambda: build_train_valid_test_datasets(cfg.data, tokenizer, t.seq_length, t.seed, num_samples), device)
+        train_ds, valid_ds, _ = agree_on_errors(lambda: datasets_provider(cfg, tokenizer, num_samples), device)
         self.iteration, self.consumed_samples, self.consumed_valid_samples = 0, 0, 0
         self.checkpointing = Checkpointing(cfg, device)
         loaded = self.checkpointing.load_at_start(self)  # sets the iteration and consumed samples
@@ -109,20 +126,14 @@ class Trainer:
         self.flops_per_token = flops_per_token(m, t.seq_length)
         self.peak_tflops = device_peak_tflops(device)
 
-    def _forward_backward_func(self):
-        from .step import forward_backward_no_pipelining
-        if self.dims.pp == 1:
-            return forward_backward_no_pipelining
-        from ..parallel.pipeline.executor import make_pipelined_forward_backward
-        return make_pipelined_forward_backward(self.cfg, self.dims, self.chunks)
-
     def _next_batches(self, it) -> List[Dict[str, torch.Tensor]]:
         return [move_batch(next(it), self.device) for _ in range(self.num_microbatches)]
 
     def evaluate(self) -> Optional[float]:
         losses = []
         for _ in range(self.cfg.training.eval_iters):
-            loss = eval_step(self.chunks, self._next_batches(self.valid_iter), self.dims, self.forward_backward)
+            loss = eval_step(self.chunks, self._next_batches(self.valid_iter), self.dims, self.forward_step,
+                             self.forward_backward)
             losses.append(loss)
         return None if losses[0] is None else sum(losses) / len(losses)
 
@@ -145,7 +156,8 @@ class Trainer:
             start = time.perf_counter()
             batches = self._next_batches(self.train_iter)
             try:
-                out = train_step(self.chunks, batches, dims, self.optimizer, self.grad_sync, lr, self.forward_backward)
+                out = train_step(self.chunks, batches, dims, self.optimizer, self.grad_sync, lr, self.forward_step,
+                                 self.forward_backward, loss_normalizer=float(tokens_per_step))
             except NonFiniteError as e:  # raised on every rank at once: stop before any save
                 self._stop_on_nonfinite(e)
             if self.device.type == "cuda":

@@ -1,14 +1,24 @@
 """One training step: forward/backward over this rank's micro-batches, gradient sync, update.
 
-The loss of a step is the mean over every loss-bearing token of the global batch. Each
-micro-batch contributes sum(token_loss * mask) / (global token count), so gradients summed over
-micro-batches and data-parallel ranks are exactly those of the global-batch mean, whatever the
-layout.
+The forward-step protocol (Megatron-Core's), which every schedule uses (the loop below when there
+is no pipeline, the executor of parallel/pipeline otherwise):
+
+    forward_step(batch, model_chunk) -> (output, loss_func)
+    loss_func(output) -> (loss_sum, token_count, logs)        # on the last pipeline stage only
+
+Schedules backpropagate `loss_sum * scale` and know no batch keys and no loss formula. The loss of
+a step is the mean over every loss-bearing token of the global batch: `scale` holds the fp16 loss
+scale over a constant normalizer (about the global token count, for the magnitude of a mean), and
+after the data-parallel reduction the optimizer multiplies the gradients by normalizer / (global
+token count), so they are exactly those of the single-process run whatever the layout. Extra losses (MoE auxiliary
+losses) add their gradient where they are computed and need nothing from the schedules. `logs`
+(name -> (sum, count)) are summed like the loss over micro-batches and data-parallel ranks and
+reported as sum / count.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -17,42 +27,70 @@ from ..parallel import comm
 from ..parallel.state import ParallelDims
 
 Batch = Dict[str, torch.Tensor]
+ForwardStep = Callable[[Batch, nn.Module], Tuple[torch.Tensor, Callable]]
 
 
-def micro_batch_loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """Forward one micro-batch through a whole (single-chunk) model: sum of masked token losses."""
-    token_loss = model(batch["tokens"], batch.get("position_ids"), batch["labels"], batch.get("attention_mask"))
-    return (token_loss * batch["loss_mask"]).sum()
+class LossTotals:
+    """Sums over micro-batches of what loss functions return (the last stage's)."""
+
+    def __init__(self, device):
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        self.tokens = torch.zeros((), dtype=torch.float32, device=device)
+        self.logs: Dict[str, torch.Tensor] = {}
+
+    def add(self, loss_sum: torch.Tensor, tokens, logs: Dict[str, Tuple]) -> None:
+        self.loss_sum += loss_sum.detach().float()
+        self.tokens += torch.as_tensor(tokens, dtype=torch.float32, device=self.tokens.device)
+        for name, (s, n) in logs.items():
+            pair = torch.stack([torch.as_tensor(s, dtype=torch.float32), torch.as_tensor(n, dtype=torch.float32)])
+            self.logs[name] = self.logs.get(name, 0) + pair.to(self.tokens.device)
 
 
-def forward_backward_no_pipelining(chunks: List[nn.Module], batches: List[Batch], loss_denominator: torch.Tensor,
-                                   loss_scale: float, forward_only: bool = False) -> torch.Tensor:
-    """All micro-batches through the one model chunk; returns the local sum of token losses."""
+def forward_backward_no_pipelining(chunks: List[nn.Module], batches: List[Batch], forward_step: ForwardStep,
+                                   loss_scale: float, forward_only: bool = False) -> LossTotals:
+    """All micro-batches through the one model chunk."""
     model = chunks[0]
-    total = torch.zeros((), dtype=torch.float32, device=loss_denominator.device)
+    totals = LossTotals(next(model.parameters()).device)
     for batch in batches:
         with torch.set_grad_enabled(not forward_only):
-            loss_sum = micro_batch_loss_sum(model, batch)
+            output, loss_func = forward_step(batch, model)
+            loss_sum, tokens, logs = loss_func(output)
         if not forward_only:
-            (loss_sum * (loss_scale / loss_denominator)).backward()
-        total += loss_sum.detach().float()
-    return total
+            (loss_sum * loss_scale).backward()
+        totals.add(loss_sum, tokens, logs)
+    return totals
 
 
-def global_token_count(batches: List[Batch], dims: ParallelDims, device) -> torch.Tensor:
-    """Loss-bearing tokens in the whole global batch (sum over micro-batches and DP ranks)."""
-    n = torch.zeros((), dtype=torch.float32, device=device)
-    for b in batches:
-        n += b["loss_mask"].sum().float()
-    comm.all_reduce(n, dims.dp_cp_group, counter=dims.comm_counter)
-    return n.clamp_min(1.0)
+def pipelined_forward_backward(executor) -> Callable:
+    """A forward_backward for train_step / eval_step that runs a PipelineExecutor's schedule."""
+
+    def forward_backward(chunks, batches, forward_step, loss_scale, forward_only=False):
+        totals = LossTotals(executor.device)
+        return executor.run(batches, forward_step, loss_scale, totals, forward_only)
+
+    forward_backward.executor = executor
+    return forward_backward
 
 
-def reduce_loss(local_sum: torch.Tensor, denominator: torch.Tensor, dims: ParallelDims) -> float:
-    """Global mean loss from each DP rank's local loss sum (meaningful on the last stage)."""
-    total = local_sum.clone()
-    comm.all_reduce(total, dims.dp_cp_group, counter=dims.comm_counter)
-    return (total / denominator).item()
+def finalize_losses(totals: Optional[LossTotals], dims: ParallelDims) -> Tuple[float, float, Dict[str, float]]:
+    """(loss sum, loss-bearing tokens, logs) of the global batch. Collective: the last stage sums
+    over data-parallel (and context-parallel) ranks; with a pipeline the token count, which every
+    stage's gradients are divided by, then reaches the other stages too. The loss and logs are
+    meaningful on the last stage only."""
+    device = totals.tokens.device
+    names = sorted(totals.logs) if dims.is_last_stage else []
+    if dims.is_last_stage:
+        vec = torch.cat([totals.loss_sum.view(1), totals.tokens.view(1)] + [totals.logs[n] for n in names])
+        comm.all_reduce(vec, dims.dp_cp_group, counter=dims.comm_counter)
+    else:
+        vec = torch.zeros(2, device=device)
+    if dims.pp > 1:
+        tokens = vec[1:2].clone() if dims.is_last_stage else torch.zeros(1, device=device)
+        comm.all_reduce(tokens, dims.pp_group, counter=dims.comm_counter)
+        vec[1] = tokens[0]
+    tokens = max(vec[1].item(), 1.0)
+    logs = {n: (vec[2 + 2 * i] / vec[3 + 2 * i].clamp_min(1)).item() for i, n in enumerate(names)}
+    return vec[0].item(), tokens, logs
 
 
 def move_batch(batch: Batch, device) -> Batch:
@@ -60,24 +98,30 @@ def move_batch(batch: Batch, device) -> Batch:
 
 
 def train_step(chunks: List[nn.Module], batches: List[Batch], dims: ParallelDims, optimizer, grad_sync,
-               lr: float, forward_backward: Callable = forward_backward_no_pipelining) -> Dict[str, Optional[float]]:
+               lr: float, forward_step: ForwardStep, forward_backward: Callable = forward_backward_no_pipelining,
+               loss_normalizer: float = 1.0) -> Dict[str, Optional[float]]:
+    """`loss_normalizer`: a constant the same on every rank, about the global token count (the
+    trainer passes global batch x sequence length): the backward runs on loss_sum / normalizer,
+    at the magnitude of a mean (fp16's range), and the optimizer corrects by normalizer / tokens."""
     for c in chunks:
         c.train()
-    denominator = global_token_count(batches, dims, batches[0]["tokens"].device)
     grad_sync.start_step(len(batches))  # DP reductions start once every micro-batch's grads are in
-    local = forward_backward(chunks, batches, denominator, optimizer.loss_scale)
+    totals = forward_backward(chunks, batches, forward_step, optimizer.loss_scale / loss_normalizer)
     grad_sync.finish()
-    lm_loss = reduce_loss(local, denominator, dims) if dims.is_last_stage else None
-    out = optimizer.step(lr, loss_is_finite=lm_loss is None or math.isfinite(lm_loss))
+    loss_sum, tokens, logs = finalize_losses(totals, dims)
+    lm_loss = loss_sum / tokens if dims.is_last_stage else None
+    out = optimizer.step(lr, loss_is_finite=lm_loss is None or math.isfinite(lm_loss),
+                         grad_scale=loss_normalizer / tokens)
     out["lm_loss"] = lm_loss
+    out["logs"] = logs
     return out
 
 
 @torch.no_grad()
-def eval_step(chunks: List[nn.Module], batches: List[Batch], dims: ParallelDims,
+def eval_step(chunks: List[nn.Module], batches: List[Batch], dims: ParallelDims, forward_step: ForwardStep,
               forward_backward: Callable = forward_backward_no_pipelining) -> Optional[float]:
     for c in chunks:
         c.eval()
-    denominator = global_token_count(batches, dims, batches[0]["tokens"].device)
-    local = forward_backward(chunks, batches, denominator, 1.0, forward_only=True)
-    return reduce_loss(local, denominator, dims) if dims.is_last_stage else None
+    totals = forward_backward(chunks, batches, forward_step, 1.0, forward_only=True)
+    loss_sum, tokens, _ = finalize_losses(totals, dims)
+    return loss_sum / tokens if dims.is_last_stage else None

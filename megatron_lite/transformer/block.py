@@ -1,4 +1,5 @@
-"""One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+"""One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x)), its submodules built
+from a TransformerLayerSpec (spec.py)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -7,25 +8,20 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import ModelConfig
-from ..parallel.random import RNGStatesTracker
-from ..parallel.state import ParallelDims
-from .attention import SelfAttention
-from .mlp import MLP
-from .norm import build_norm
+from .core_attention import PackedSeq
+from .spec import TransformerLayerSpec
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dims: ParallelDims, layer_number: int, sequence_parallel: bool,
-                 dtype, tracker: RNGStatesTracker, recompute_core_attention: bool = False):
+    def __init__(self, cfg, ctx, layer_number: int, spec: TransformerLayerSpec):
         super().__init__()
         self.layer_number = layer_number
-        self.sequence_parallel, self.tracker = sequence_parallel, tracker
+        self.sequence_parallel, self.tracker = ctx.sequence_parallel, ctx.tracker
         self.hidden_dropout = cfg.hidden_dropout
-        self.input_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sequence_parallel, dtype)
-        self.self_attention = SelfAttention(cfg, dims, sequence_parallel, dtype, tracker, recompute_core_attention)
-        self.pre_mlp_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sequence_parallel, dtype)
-        self.mlp = MLP(cfg, dims, sequence_parallel, dtype)
+        self.input_layernorm = spec.input_layernorm(cfg, ctx, layer_number)
+        self.self_attention = spec.self_attention(cfg, ctx, layer_number, core_attention=spec.core_attention)
+        self.pre_mlp_layernorm = spec.pre_mlp_layernorm(cfg, ctx, layer_number)
+        self.mlp = spec.mlp(cfg, ctx, layer_number)
 
     def _dropout_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         p = self.hidden_dropout if self.training else 0.0
@@ -36,6 +32,6 @@ class TransformerLayer(nn.Module):
                 return residual + F.dropout(x, p, True)
         return residual + F.dropout(x, p, True)
 
-    def forward(self, x: torch.Tensor, rope=None, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = self._dropout_add(self.self_attention(self.input_layernorm(x), rope, attention_mask), x)
+    def forward(self, x: torch.Tensor, rope=None, packed: Optional[PackedSeq] = None) -> torch.Tensor:
+        x = self._dropout_add(self.self_attention(self.input_layernorm(x), rope, packed), x)
         return self._dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x)

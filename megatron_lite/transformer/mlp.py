@@ -5,23 +5,21 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import ModelConfig
-from ..parallel.state import ParallelDims
 from ..parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dims: ParallelDims, sequence_parallel: bool, dtype):
+    def __init__(self, cfg, ctx, layer_number: int = 0):
         super().__init__()
-        f = cfg.ffn_hidden_size
+        f, dims, sp, dt = cfg.ffn_hidden_size, ctx.dims, ctx.sequence_parallel, ctx.params_dtype
         self.swiglu = cfg.swiglu
         self.activation = cfg.activation
         # SwiGLU keeps [gate | up] in one GEMM; each TP rank holds its slice of both halves.
         self.linear_fc1 = ColumnParallelLinear(
-            cfg.hidden_size, 2 * f if cfg.swiglu else f, dims, bias=cfg.add_bias_linear,
-            sequence_parallel=sequence_parallel, segments=[f, f] if cfg.swiglu else None, dtype=dtype)
-        self.linear_fc2 = RowParallelLinear(f, cfg.hidden_size, dims, bias=cfg.add_bias_linear,
-                                            sequence_parallel=sequence_parallel, dtype=dtype)
+            cfg.hidden_size, 2 * f if cfg.swiglu else f, dims, bias=cfg.add_bias_linear, sequence_parallel=sp,
+            segments=[f, f] if cfg.swiglu else None, dtype=dt, weight_grad_store=ctx.weight_grad_store)
+        self.linear_fc2 = RowParallelLinear(f, cfg.hidden_size, dims, bias=cfg.add_bias_linear, sequence_parallel=sp,
+                                            dtype=dt, weight_grad_store=ctx.weight_grad_store)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear_fc1(x)

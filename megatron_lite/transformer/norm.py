@@ -35,6 +35,7 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def build_norm(kind: str, hidden_size: int, eps: float, sequence_parallel: bool, dtype) -> nn.Module:
-    cls = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}[kind]
-    return cls(hidden_size, eps, sequence_parallel, dtype)
+def build_norm(cfg, ctx, layer_number: int = 0) -> nn.Module:
+    """The model's norm (cfg.normalization) over the hidden size: a layer-spec constructor."""
+    cls = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}[cfg.normalization]
+    return cls(cfg.hidden_size, cfg.norm_epsilon, ctx.sequence_parallel, ctx.params_dtype)

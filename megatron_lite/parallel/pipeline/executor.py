@@ -3,8 +3,12 @@
 One executor serves every schedule. Each rank walks its list in order; consecutive comm
 actions form one batch posted with batch_isend_irecv and waited for lazily (just before the
 first compute that needs what it received, before the next batch is posted, and at the end),
-which schedules.py proves deadlock-free. The zero-bubble B/W split defers linear layers'
-weight-gradient GEMMs (tensor_parallel.WEIGHT_GRAD_STORE) from B to the later W.
+which schedules.py proves deadlock-free. The zero-bubble B/W split defers the weight-gradient
+GEMMs of the linear layers built with the executor's WeightGradStore from B to the later W.
+
+A forward is the forward-step protocol (training/step.py): `forward_step(batch, chunk)` after
+`chunk.set_input_tensor(received)` on a later stage, and on the last virtual stage the loss
+function over its output; the executor knows no batch keys and no loss formula.
 """
 from __future__ import annotations
 
@@ -14,18 +18,30 @@ import torch
 import torch.nn as nn
 
 from ..state import ParallelDims
-from ..tensor_parallel import WEIGHT_GRAD_STORE
+from ..tensor_parallel import WeightGradStore
 from .p2p import P2PBatch
-from .schedules import Action, build_schedule, comm_peer, default_schedule, group_steps
+from .schedules import Action, build_schedule, comm_peer, group_steps
 
 Key = Tuple[int, int]  # (microbatch, local chunk)
 
 
+def activation_shape(seq_length: int, micro_batch_size: int, hidden_size: int, dims: ParallelDims,
+                     sequence_parallel: bool) -> Tuple[int, int, int]:
+    """[s, b, h] of the hidden states a stage sends: the sequence split over CP (context
+    parallelism) and, under sequence parallelism, over TP."""
+    seq = seq_length // dims.cp // (dims.tp if sequence_parallel and dims.tp > 1 else 1)
+    return seq, micro_batch_size, hidden_size
+
+
 class PipelineExecutor:
     def __init__(self, chunks: List[nn.Module], dims: ParallelDims, schedule: str, act_shape: Tuple[int, ...],
-                 dtype: torch.dtype, device):
+                 dtype: torch.dtype, device, weight_grad_store: Optional[WeightGradStore] = None):
         self.chunks, self.dims, self.schedule = chunks, dims, schedule
         self.act_shape, self.dtype, self.device = act_shape, dtype, device
+        self.store = weight_grad_store  # the chunks' linear layers defer into it during B (zb-h1)
+        if any(a.kind == "B" for a in build_schedule(schedule, dims.pp, dims.pp, dims.vpp)[dims.pp_rank]):
+            assert weight_grad_store is not None, f"the {schedule} schedule needs a WeightGradStore"
+        self.num_stages = dims.pp * dims.vpp
         self.trace: Optional[List[Action]] = None  # set to [] to record the executed actions
         self._lists: Dict[Tuple[int, bool], List[Action]] = {}
         self._warmed_up = False
@@ -39,21 +55,22 @@ class PipelineExecutor:
             self._lists[key] = acts
         return self._lists[key]
 
-    def run(self, batches: List[dict], loss_denominator: torch.Tensor, loss_scale: float,
-            forward_only: bool = False) -> torch.Tensor:
+    def run(self, batches: List[dict], forward_step, loss_scale: float, totals, forward_only: bool = False):
+        """One step over `batches`; the last stage adds each loss function's result to `totals`
+        (anything with .add(loss_sum, tokens, logs)), which is returned."""
         if not self._warmed_up and self.device.type == "cuda":
             # NCCL sets up a group's communicators lazily; a first batched p2p that does not
             # involve every rank of the group can hang, so touch the whole group once.
             torch.distributed.barrier(group=self.dims.pp_group)
         self._warmed_up = True
-        self.batches, self.denominator, self.scale = batches, loss_denominator, loss_scale
+        self.batches, self.forward_step, self.scale = batches, forward_step, loss_scale
         self.forward_only = forward_only
         self.inputs: Dict[Key, torch.Tensor] = {}
         self.outputs: Dict[Key, torch.Tensor] = {}
         self.out_grads: Dict[Key, torch.Tensor] = {}
         self.in_grads: Dict[Key, torch.Tensor] = {}
         self.deferred: Dict[Key, list] = {}
-        self.total = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.totals = totals
         pending: Optional[P2PBatch] = None
         pending_keys: set = set()
         for step in group_steps(self.actions(len(batches), forward_only)):
@@ -69,7 +86,7 @@ class PipelineExecutor:
         if pending is not None:
             pending.wait()
         assert not self.deferred, "weight-gradient passes left undone"
-        return self.total
+        return self.totals
 
     # --- communication -------------------------------------------------------------------------
     def _post(self, batch: Tuple[Action, ...]) -> P2PBatch:
@@ -106,59 +123,43 @@ class PipelineExecutor:
         if a.kind == "F":
             self._forward(key)
         elif a.kind == "W":
-            WEIGHT_GRAD_STORE.run(self.deferred.pop(key))
+            WeightGradStore.run(self.deferred.pop(key))
         else:
             self._backward(key, defer_weight_grads=a.kind == "B")
 
     def _forward(self, key: Key) -> None:
         mb, c = key
-        chunk, batch = self.chunks[c], self.batches[mb]
+        chunk, stage = self.chunks[c], c * self.dims.pp + self.dims.pp_rank
+        last = stage == self.num_stages - 1
         with torch.set_grad_enabled(not self.forward_only):
-            if chunk.pre_process:
-                out = chunk(batch["tokens"], batch.get("position_ids"), batch["labels"] if chunk.post_process else None,
-                            batch.get("attention_mask"))
-            else:
+            if stage > 0:
                 x = self.inputs[key]
                 if not self.forward_only:
                     x.requires_grad_(True)
-                out = chunk(None, batch.get("position_ids"), batch["labels"] if chunk.post_process else None,
-                            batch.get("attention_mask"), hidden_states=x)
-            if chunk.post_process:
-                loss_sum = (out * batch["loss_mask"]).sum()
-                self.total += loss_sum.detach().float()
-                out = loss_sum * (self.scale / self.denominator)
+                chunk.set_input_tensor(x)
+            out, loss_func = self.forward_step(self.batches[mb], chunk)
+            if last:
+                loss_sum, tokens, logs = loss_func(out)
+                self.totals.add(loss_sum, tokens, logs)
+                out = loss_sum * self.scale
         self.outputs[key] = out
         if self.forward_only:
             self.inputs.pop(key, None)
-            if chunk.post_process:
+            if last:
                 del self.outputs[key]
 
     def _backward(self, key: Key, defer_weight_grads: bool) -> None:
         out = self.outputs.pop(key)
         grad = self.out_grads.pop(key, None)
-        WEIGHT_GRAD_STORE.deferring = defer_weight_grads
+        if defer_weight_grads:
+            self.store.deferring = True
         try:
             torch.autograd.backward(out, grad_tensors=grad)
         finally:
-            WEIGHT_GRAD_STORE.deferring = False
+            if defer_weight_grads:
+                self.store.deferring = False
         if defer_weight_grads:
-            self.deferred[key] = WEIGHT_GRAD_STORE.take()
+            self.deferred[key] = self.store.take()
         x = self.inputs.pop(key, None)
         if x is not None:
             self.in_grads[key] = x.grad
-
-
-def make_pipelined_forward_backward(cfg, dims: ParallelDims, chunks: List[nn.Module]):
-    """A forward_backward(chunks, batches, denominator, loss_scale, forward_only) for train_step."""
-    p, t = cfg.parallel, cfg.training
-    seq = t.seq_length // (dims.tp if p.sequence_parallel and dims.tp > 1 else 1)
-    device = next(chunks[0].parameters()).device
-    dtype = next(chunks[0].parameters()).dtype
-    executor = PipelineExecutor(chunks, dims, p.pipeline_schedule or default_schedule(dims.vpp),
-                                (seq, t.micro_batch_size, cfg.model.hidden_size), dtype, device)
-
-    def forward_backward(chunks_, batches, loss_denominator, loss_scale, forward_only=False):
-        return executor.run(batches, loss_denominator, loss_scale, forward_only)
-
-    forward_backward.executor = executor
-    return forward_backward

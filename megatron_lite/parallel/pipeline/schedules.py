@@ -55,6 +55,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 from megatron_lite.errors import ConfigError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+ZERO_BUBBLE = ("zb-h1",)  # schedules that split backward into B and W (deferred weight gradients)
 COMPUTE_KINDS = ("F", "B", "W", "BW")
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 # Unit costs used to place communication in the lists (the lists do not depend on real costs).

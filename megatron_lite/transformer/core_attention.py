@@ -1,0 +1,128 @@
+"""Core attention: softmax(q k^T / sqrt(d)) v over heads already split by TP, as a module chosen
+at build time (`--attention-backend`).
+
+Interface, shared by every backend and by the context-parallel wrapper:
+
+    forward(q, k, v, packed=None, q_offset=0, k_offset=0, return_lse=False)
+        q [b, sq, hq, d], k/v [b, sk, hkv, d] (hq a multiple of hkv: grouped-query attention)
+        -> out [b, sq, hq, d]   (and lse [b, hq, sq] float32 when return_lse)
+
+Causality is by absolute position: query i sits at q_offset + i, key j at k_offset + j, and a key
+is visible iff it is not later than the query (and, with a sliding window w, less than w before
+it). So decoding with a KV cache (q_offset = tokens already cached) and any other alignment are
+exact whatever a kernel's own convention is (SDPA's is_causal aligns top-left, flash-attn's
+bottom-right). `packed` (--reset-attention-mask) says which document each key belongs to; tokens
+attend only within their document. There is no dense [b, s, s] mask in the interface.
+
+Backends:
+  sdpa  torch.nn.functional.scaled_dot_product_attention (flash / efficient / cuDNN / math kernels
+        as PyTorch picks them; is_causal without a mask on the fast path). The default.
+  local the pure-PyTorch block attention (block_attention.py): the reference, returns the LSE.
+  flash flash-attn on CUDA in bf16/fp16 when installed (plain causal self-attention), else sdpa.
+Each returns the LSE through the local path when asked (context parallelism needs it).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .block_attention import attention_block, visibility_mask
+
+BACKENDS = ("auto", "sdpa", "local", "flash", "fused", "unfused")  # Megatron's names map onto ours
+
+
+@dataclass
+class PackedSeq:
+    """Packed documents: document_ids [b, sk] of the keys; the queries are the keys at
+    q_offset - k_offset onwards (all of them for self-attention)."""
+    document_ids: torch.Tensor
+
+    def for_queries(self, sq: int, q_offset: int, k_offset: int) -> torch.Tensor:
+        start = q_offset - k_offset
+        return self.document_ids[:, start:start + sq]
+
+
+@functools.cache
+def flash_attn_func():
+    """flash_attn.flash_attn_func if importable (CUDA only), else None. Imported once, lazily."""
+    try:
+        from flash_attn import flash_attn_func as fn  # type: ignore
+    except Exception:
+        return None
+    return fn
+
+
+class CoreAttention(nn.Module):
+    """The local path: pure-PyTorch block attention (always available, returns the LSE)."""
+    name = "local"
+
+    def __init__(self, cfg, ctx=None, layer_number: int = 0):
+        super().__init__()
+        self.dropout = cfg.attention_dropout
+        self.window = getattr(cfg, "window_size", None)
+
+    def _indices(self, sq, sk, q_offset, k_offset, device):
+        return (torch.arange(q_offset, q_offset + sq, device=device),
+                torch.arange(k_offset, k_offset + sk, device=device))
+
+    def _local(self, q, k, v, packed, q_offset, k_offset, dropout_p):
+        q_index, k_index = self._indices(q.shape[1], k.shape[1], q_offset, k_offset, q.device)
+        docs = (None, None) if packed is None else (packed.for_queries(q.shape[1], q_offset, k_offset),
+                                                    packed.document_ids)
+        return attention_block(q, k, v, q_index=q_index, k_index=k_index, q_doc=docs[0], k_doc=docs[1],
+                               window=self.window, dropout_p=dropout_p)
+
+    def forward(self, q, k, v, packed: Optional[PackedSeq] = None, q_offset: int = 0, k_offset: int = 0,
+                return_lse: bool = False):
+        dropout_p = self.dropout if self.training else 0.0
+        out, lse = self._local(q, k, v, packed, q_offset, k_offset, dropout_p)
+        return (out, lse) if return_lse else out
+
+
+class SDPAAttention(CoreAttention):
+    name = "sdpa"
+
+    def forward(self, q, k, v, packed: Optional[PackedSeq] = None, q_offset: int = 0, k_offset: int = 0,
+                return_lse: bool = False):
+        dropout_p = self.dropout if self.training else 0.0
+        if return_lse:
+            return self._local(q, k, v, packed, q_offset, k_offset, dropout_p)
+        sq, sk = q.shape[1], k.shape[1]
+        mask = None
+        if packed is not None or self.window is not None or q_offset - k_offset != sk - sq or sq != sk:
+            q_index, k_index = self._indices(sq, sk, q_offset, k_offset, q.device)
+            docs = (None, None) if packed is None else (packed.for_queries(sq, q_offset, k_offset),
+                                                        packed.document_ids)
+            mask = visibility_mask(q_index, k_index, docs[0], docs[1], window=self.window).unsqueeze(1)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
+        gqa = q.shape[1] != k.shape[1]
+        if mask is None:  # plain causal self-attention: the fast path
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+        return out.transpose(1, 2)
+
+
+class FlashAttention(SDPAAttention):
+    name = "flash"
+
+    def forward(self, q, k, v, packed: Optional[PackedSeq] = None, q_offset: int = 0, k_offset: int = 0,
+                return_lse: bool = False):
+        fn = flash_attn_func()
+        plain = packed is None and not return_lse and q_offset - k_offset == k.shape[1] - q.shape[1]
+        if fn is not None and plain and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+            window = (-1, -1) if self.window is None else (self.window - 1, 0)
+            return fn(q, k, v, dropout_p=self.dropout if self.training else 0.0, causal=True, window_size=window)
+        return super().forward(q, k, v, packed, q_offset, k_offset, return_lse)
+
+
+def core_attention_class(backend: str):
+    """The core-attention constructor of `--attention-backend` (Megatron's names accepted:
+    fused -> sdpa, unfused -> local)."""
+    return {"auto": SDPAAttention, "sdpa": SDPAAttention, "fused": SDPAAttention, "local": CoreAttention,
+            "unfused": CoreAttention, "flash": FlashAttention}[backend]

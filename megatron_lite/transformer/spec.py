@@ -1,0 +1,47 @@
+"""What a transformer layer is built from: a spec of submodule constructors, and the build context.
+
+A `TransformerLayerSpec` names the constructor of each submodule (norms, self-attention, its core
+attention, the MLP slot), in the manner of Megatron-Core's ModuleSpec but as a plain dataclass.
+Every constructor is called as `ctor(cfg, ctx, layer_number)`; the self-attention constructor also
+gets `core_attention=` (a constructor of the same kind). A model picks a spec per layer: a dense
+MLP or an MoE layer, local SDPA / flash-attn / a context-parallel wrapper as the core attention.
+
+`BuildContext` carries what every layer needs besides the model config, explicitly: the layout,
+whether activations are sequence-parallel, the parameter dtype, the RNG streams, the store that
+defers weight gradients for zero-bubble schedules, and the recomputation settings.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from ..parallel.random import RNGStatesTracker
+from ..parallel.state import ParallelDims
+from ..parallel.tensor_parallel import WeightGradStore
+
+
+@dataclass
+class BuildContext:
+    dims: ParallelDims = field(default_factory=ParallelDims)
+    sequence_parallel: bool = False  # activations split along the sequence over TP (tp > 1 only)
+    params_dtype: torch.dtype = torch.float32
+    tracker: RNGStatesTracker = field(default_factory=RNGStatesTracker)
+    weight_grad_store: Optional[WeightGradStore] = None  # zero-bubble pipelines: deferred weight GEMMs
+    recompute_granularity: Optional[str] = None  # full | selective
+    recompute_method: str = "uniform"  # full: uniform groups of recompute_num_layers, or the first ones
+    recompute_num_layers: int = 1
+    device: Optional[torch.device] = None  # where the built model goes (built on the CPU, then moved)
+
+    def __post_init__(self):
+        self.sequence_parallel = self.sequence_parallel and self.dims.tp > 1
+
+
+@dataclass(frozen=True)
+class TransformerLayerSpec:
+    input_layernorm: Callable
+    self_attention: Callable
+    core_attention: Callable
+    pre_mlp_layernorm: Callable
+    mlp: Callable
