@@ -141,7 +141,7 @@ def test_concurrent_ranks_build_the_same_cache(tmp_path):
 def test_item_flags():
     sample = np.array([5, 6, EOD, 7, 8, EOD, 9, 10, 11])
     item = make_item(sample, SampleOptions(EOD))
-    assert item["position_ids"].tolist() == list(range(8)) and "attention_mask" not in item
+    assert item["position_ids"].tolist() == list(range(8)) and "document_ids" not in item
     assert item["loss_mask"].tolist() == [1.0] * 8 and item["loss_mask"].dtype == torch.float32
     item = make_item(sample, SampleOptions(EOD, reset_position_ids=True, reset_attention_mask=True,
                                            eod_mask_loss=True))
@@ -149,10 +149,7 @@ def test_item_flags():
     assert item["labels"].tolist() == [6, EOD, 7, 8, EOD, 9, 10, 11]
     assert item["position_ids"].tolist() == [0, 1, 2, 0, 1, 2, 0, 1]
     assert item["loss_mask"].tolist() == [1, 1, 0, 1, 1, 0, 1, 1]
-    mask = item["attention_mask"]
-    doc = [0, 0, 0, 1, 1, 1, 2, 2]
-    expected = [[j <= i and doc[i] == doc[j] for j in range(8)] for i in range(8)]
-    assert mask.dtype == torch.bool and mask.tolist() == expected
+    assert item["document_ids"].tolist() == [0, 0, 0, 1, 1, 1, 2, 2]  # the EOD belongs to the one it ends
 
 
 def test_mock_data_is_deterministic():

@@ -71,7 +71,8 @@ def build_indices(sizes: np.ndarray, seq_length: int, num_samples: int, seed: in
 
 
 def make_item(sample: np.ndarray, opts: SampleOptions) -> Dict[str, torch.Tensor]:
-    """Turn seq_length + 1 tokens into inputs, labels, loss mask, positions (and attention mask)."""
+    """Turn seq_length + 1 tokens into inputs, labels, loss mask, positions (and, with
+    reset_attention_mask, each token's document id)."""
     sample = np.asarray(sample, dtype=np.int64)
     tokens, labels = sample[:-1], sample[1:]
     seq = tokens.size
@@ -88,9 +89,8 @@ def make_item(sample: np.ndarray, opts: SampleOptions) -> Dict[str, torch.Tensor
         doc_start = np.flatnonzero(np.concatenate([[True], doc_id[1:] != doc_id[:-1]]))
         positions = positions - doc_start[doc_id]
     item["position_ids"] = torch.from_numpy(positions)
-    if opts.reset_attention_mask:
-        same_doc = doc_id[:, None] == doc_id[None, :]
-        item["attention_mask"] = torch.from_numpy(np.tril(same_doc))
+    if opts.reset_attention_mask:  # packed documents: the core attention masks across their boundaries
+        item["document_ids"] = torch.from_numpy(doc_id.astype(np.int64))
     return item
 
 
