@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.parallel.grads import finalize_model_grads
 from megatron_lite.parallel.sharding import gather_full
 from megatron_lite.parallel.state import ParallelDims
 from megatron_lite.testing import assert_close, run_distributed
@@ -34,6 +35,7 @@ def _per_token_loss(rank, world, cfg_kw, backend, tp, sp=False):
     tokens, labels, positions, docs = _packed_batch()
     loss = model(tokens, positions, labels, PackedSeq(docs))
     loss.sum().backward()
+    finalize_model_grads(model.parameters(), dims)  # SP norms: partial over the TP ranks
     grads = {n: gather_full(p.grad, p, dims) for n, p in model.named_parameters()}
     if sp:  # documents alone would not split evenly over the TP ranks' sequence shards
         return loss.detach(), None, grads
