@@ -30,7 +30,8 @@ def resolve(argv=None) -> tuple:
     inherited = inherit_global_batch_size(cfg.training)
     if inherited is not None and int(os.environ.get("RANK", "0")) == 0:
         print(f"> global batch size {inherited} from the checkpoint in --save (--global-batch-size not given)")
-    cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg.finalize(world_size).validate(world_size)
     check_data_paths(d, tokenizer)
     if cfg.training.train_iters > 0 and parse_split(d.split)[0] == 0:
         raise ConfigError(f"--split {d.split} leaves no training data; give the first (train) part a weight")

@@ -19,30 +19,49 @@ def _require(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def arg(default=None, help: str = "", *, factory=None, **cli):
+    """A config field with its one-line doc (what `--help` prints) and how the command line sets it
+    (arguments.py): `flag` (default: --field-name; None: not a flag), `aliases`, `choices`, `nargs`,
+    `store` ("true"/"false" for a switch that sets the field True/False)."""
+    meta = dict(help=help, **cli)
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass
 class ModelConfig:
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    num_query_groups: Optional[int] = None  # None: = num_attention_heads (plain multi-head)
-    ffn_hidden_size: Optional[int] = None  # None: 4h (GELU) or Llama's 2/3 * 4h rounded (SwiGLU)
-    kv_channels: Optional[int] = None  # head dim; None: hidden / heads
-    vocab_size: int = 257  # true vocabulary size; padded internally for TP
-    make_vocab_size_divisible_by: int = 128
-    max_position_embeddings: int = 1024
-    normalization: str = "LayerNorm"  # LayerNorm | RMSNorm
-    norm_epsilon: float = 1e-5
-    position_embedding_type: str = "learned_absolute"  # learned_absolute | rope
-    rotary_base: float = 10000.0
-    swiglu: bool = False
-    activation: str = "gelu"  # gelu | gelu_tanh (used when not swiglu)
-    add_bias_linear: bool = True
-    add_qkv_bias: bool = False  # QKV bias when add_bias_linear is off (Qwen-style)
-    untie_embeddings_and_output_weights: bool = False
-    attention_dropout: float = 0.1
-    hidden_dropout: float = 0.1
-    init_method_std: float = 0.02
-    attention_backend: str = "auto"  # auto | sdpa | flash (flash-attn on CUDA when installed)
+    num_layers: int = arg(2, "transformer layers")
+    hidden_size: int = arg(64, "hidden size (h)")
+    num_attention_heads: int = arg(4, "attention heads")
+    num_query_groups: Optional[int] = arg(None, "K/V heads of grouped-query attention (with --group-query-attention); "
+                                                "None: one per head")
+    ffn_hidden_size: Optional[int] = arg(None, "MLP hidden size; None: 4h, or 2/3 of 4h rounded down to 64 with SwiGLU")
+    kv_channels: Optional[int] = arg(None, "head size; None: hidden_size / num_attention_heads")
+    vocab_size: int = arg(257, "true vocabulary size (from the tokenizer; padded for TP internally)", flag=None)
+    make_vocab_size_divisible_by: int = arg(128, "pad the vocabulary to a multiple of this x TP")
+    max_position_embeddings: int = arg(1024, "positions of the learned position embedding")
+    normalization: str = arg("LayerNorm", "norm of every layer", choices=["LayerNorm", "RMSNorm"])
+    norm_epsilon: float = arg(1e-5, "norm epsilon", aliases=["--layernorm-epsilon"])
+    position_embedding_type: str = arg("learned_absolute", "position embedding",
+                                       choices=["learned_absolute", "rope", "none"])
+    rotary_base: float = arg(10000.0, "RoPE base (theta)")
+    swiglu: bool = arg(False, "SwiGLU MLP (Llama) instead of GELU", store="true")
+    activation: str = arg("gelu", "MLP activation without SwiGLU (--openai-gelu: gelu_tanh)",
+                          choices=["gelu", "gelu_tanh"])
+    add_bias_linear: bool = arg(True, "biases in every linear layer (--disable-bias-linear: none)",
+                                flag="--disable-bias-linear", store="false")
+    add_qkv_bias: bool = arg(False, "Q/K/V biases even without linear biases (Qwen)", store="true")
+    untie_embeddings_and_output_weights: bool = arg(False, "separate output layer instead of the tied embedding",
+                                                    store="true")
+    attention_dropout: float = arg(0.1, "dropout of the attention probabilities")
+    hidden_dropout: float = arg(0.1, "dropout of the hidden states")
+    init_method_std: float = arg(0.02, "std of the normal initialization")
+    attention_backend: str = arg("auto", "core attention: sdpa (auto, fused), local (unfused: pure PyTorch), "
+                                         "flash (flash-attn on CUDA when installed, else sdpa)",
+                                 choices=["auto", "sdpa", "local", "flash", "fused", "unfused"])
+    window_size: Optional[int] = arg(None, "sliding-window attention: keys less than this many tokens back",
+                                     flag=None)
 
     def __post_init__(self):
         if self.num_query_groups is None:
@@ -122,22 +141,24 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    context_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: Optional[int] = None
-    num_layers_per_virtual_pipeline_stage: Optional[int] = None
-    decoder_first_pipeline_num_layers: Optional[int] = None
-    decoder_last_pipeline_num_layers: Optional[int] = None
-    pipeline_schedule: Optional[str] = None  # gpipe | 1f1b | interleaved | zb-h1; None: automatic
-    sequence_parallel: bool = False
-    zero_stage: int = 0
-    ddp_bucket_size: Optional[int] = None  # elements; None: 40M or one bucket on small models
-    overlap_grad_reduce: bool = False
-    overlap_param_gather: bool = False
-    grad_reduce_in_bf16: bool = False
-    cp_comm_type: str = "p2p"
+    tensor_model_parallel_size: int = arg(1, "tensor-parallel size (TP)")
+    pipeline_model_parallel_size: int = arg(1, "pipeline-parallel size (PP)")
+    context_parallel_size: int = arg(1, "context-parallel size (CP)")
+    expert_model_parallel_size: int = arg(1, "expert-parallel size (EP)")
+    virtual_pipeline_model_parallel_size: Optional[int] = arg(None, "model chunks per pipeline rank (interleaving)")
+    num_layers_per_virtual_pipeline_stage: Optional[int] = arg(None, "layers per model chunk (sets the virtual size)")
+    decoder_first_pipeline_num_layers: Optional[int] = arg(None, "layers of the first pipeline stage (uneven split)")
+    decoder_last_pipeline_num_layers: Optional[int] = arg(None, "layers of the last pipeline stage (uneven split)")
+    pipeline_schedule: Optional[str] = arg(None, "pipeline schedule; None: 1f1b, or interleaved with virtual stages",
+                                           choices=["gpipe", "1f1b", "interleaved", "zb-h1"])
+    sequence_parallel: bool = arg(False, "split norms and dropout along the sequence over TP", store="true")
+    zero_stage: int = arg(0, "ZeRO stage: 1 shards the optimizer state over DP, 2 also the gradients, 3 also "
+                             "the parameters (--use-distributed-optimizer: 1)", choices=[0, 1, 2, 3])
+    ddp_bucket_size: Optional[int] = arg(None, "elements per gradient bucket; None: max(40M, 1M x DP)")
+    overlap_grad_reduce: bool = arg(False, "reduce gradient buckets while backward goes on", store="true")
+    overlap_param_gather: bool = arg(False, "all-gather updated parameters during the next forward", store="true")
+    grad_reduce_in_bf16: bool = arg(False, "reduce gradients in bf16", store="true")
+    cp_comm_type: str = arg("p2p", "context-parallel communication", choices=["p2p", "a2a", "all_gather"])
 
     @property
     def tp(self) -> int:
@@ -192,77 +213,83 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
-    data_path: List[str] = field(default_factory=list)  # Megatron list: [w1, p1, w2, p2, ...] or [p]
-    split: str = "969,30,1"
-    data_cache_path: Optional[str] = None
-    mock_data: bool = False
-    tokenizer_type: str = "ByteTokenizer"
-    tokenizer_model: Optional[str] = None
-    vocab_file: Optional[str] = None
-    merge_file: Optional[str] = None
-    vocab_size: Optional[int] = None  # for NullTokenizer
-    reset_position_ids: bool = False
-    reset_attention_mask: bool = False
-    eod_mask_loss: bool = False
-    num_workers: int = 0
+    data_path: List[str] = arg(help="dataset prefix, or weight prefix weight prefix ... (blend)", factory=list,
+                               nargs="+")
+    split: str = arg("969,30,1", "train,valid,test weights")
+    data_cache_path: Optional[str] = arg(None, "where index caches go (default: next to the data)")
+    mock_data: bool = arg(False, "random tokens (with --vocab-size: NullTokenizer)", store="true")
+    tokenizer_type: str = arg("ByteTokenizer", "ByteTokenizer (NullTokenizer with --mock-data --vocab-size), "
+                                               "NullTokenizer, SentencePieceTokenizer (alias GPTSentencePieceTokenizer, "
+                                               "Llama2Tokenizer), HuggingFaceTokenizer, GPT2BPETokenizer")
+    tokenizer_model: Optional[str] = arg(None, "tokenizer model file or directory")
+    vocab_file: Optional[str] = arg(None, "GPT-2 BPE vocabulary")
+    merge_file: Optional[str] = arg(None, "GPT-2 BPE merges")
+    vocab_size: Optional[int] = arg(None, "vocabulary of NullTokenizer")
+    reset_position_ids: bool = arg(False, "positions restart after each end-of-document token", store="true")
+    reset_attention_mask: bool = arg(False, "tokens attend only within their document", store="true")
+    eod_mask_loss: bool = arg(False, "no loss on end-of-document tokens", store="true")
+    num_workers: int = arg(0, "data-loader worker processes")
 
 
 @dataclass
 class TrainingConfig:
-    micro_batch_size: int = 4
-    global_batch_size: Optional[int] = None  # None: micro_batch_size * DP
-    seq_length: int = 128
-    train_iters: int = 200
-    lr: float = 1e-3
-    min_lr: float = 0.0
-    lr_warmup_iters: int = 0
-    lr_warmup_fraction: Optional[float] = None
-    lr_decay_iters: Optional[int] = None  # None: train_iters
-    lr_decay_style: str = "cosine"  # cosine | linear | constant
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    bf16: bool = False
-    fp16: bool = False
-    loss_scale: Optional[float] = None  # constant fp16 loss scale; None: dynamic
-    initial_loss_scale: float = 2.0 ** 32
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    seed: int = 1234
-    eval_interval: int = 1000
-    eval_iters: int = 10
-    log_interval: int = 1
-    recompute_granularity: Optional[str] = None  # full | selective
-    recompute_method: str = "uniform"
-    recompute_num_layers: int = 1
-    device: Optional[str] = None  # cpu | cuda; None: cuda when available
-    metrics_file: Optional[str] = None
-    log_comm_volume: bool = False
-    tensorboard_dir: Optional[str] = None
-    wandb_project: Optional[str] = None
-    wandb_exp_name: Optional[str] = None
-    wandb_save_dir: Optional[str] = None
-    save: Optional[str] = None
-    load: Optional[str] = None
-    save_interval: Optional[int] = None
-    async_save: bool = False  # write checkpoint files in the background while training goes on
-    keep_last: Optional[int] = None  # keep only the newest N checkpoints
-    finetune: bool = False  # load only the weights; iteration and consumed samples start at 0
-    no_load_optim: bool = False
-    no_load_rng: bool = False
-    verify_checkpoint: bool = True  # check checksums on load (--no-verify-checkpoint skips)
-    exit_signal_handler: bool = False  # SIGTERM: save after the current iteration, exit 0
-    exit_duration_in_mins: Optional[float] = None
-    exit_interval: Optional[int] = None
-    check_for_nan_in_loss_and_grad: bool = True  # stop on a non-finite loss or gradient
+    micro_batch_size: int = arg(8, "samples per micro-batch and DP rank")
+    global_batch_size: Optional[int] = arg(None, "samples per step; None: micro_batch_size x DP")
+    seq_length: int = arg(128, "tokens per sample (a named --model sets its own)")
+    train_iters: int = arg(300, "training steps")
+    lr: float = arg(1e-3, "peak learning rate")
+    min_lr: float = arg(0.0, "learning rate at the end of the decay")
+    lr_warmup_iters: int = arg(0, "linear warmup steps from 0")
+    lr_warmup_fraction: Optional[float] = arg(None, "warmup as a fraction of the decay steps")
+    lr_decay_iters: Optional[int] = arg(None, "decay steps; None: train_iters")
+    lr_decay_style: str = arg("cosine", "decay after warmup", choices=["cosine", "linear", "constant"])
+    weight_decay: float = arg(0.01, "decoupled weight decay (not on biases and norms)")
+    adam_beta1: float = arg(0.9, "Adam beta1")
+    adam_beta2: float = arg(0.999, "Adam beta2")
+    adam_eps: float = arg(1e-8, "Adam epsilon")
+    clip_grad: float = arg(1.0, "clip the global gradient norm to this (0: no clipping)")
+    bf16: bool = arg(False, "bf16 parameters and compute, fp32 main params and gradients", store="true")
+    fp16: bool = arg(False, "fp16 parameters and compute with loss scaling", store="true")
+    loss_scale: Optional[float] = arg(None, "constant fp16 loss scale; None: dynamic")
+    initial_loss_scale: float = arg(2.0 ** 32, "first dynamic fp16 loss scale")
+    min_loss_scale: float = arg(1.0, "smallest dynamic fp16 loss scale")
+    loss_scale_window: int = arg(1000, "clean steps before the dynamic loss scale grows")
+    hysteresis: int = arg(2, "overflows before the dynamic loss scale shrinks")
+    seed: int = arg(1234, "random seed (weights, data order, dropout)")
+    eval_interval: int = arg(100, "steps between evaluations")
+    eval_iters: int = arg(4, "steps of each evaluation")
+    log_interval: int = arg(10, "steps between console lines")
+    recompute_granularity: Optional[str] = arg(None, "activation recomputation", choices=["full", "selective"])
+    recompute_method: str = arg("uniform", "full recomputation: uniform groups of --recompute-num-layers, or block "
+                                           "(only the first ones)", choices=["uniform", "block"])
+    recompute_num_layers: int = arg(1, "layers per recomputed group (uniform) or recomputed layers (block)")
+    device: Optional[str] = arg(None, "cpu or cuda; None: cuda when available", choices=["cpu", "cuda"])
+    metrics_file: Optional[str] = arg(None, "JSON Lines, one record per iteration")
+    log_comm_volume: bool = arg(False, "bytes moved per collective kind, in the metrics", store="true")
+    tensorboard_dir: Optional[str] = arg(None, "TensorBoard logs")
+    wandb_project: Optional[str] = arg(None, "Weights & Biases project (offline without an API key)")
+    wandb_exp_name: Optional[str] = arg(None, "Weights & Biases run name")
+    wandb_save_dir: Optional[str] = arg(None, "Weights & Biases directory")
+    save: Optional[str] = arg(None, "checkpoint directory (a run restarted with it resumes)")
+    load: Optional[str] = arg(None, "checkpoint to start from")
+    save_interval: Optional[int] = arg(None, "steps between checkpoints")
+    async_save: bool = arg(False, "write checkpoints in the background", store="true")
+    keep_last: Optional[int] = arg(None, "keep only the newest N checkpoints")
+    finetune: bool = arg(False, "load only the weights from --load; iteration and consumed samples start at 0",
+                         store="true")
+    no_load_optim: bool = arg(False, "do not load optimizer state or LR schedule", store="true")
+    no_load_rng: bool = arg(False, "do not load RNG states", store="true")
+    verify_checkpoint: bool = arg(True, "check the checkpoint's checksums on load", flag="--no-verify-checkpoint",
+                                  store="false")
+    exit_signal_handler: bool = arg(False, "on SIGTERM, save after the current iteration and exit 0", store="true")
+    exit_duration_in_mins: Optional[float] = arg(None, "save and exit after this many minutes")
+    exit_interval: Optional[int] = arg(None, "save and exit at an iteration multiple of this")
+    check_for_nan_in_loss_and_grad: bool = arg(True, "stop on a non-finite loss, gradient or fp16 parameter",
+                                               flag="--no-check-for-nan-in-loss-and-grad", store="false")
 
     def validate(self, dp: int) -> None:
         _require(self.micro_batch_size >= 1, f"micro_batch_size ({self.micro_batch_size}) must be >= 1")
-        if self.global_batch_size is None:
-            self.global_batch_size = self.micro_batch_size * dp
+        _require(self.global_batch_size is not None, "global_batch_size is unset: call Config.finalize first")
         _require(self.global_batch_size % (self.micro_batch_size * dp) == 0,
                  f"global_batch_size ({self.global_batch_size}) must be divisible by micro_batch_size "
                  f"({self.micro_batch_size}) x data-parallel size ({dp}) = {self.micro_batch_size * dp}")
@@ -330,6 +357,14 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
+
+    def finalize(self, world_size: int) -> "Config":
+        """Fill what depends on the world size (the default global batch: micro-batch x DP).
+        The one step that derives values; validate() only checks."""
+        t, dp = self.training, self.parallel.data_parallel_size(world_size)
+        if t.global_batch_size is None and dp >= 1:
+            t.global_batch_size = t.micro_batch_size * dp
+        return self
 
     def validate(self, world_size: int) -> None:
         self.model.validate(self.training.seq_length)

@@ -206,6 +206,8 @@ def init_weights(model: GPTModel, seed: int) -> None:
             else:
                 g = torch.Generator().manual_seed(_param_seed(seed, stored_name(name, p)))
                 full = torch.empty(spec.full_shape).normal_(0.0, std[spec.init], generator=g)
+            if spec.stored_rows is not None:
+                full[spec.stored_rows:] = 0.0  # vocabulary padding: never used, never stored
             p.copy_(spec.shard(full).to(p.dtype))
 
 

@@ -48,6 +48,18 @@ MODELS: Dict[str, dict] = {
 }
 
 
+# The built-in default run (`torchrun pretrain_gpt.py` with no --model): the model above, and its
+# schedule. A preset value is dropped when the command line gives one of the flags it depends on.
+DEFAULT_RUN = {"model": "gpt2-small-cpu",
+               "training": {"min_lr": 1e-4, "lr_warmup_iters": 20},
+               "unless": {"min_lr": ("lr",), "lr_warmup_iters": ("train_iters", "lr_warmup_fraction")}}
+
+
+def run_preset(run: dict, given: dict) -> dict:
+    """The training values of a run preset that the flags in `given` leave standing."""
+    return {k: v for k, v in run["training"].items() if not any(u in given for u in run["unless"].get(k, ()))}
+
+
 def get_model_config(name: str) -> dict:
     """The named configuration as flag-name -> value (ModelConfig fields plus seq_length)."""
     if name not in MODELS:

@@ -28,7 +28,9 @@ CASES = [
     (1, ["--seq-length", "2048", "--max-position-embeddings", "1024"],
      ["seq_length (2048)", "max_position_embeddings (1024)"]),
     (2, ["--ffn-hidden-size", "99", "--tensor-model-parallel-size", "2"], ["ffn_hidden_size (99)"]),
-    (1, ["--num-experts", "8"], ["--num-experts (8)"]),
+    (1, ["--num-experts", "8"], ["--num-experts", "not supported"]),
+    (1, ["--moe-router-topk", "2"], ["--moe-router-topk", "not supported"]),
+    (1, ["--transformer-impl", "transformer_engine"], ["--transformer-impl transformer_engine"]),
     (1, ["--context-parallel-size", "2"], ["context_parallel_size (2)"]),
     # pipeline parallelism
     (2, ["--pipeline-model-parallel-size", "2", "--num-layers", "3"],

@@ -239,10 +239,3 @@ def build_tokenizer(tokenizer_type: str, *, tokenizer_model=None, vocab_file=Non
     if kind == "GPT2BPETokenizer":
         return GPT2BPETokenizer(vocab_file, merge_file)
     return HuggingFaceTokenizer(tokenizer_model)
-
-
-def tokenizer_from_config(data_config):
-    """build_tokenizer() from a `DataConfig`."""
-    return build_tokenizer(data_config.tokenizer_type, tokenizer_model=data_config.tokenizer_model,
-                           vocab_file=data_config.vocab_file, merge_file=data_config.merge_file,
-                           vocab_size=data_config.vocab_size)

@@ -205,20 +205,3 @@ class DistributedOptimizer:
             return False
         self.scaler.load_state_dict(state["loss_scaler_state"])
         return True
-
-    def state_dict(self) -> dict:
-        """This rank's shard state (its layout depends on the DP size and the buckets)."""
-        return {"num_updates": self.num_updates, "scaler": self.scaler.state_dict(),
-                "shards": [{k: v.clone() for k, v in s.tensors().items()} for s in self.shards]}
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        self.num_updates = state["num_updates"]
-        self.scaler.load_state_dict(state["scaler"])
-        for s, saved in zip(self.shards, state["shards"]):
-            for k, t in s.tensors().items():
-                t.copy_(saved[k])
-            if s.owns_main:
-                s.bucket.param_shard_view().copy_(s.main)
-        self.sync.gather_params()
-        self.sync.wait_param_gather()

@@ -87,10 +87,6 @@ class ParallelDims:
         return self.group("cp")
 
     @property
-    def dp_group(self):
-        return self.group("dp")
-
-    @property
     def dp_cp_group(self):
         return self.group("dp_cp")
 
@@ -129,8 +125,8 @@ class ParallelDims:
             return list(buckets.values())
 
         lists = {
-            "tp": by({0}), "cp": by({1}), "dp": by({2}), "pp": by({3}),
-            "dp_cp": by({1, 2}), "mp": by({0, 3}), "tp_cp": by({0, 1}),
+            "tp": by({0}), "cp": by({1}), "pp": by({3}),
+            "dp_cp": by({1, 2}), "mp": by({0, 3}),
         }
         for r in range(2, self.tp):  # blocks of r consecutive TP ranks (replicated K/V groups)
             if self.tp % r == 0:
