@@ -22,7 +22,9 @@ def resolve(argv=None) -> tuple:
     from megatron_lite.data import build_tokenizer
     from megatron_lite.data.builder import check_data_paths, parse_split
 
-    cfg: Config = parse_args(argv)
+    from models.zoo import zoo
+
+    cfg: Config = parse_args(argv, zoo())
     d = cfg.data
     tokenizer = build_tokenizer(d.tokenizer_type, tokenizer_model=d.tokenizer_model, vocab_file=d.vocab_file,
                                 merge_file=d.merge_file, vocab_size=d.vocab_size)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import MISSING, fields
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional
 
 from .config import Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig
 from .errors import ConfigError
@@ -83,11 +83,24 @@ def _add_field(group, f) -> None:
     group.add_argument(flag, *meta.get("aliases", ()), **kw)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from models.zoo import DEFAULT_RUN
+class Zoo(NamedTuple):
+    """Named configurations, from the entry point (megatron_lite/ does not import models/):
+    `model_config(name)` -> ModelConfig fields (and seq_length); `default_run` -> the preset of a
+    run without --model ({"model": name, "training": {...}, "unless": {...}}, see models/zoo.py)."""
+    model_config: Callable[[str], dict]
+    default_run: dict
 
+
+def _run_preset(run: dict, given: dict) -> dict:
+    """The training values of a run preset that the flags in `given` leave standing (a value is
+    dropped when the command line gives one of the flags it depends on)."""
+    return {k: v for k, v in run["training"].items() if not any(u in given for u in run["unless"].get(k, ()))}
+
+
+def build_parser(zoo: Zoo) -> argparse.ArgumentParser:
     p = _Parser(description="Pretrain a GPT model (megatron-lite)", allow_abbrev=False)
-    p.add_argument("--model", default=None, help=f"named config from models/zoo.py (default {DEFAULT_RUN['model']})")
+    p.add_argument("--model", default=None,
+                   help=f"named config from models/zoo.py (default {zoo.default_run['model']})")
     groups = {name: p.add_argument_group(name) for name, _ in SECTIONS}
     for name, cls in SECTIONS:
         for f in fields(cls):
@@ -153,24 +166,22 @@ def _parallel_config(args: argparse.Namespace, model: ModelConfig) -> ParallelCo
     return ParallelConfig(**given)
 
 
-def config_from_args(args: argparse.Namespace) -> Config:
+def config_from_args(args: argparse.Namespace, zoo: Zoo) -> Config:
     """Resolve flags (over the named model, over the defaults) into a Config. No validation yet."""
-    from models.zoo import DEFAULT_RUN, get_model_config, run_preset  # models/ sits above megatron_lite
-
     for flag, what in UNSUPPORTED_FLAGS.items():
         if getattr(args, flag.lstrip("-").replace("-", "_")) is not None:
             raise ConfigError(f"{flag} ({what}) is not supported by megatron-lite; remove it from the command line")
     if args.transformer_impl == "transformer_engine":
         raise ConfigError("--transformer-impl transformer_engine: megatron-lite's layers are its own (local); "
                           "drop the flag or use --transformer-impl local")
-    named = get_model_config(args.model or DEFAULT_RUN["model"])
+    named = zoo.model_config(args.model or zoo.default_run["model"])
     seq_length = named.pop("seq_length", None)
     model = _model_config(args, named)
     training = _given(args, TrainingConfig)
     if seq_length is not None:
         training.setdefault("seq_length", seq_length)
     if args.model is None:
-        training = {**run_preset(DEFAULT_RUN, training), **training}
+        training = {**_run_preset(zoo.default_run, training), **training}
     data = _given(args, DataConfig)
     if "tokenizer_type" not in data and data.get("mock_data") and data.get("vocab_size"):
         data["tokenizer_type"] = "NullTokenizer"
@@ -178,9 +189,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
                   data=DataConfig(**data))
 
 
-def parse_args(argv: Optional[List[str]] = None) -> Config:
-    return config_from_args(build_parser().parse_args(argv))
+def parse_args(argv: Optional[List[str]], zoo: Zoo) -> Config:
+    return config_from_args(build_parser(zoo).parse_args(argv), zoo)
 
 
-__all__ = ["build_parser", "config_from_args", "parse_args", "COMPAT_NOOP_FLAGS", "COMPAT_VALUE_FLAGS",
+__all__ = ["Zoo", "build_parser", "config_from_args", "parse_args", "COMPAT_NOOP_FLAGS", "COMPAT_VALUE_FLAGS",
            "UNSUPPORTED_FLAGS"]

@@ -98,16 +98,20 @@ def assert_state_close(actual: dict, expected: dict, rtol: float = 1e-5, what: s
 def assert_same_run(reference, other, rtol: float = 1e-5, grad_norm_rtol: float = None, params=None,
                     ref_params=None, what: str = ""):
     """Two runs agree: the same number of iterations, and per iteration `lm_loss` and `grad_norm`
-    within rtol (grad_norm_rtol if given) of the reference; then, where given, the final parameters
-    (`assert_state_close`). `reference` / `other`: lists of per-iteration records (dicts with
-    'lm_loss' and optionally 'grad_norm'), or plain lists of losses."""
+    within rtol of the reference; then, where given, the final parameters (`assert_state_close`).
+    `grad_norm_rtol` (if given) holds the first iteration's grad norm, computed from the same
+    weights in both runs, to a tighter bound; later grad norms are held to 10 x rtol: Adam's
+    normalized steps turn the layouts' rounding differences in tiny gradient elements into
+    parameter differences that move the gradient more than the loss. `reference` / `other`:
+    lists of per-iteration records (dicts with 'lm_loss' and optionally 'grad_norm'), or plain
+    lists of losses."""
     def as_records(run):
         return [r if isinstance(r, dict) else {"lm_loss": r} for r in run]
 
     ref, got = as_records(reference), as_records(other)
     assert len(got) == len(ref), f"{what}: {len(got)} iterations vs {len(ref)} in the reference"
-    gn_rtol = rtol if grad_norm_rtol is None else grad_norm_rtol
     for i, (a, b) in enumerate(zip(got, ref)):
+        gn_rtol = (grad_norm_rtol if grad_norm_rtol is not None else rtol) if i == 0 else 10 * rtol
         for key, tol in (("lm_loss", rtol), ("grad_norm", gn_rtol)):
             if b.get(key) is None:
                 continue

@@ -55,13 +55,14 @@ DEFAULT_RUN = {"model": "gpt2-small-cpu",
                "unless": {"min_lr": ("lr",), "lr_warmup_iters": ("train_iters", "lr_warmup_fraction")}}
 
 
-def run_preset(run: dict, given: dict) -> dict:
-    """The training values of a run preset that the flags in `given` leave standing."""
-    return {k: v for k, v in run["training"].items() if not any(u in given for u in run["unless"].get(k, ()))}
-
-
 def get_model_config(name: str) -> dict:
     """The named configuration as flag-name -> value (ModelConfig fields plus seq_length)."""
     if name not in MODELS:
         raise ConfigError(f"unknown --model {name!r}; choose one of: {', '.join(sorted(MODELS))}")
     return dict(MODELS[name])
+
+
+def zoo():
+    """The zoo as the command line reads it (megatron_lite.arguments.Zoo)."""
+    from megatron_lite.arguments import Zoo
+    return Zoo(get_model_config, DEFAULT_RUN)

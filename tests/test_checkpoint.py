@@ -15,7 +15,7 @@ import torch
 
 from megatron_lite.checkpoint import CheckpointReader, read_metadata, read_tracker
 from megatron_lite.parallel.sharding import gather_full
-from megatron_lite.testing import WorkerError, run_distributed
+from megatron_lite.testing import assert_same_run, WorkerError, run_distributed
 from training_utils import LLAMA_SWITCHES, ROOT, TINY, losses_of, merged_params, train_and_gather, train_in_process
 
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]  # exercises the RNG states
@@ -33,9 +33,7 @@ def save_then_resume(world, argv, ckpt, at, save_flags=()):
 
 
 def assert_rel_close(actual, expected, rtol=1e-5):
-    assert len(actual) == len(expected), (actual, expected)
-    for i, (a, b) in enumerate(zip(actual, expected)):
-        assert abs(a - b) <= rtol * abs(b), f"step {i}: {a} vs {b}"
+    assert_same_run(expected, actual, rtol=rtol)
 
 
 def assert_exact_coverage(ckpt_dir):

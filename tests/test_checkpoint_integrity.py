@@ -4,7 +4,6 @@ import json
 import os
 
 import pytest
-import torch
 
 from megatron_lite.checkpoint.directory import check_save_dir
 from megatron_lite.checkpoint.files import read_header

@@ -3,8 +3,8 @@ parameters), and the executor runs exactly the action lists the simulator replay
 import pytest
 
 from megatron_lite.parallel.pipeline.schedules import build_schedule
-from megatron_lite.testing import assert_state_close, run_distributed
-from training_utils import LLAMA_SWITCHES, losses_of, merged_params, train_and_gather
+from megatron_lite.testing import assert_same_run, run_distributed
+from training_utils import LLAMA_SWITCHES, merged_params, records_of, train_and_gather
 
 PP_BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
            "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "5", "--device", "cpu",
@@ -36,21 +36,19 @@ def _reference(family, extra):
         flags = [f for f in extra if f in ("--num-layers",)]
         layers = ["--num-layers", extra[extra.index("--num-layers") + 1]] if flags else []
         results = run_distributed(train_and_gather, 1, _argv(family, layers))
-        _REFS[key] = (losses_of([r[0] for r in results]), merged_params(results))
+        _REFS[key] = (records_of([r[0] for r in results]), merged_params(results))
     return _REFS[key]
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("pp,extra", LAYOUTS)
 def test_pipeline_matches_single_process(family, pp, extra):
-    ref_losses, ref_params = _reference(family, extra)
+    ref, ref_params = _reference(family, extra)
     results = run_distributed(train_and_gather, pp, _argv(family, extra + ["--pipeline-model-parallel-size", str(pp)]))
-    losses = losses_of([r[0] for r in results])
-    for i, (a, b) in enumerate(zip(losses, ref_losses)):
-        assert abs(a - b) <= 1e-5 * abs(b), f"iteration {i + 1}: {a} vs {b}"
+    assert_same_run(ref, records_of([r[0] for r in results]), grad_norm_rtol=1e-6, params=merged_params(results),
+                    ref_params=ref_params)
     val = [r[0][-1].get("val_lm_loss") for r in results if r[0][-1].get("val_lm_loss") is not None]
-    assert val, "evaluation through the pipeline reported no loss"
-    assert_state_close(merged_params(results), ref_params, rtol=1e-5)
+    assert val and abs(val[0] - ref[-1]["val_lm_loss"]) <= 1e-5 * ref[-1]["val_lm_loss"], val
 
 
 @pytest.mark.parametrize("pp,extra,schedule,vpp", [
@@ -72,11 +70,9 @@ def test_executor_runs_the_simulated_action_lists(pp, extra, schedule, vpp):
 @pytest.mark.parametrize("schedule", [["--pipeline-schedule", "1f1b"], ["--pipeline-schedule", "zb-h1"],
                                       ["--num-layers-per-virtual-pipeline-stage", "1"]])
 def test_tp2_pp2_dp2_zero1_on_8_ranks_matches_single_process(schedule):
-    ref_losses, ref_params = _reference("llama", [])
+    ref, ref_params = _reference("llama", [])
     argv = _argv("llama", schedule + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                                       "--zero-stage", "1", "--sequence-parallel"])
     results = run_distributed(train_and_gather, 8, argv)
-    losses = losses_of([r[0] for r in results])
-    for i, (a, b) in enumerate(zip(losses, ref_losses)):
-        assert abs(a - b) <= 1e-5 * abs(b), f"iteration {i + 1}: {a} vs {b}"
-    assert_state_close(merged_params(results), ref_params, rtol=1e-5)
+    assert_same_run(ref, records_of([r[0] for r in results]), grad_norm_rtol=1e-6, params=merged_params(results),
+                    ref_params=ref_params)

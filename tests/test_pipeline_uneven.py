@@ -4,8 +4,8 @@ single-process run (losses and final parameters)."""
 import pytest
 import torch
 
-from megatron_lite.testing import assert_state_close, run_distributed
-from training_utils import LLAMA_SWITCHES, losses_of, merged_params, train_and_gather
+from megatron_lite.testing import assert_same_run, run_distributed
+from training_utils import LLAMA_SWITCHES, merged_params, records_of, train_and_gather
 
 BASE = ["--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "1",
         "--global-batch-size", "8", "--train-iters", "5", "--device", "cpu", "--lr", "3e-3",
@@ -40,17 +40,14 @@ def _reference(argv):
     key = tuple(argv)
     if key not in _REFS:
         results = run_distributed(train_and_gather, 1, argv)
-        _REFS[key] = (losses_of([r[0] for r in results]), merged_params(results))
+        _REFS[key] = (records_of([r[0] for r in results]), merged_params(results))
     return _REFS[key]
 
 
 def _assert_matches(results, ref):
-    ref_losses, ref_params = ref
-    losses = losses_of([r[0] for r in results])
-    assert len(losses) == len(ref_losses)
-    for i, (a, b) in enumerate(zip(losses, ref_losses)):
-        assert abs(a - b) <= 1e-5 * abs(b), f"iteration {i + 1}: {a} vs {b}"
-    assert_state_close(merged_params(results), ref_params, rtol=1e-5)
+    ref_records, ref_params = ref
+    assert_same_run(ref_records, records_of([r[0] for r in results]), grad_norm_rtol=1e-6,
+                    params=merged_params(results), ref_params=ref_params)
 
 
 @pytest.mark.parametrize("pp,layers,split,schedule", [

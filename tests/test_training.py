@@ -6,24 +6,18 @@ import struct
 
 import pytest
 
-from megatron_lite.testing import run_distributed
-from training_utils import LLAMA_SWITCHES, TINY, losses_of, read_metrics, torchrun, train_in_process
-
-
-def _assert_same_losses(losses, ref, rtol=1e-5):
-    assert len(losses) == len(ref)
-    for i, (a, b) in enumerate(zip(losses, ref)):
-        assert abs(a - b) <= rtol * abs(b), f"iteration {i + 1}: lm_loss {a} vs reference {b}"
+from megatron_lite.testing import assert_same_run, run_distributed
+from training_utils import LLAMA_SWITCHES, TINY, read_metrics, records_of, torchrun, train_in_process
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_tp_layouts_reproduce_single_process_losses(family):
     argv = TINY + (LLAMA_SWITCHES if family == "llama" else [])
-    ref = losses_of(run_distributed(train_in_process, 1, argv))
-    assert ref[-1] < ref[0], "the reference run should learn"
+    ref = records_of(run_distributed(train_in_process, 1, argv))
+    assert ref[-1]["lm_loss"] < ref[0]["lm_loss"], "the reference run should learn"
     for tp, sp in ((2, []), (2, ["--sequence-parallel"]), (4, ["--sequence-parallel"])):
-        out = losses_of(run_distributed(train_in_process, tp, argv + ["--tensor-model-parallel-size", str(tp)] + sp))
-        _assert_same_losses(out, ref)
+        out = records_of(run_distributed(train_in_process, tp, argv + ["--tensor-model-parallel-size", str(tp)] + sp))
+        assert_same_run(ref, out, grad_norm_rtol=1e-6, what=f"tp{tp} {sp}")
 
 
 def test_cli_tp2_sequence_parallel_matches_tp1(tmp_path):
@@ -36,7 +30,7 @@ def test_cli_tp2_sequence_parallel_matches_tp1(tmp_path):
     for rec in out:
         for key in ("iteration", "lm_loss", "grad_norm", "lr", "tokens_per_sec", "step_time_s"):
             assert key in rec, key
-    _assert_same_losses([r["lm_loss"] for r in out], [r["lm_loss"] for r in ref])
+    assert_same_run(ref, out, grad_norm_rtol=1e-6)
 
 
 def test_default_run_learns(tmp_path):

@@ -13,7 +13,7 @@ from megatron_lite.optim.optimizer import build_optimizer
 from megatron_lite.parallel import comm
 from megatron_lite.parallel.state import ParallelDims
 from megatron_lite.parallel.sharding import gather_full
-from megatron_lite.testing import assert_close, run_distributed
+from megatron_lite.testing import assert_close, assert_same_run, run_distributed
 from megatron_lite.training.step import forward_backward_no_pipelining, train_step
 from models.gpt import build_model, gpt_forward_step
 
@@ -85,8 +85,7 @@ def reference():
 def assert_matches(result, reference, what):
     losses, params = result
     ref_losses, ref_params = reference
-    for i, (a, b) in enumerate(zip(losses, ref_losses)):
-        assert abs(a - b) <= 1e-5 * abs(b), f"{what}: step {i} loss {a} != {b}"
+    assert_same_run(ref_losses, losses, rtol=1e-5, what=what)
     assert params.keys() == ref_params.keys()
     for name in ref_params:  # after 5 Adam steps, which amplify the rounding noise of tiny gradients
         assert_close(params[name], ref_params[name], rtol=2e-5, atol=0.0, what=f"{what}: {name}")
@@ -151,8 +150,7 @@ def test_bf16_stages_track_the_fp32_run(reference):
     runs["bf16 reduce"] = run_distributed(_train_stages, 2, 1, [1], {"dtype": torch.bfloat16,
                                                                       "grad_reduce_in_bf16": True})[0][1]
     for what, (losses, _) in runs.items():
-        for a, b in zip(losses, reference[0]):
-            assert abs(a - b) <= 1e-2 * b, f"bf16 {what}: loss {a} vs fp32 {b}"
+        assert_same_run(reference[0], losses, rtol=1e-2, what=f"bf16 {what} vs fp32")
 
 
 def test_gradient_accumulation_matches_data_parallel(reference):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from . import comm
 from .sharding import ShardSpec, replicated, set_spec, tp_split
-from .state import ParallelDims, group_rank, group_size
+from .state import ParallelDims, group_rank
 
 
 # --- weight-gradient deferral (zero-bubble pipeline schedules) --------------------------------
