@@ -58,7 +58,8 @@ def _flag(name: str) -> str:
 
 
 def _scalar_type(annotation: str):
-    inner = annotation.replace("Optional[", "").rstrip("]")
+    """int / float / str of an annotation such as "int", "Optional[float]", "List[int]"."""
+    inner = annotation.replace("Optional[", "").replace("List[", "").rstrip("]")
     return {"int": int, "float": float, "str": str}.get(inner, str)
 
 

@@ -158,11 +158,49 @@ class ParallelConfig:
     overlap_grad_reduce: bool = arg(False, "reduce gradient buckets while backward goes on", store="true")
     overlap_param_gather: bool = arg(False, "all-gather updated parameters during the next forward", store="true")
     grad_reduce_in_bf16: bool = arg(False, "reduce gradients in bf16", store="true")
-    cp_comm_type: str = arg("p2p", "context-parallel communication", choices=["p2p", "a2a", "all_gather"])
+    cp_comm_type: List[str] = arg(help="context-parallel attention, one value or one per layer: p2p (ring), a2a "
+                                       "(Ulysses), all_gather (allgather), a2a+p2p (with "
+                                       "--hierarchical-context-parallel-sizes)", factory=lambda: ["p2p"], nargs="+")
+    hierarchical_context_parallel_sizes: Optional[List[int]] = arg(
+        None, "a2a+p2p: the all-to-all group size and the ring size (their product is the CP size)", nargs=2)
 
     @property
     def tp(self) -> int:
         return self.tensor_model_parallel_size
+
+    def cp_a2a_size(self) -> int:
+        """The all-to-all group size of hierarchical CP (a2a+p2p), 0 without it."""
+        sizes = self.hierarchical_context_parallel_sizes
+        return sizes[0] if sizes and "a2a+p2p" in self.cp_comm_type else 0
+
+    def _validate_context_parallel(self, model: ModelConfig, seq_length: int) -> None:
+        cp, tp, types = self.cp, self.tp, self.cp_comm_type
+        for t in types:
+            _require(t in CP_COMM_TYPES, f"--cp-comm-type {t!r} is not one of {', '.join(CP_COMM_TYPES)}")
+        _require(len(types) in (1, model.num_layers),
+                 f"--cp-comm-type takes one value or one per layer ({model.num_layers}), got {len(types)}")
+        if cp == 1:
+            return
+        _require(seq_length % (2 * cp) == 0,
+                 f"seq_length ({seq_length}) must be divisible by 2 x context_parallel_size ({cp}) = {2 * cp}: "
+                 f"each CP rank holds two of 2 x cp equal chunks (load balance)")
+        _require(model.attention_dropout == 0,
+                 f"--attention-dropout {model.attention_dropout} with context parallelism is not supported; use 0")
+        heads, groups = model.num_attention_heads // tp, max(1, model.num_query_groups // tp)
+        sizes = self.hierarchical_context_parallel_sizes
+        if "a2a+p2p" in types:
+            _require(sizes is not None and sizes[0] * sizes[1] == cp,
+                     f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A B with A x B = "
+                     f"context_parallel_size ({cp}), got {sizes}")
+        for t, n in (("a2a", cp), ("a2a+p2p", sizes[0] if sizes else cp)):
+            if t not in types:
+                continue
+            _require(heads % n == 0,
+                     f"--cp-comm-type {t} splits the {heads} attention heads per TP rank over {n} ranks: they must "
+                     f"divide; use --cp-comm-type p2p or all_gather" + ("" if t == "a2a+p2p" else ", or a2a+p2p"))
+            _require(groups % n == 0 or n % groups == 0,
+                     f"--cp-comm-type {t}: the {groups} K/V heads per TP rank must divide by {n} or divide it "
+                     f"(then they are replicated); use --cp-comm-type p2p or all_gather")
 
     @property
     def pp(self) -> int:
@@ -205,10 +243,13 @@ class ParallelConfig:
         _require(not (self.overlap_param_gather and self.zero_stage == 0),
                  "--overlap-param-gather needs the distributed optimizer: --zero-stage 1, 2 or 3 "
                  "(or --use-distributed-optimizer)")
-        _require(cp == 1, f"context_parallel_size ({cp}) > 1 is not implemented yet; use 1")
+        self._validate_context_parallel(model, seq_length)
         _require(self.expert_model_parallel_size == 1,
                  f"expert_model_parallel_size ({self.expert_model_parallel_size}) > 1 needs an MoE model, "
                  f"which is not implemented yet; use 1")
+
+
+CP_COMM_TYPES = ("p2p", "a2a", "all_gather", "allgather", "a2a+p2p")
 
 
 @dataclass

@@ -28,7 +28,7 @@ from megatron_lite.parallel.tensor_parallel import (
     VocabParallelEmbedding, enter_tp_region, linear, vocab_parallel_cross_entropy, vocab_parallel_weight)
 from megatron_lite.transformer.attention import SelfAttention
 from megatron_lite.transformer.block import TransformerLayer
-from megatron_lite.transformer.core_attention import PackedSeq, core_attention_class
+from megatron_lite.transformer.core_attention import ContextParallelAttention, PackedSeq, core_attention_class
 from megatron_lite.transformer.mlp import MLP
 from megatron_lite.transformer.norm import build_norm
 from megatron_lite.transformer.rope import rope_cos_sin
@@ -37,18 +37,18 @@ from megatron_lite.transformer.spec import BuildContext, TransformerLayerSpec
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
 
-def gpt_layer_spec(cfg: C.ModelConfig, layer_number: int) -> TransformerLayerSpec:
+def gpt_layer_spec(cfg: C.ModelConfig, ctx: BuildContext, layer_number: int) -> TransformerLayerSpec:
     """The submodules of GPT layer `layer_number`: the norms of the config, self-attention over the
-    configured core-attention backend, a dense MLP."""
-    return TransformerLayerSpec(input_layernorm=build_norm, self_attention=SelfAttention,
-                                core_attention=core_attention_class(cfg.attention_backend),
+    configured core-attention backend (wrapped for context parallelism when cp > 1), a dense MLP."""
+    core = ContextParallelAttention if ctx.dims.cp > 1 else core_attention_class(cfg.attention_backend)
+    return TransformerLayerSpec(input_layernorm=build_norm, self_attention=SelfAttention, core_attention=core,
                                 pre_mlp_layernorm=build_norm, mlp=MLP)
 
 
 class GPTModel(nn.Module):
     def __init__(self, cfg: C.ModelConfig, ctx: BuildContext, *, layer_range: Optional[Tuple[int, int]] = None,
                  pre_process: bool = True, post_process: bool = True,
-                 layer_spec: Callable[[C.ModelConfig, int], TransformerLayerSpec] = gpt_layer_spec):
+                 layer_spec: Callable[[C.ModelConfig, BuildContext, int], TransformerLayerSpec] = gpt_layer_spec):
         super().__init__()
         dims = ctx.dims
         self.cfg, self.ctx, self.dims = cfg, ctx, dims
@@ -69,7 +69,7 @@ class GPTModel(nn.Module):
                                                                   dtype=dt)
                 set_spec(self.embedding.position_embeddings.weight,
                          replicated((cfg.max_position_embeddings, cfg.hidden_size)))
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, ctx, i, layer_spec(cfg, i))
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, ctx, i, layer_spec(cfg, ctx, i))
                                      for i in range(start, end)})
         if post_process:
             self.final_norm = build_norm(cfg, ctx)
@@ -157,6 +157,7 @@ class GPTModel(nn.Module):
         Returns per-token loss [b, s] (fp32) on the last stage when labels are given, full logits
         [b, s, vocab] when they are not, else the hidden states [s, b, h] for the next stage."""
         if position_ids is None:
+            assert self.dims.cp == 1, "context parallelism needs the position ids of the zigzag chunks"
             ref = tokens if tokens is not None else labels
             position_ids = torch.arange(ref.shape[1], device=ref.device).unsqueeze(0).expand(ref.shape[0], -1)
         x = self._embed(tokens, position_ids) if self.pre_process else self.input_tensor

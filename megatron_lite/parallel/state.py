@@ -25,6 +25,7 @@ class ParallelDims:
     pp: int = 1
     ep: int = 1
     vpp: int = 1  # virtual pipeline stages (model chunks) per pipeline rank
+    cp_a2a: int = 0  # hierarchical CP (a2a+p2p): consecutive CP ranks in each all-to-all group; 0: none
     rank: int = 0
     groups: Dict[str, Optional[dist.ProcessGroup]] = field(default_factory=dict, repr=False)
     comm_counter: Optional[object] = field(default=None, repr=False)  # a comm.CommCounter: bytes moved
@@ -128,6 +129,10 @@ class ParallelDims:
             "tp": by({0}), "cp": by({1}), "pp": by({3}),
             "dp_cp": by({1, 2}), "mp": by({0, 3}),
         }
+        if self.cp_a2a:  # Ulysses inside blocks of consecutive CP ranks, the ring across them
+            a = self.cp_a2a
+            lists["cp_a2a"] = [g[i:i + a] for g in lists["cp"] for i in range(0, self.cp, a)]
+            lists["cp_p2p"] = [g[j::a] for g in lists["cp"] for j in range(a)]
         for r in range(2, self.tp):  # blocks of r consecutive TP ranks (replicated K/V groups)
             if self.tp % r == 0:
                 lists[f"tp_sub{r}"] = [tp_group[i:i + r] for tp_group in lists["tp"] for i in range(0, self.tp, r)]
@@ -158,10 +163,11 @@ class ParallelDims:
         return self
 
     @classmethod
-    def from_world(cls, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, vpp: int = 1) -> "ParallelDims":
+    def from_world(cls, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, vpp: int = 1,
+                   cp_a2a: int = 0) -> "ParallelDims":
         """Derive DP from the initialized world and build the groups (or a single-process layout)."""
         world = dist.get_world_size() if dist.is_initialized() else 1
-        dims = cls(tp=tp, cp=cp, dp=world // (tp * cp * pp), pp=pp, ep=ep, vpp=vpp,
+        dims = cls(tp=tp, cp=cp, dp=world // (tp * cp * pp), pp=pp, ep=ep, vpp=vpp, cp_a2a=cp_a2a,
                    rank=dist.get_rank() if dist.is_initialized() else 0)
         return dims.build_groups()
 

@@ -20,9 +20,11 @@ from ..parallel.random import RNGStatesTracker, model_parallel_seed
 from ..parallel.state import ParallelDims
 from .flops import device_peak_tflops, flops_per_token
 from .metrics import MetricsLogger
+from ..parallel.context_parallel import split_batch_for_cp
 from ..parallel.pipeline.executor import PipelineExecutor, activation_shape
 from ..parallel.pipeline.schedules import ZERO_BUBBLE, default_schedule
 from ..parallel.tensor_parallel import WeightGradStore
+from ..transformer.core_attention import describe_attention
 from ..transformer.spec import BuildContext
 from .step import eval_step, forward_backward_no_pipelining, move_batch, pipelined_forward_backward, train_step
 
@@ -76,7 +78,7 @@ class Trainer:
         self.cfg, self.device, self.forward_step = cfg, device, forward_step
         m, p, t = cfg.model, cfg.parallel, cfg.training
         self.dims = ParallelDims.from_world(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.expert_model_parallel_size,
-                                            vpp=p.virtual_pipeline_model_parallel_size or 1)
+                                            vpp=p.virtual_pipeline_model_parallel_size or 1, cp_a2a=p.cp_a2a_size())
         dims = self.dims
         dims.comm_counter = comm.CommCounter() if t.log_comm_volume else None  # bytes per step in the metrics
         self.tracker = RNGStatesTracker(device)
@@ -86,7 +88,8 @@ class Trainer:
         ctx = BuildContext(dims, sequence_parallel=p.sequence_parallel, params_dtype=params_dtype(cfg),
                            tracker=self.tracker, weight_grad_store=store,
                            recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
-                           recompute_num_layers=t.recompute_num_layers, device=device)
+                           recompute_num_layers=t.recompute_num_layers, device=device,
+                           cp_comm_type=[c.replace("allgather", "all_gather") for c in p.cp_comm_type])
         self.chunks = model_provider(cfg, ctx)
         self.optimizer, self.grad_sync = build_optimizer(self.chunks, dims, t, p)
         warmup = t.lr_warmup_iters
@@ -127,7 +130,11 @@ class Trainer:
         self.peak_tflops = device_peak_tflops(device)
 
     def _next_batches(self, it) -> List[Dict[str, torch.Tensor]]:
-        return [move_batch(next(it), self.device) for _ in range(self.num_microbatches)]
+        """This rank's micro-batches: under context parallelism, its zigzag chunks of each sample."""
+        batches = [move_batch(next(it), self.device) for _ in range(self.num_microbatches)]
+        if self.dims.cp > 1:
+            batches = [split_batch_for_cp(b, self.dims.cp, self.dims.cp_rank)[0] for b in batches]
+        return batches
 
     def evaluate(self) -> Optional[float]:
         losses = []
@@ -144,7 +151,9 @@ class Trainer:
         self.logger.info(
             f"> model: {self.cfg.model.num_parameters() / 1e6:.2f}M parameters | layout tp={dims.tp} pp={dims.pp} "
             f"vpp={dims.vpp} cp={dims.cp} dp={dims.dp} | zero stage {self.cfg.parallel.zero_stage} | "
-            f"micro-batches/step {self.num_microbatches} | device {self.device}")
+            f"micro-batches/step {self.num_microbatches} | device {self.device} | attention "
+            + describe_attention(self.cfg.model.attention_backend, self.device, params_dtype(self.cfg), dims.cp,
+                                 self.cfg.parallel.cp_comm_type))
         self.logger.info("> memory on this rank: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in mem.items()))
         tokens_per_step = t.global_batch_size * t.seq_length
         while self.iteration < t.train_iters:

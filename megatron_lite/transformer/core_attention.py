@@ -121,8 +121,65 @@ class FlashAttention(SDPAAttention):
         return super().forward(q, k, v, packed, q_offset, k_offset, return_lse)
 
 
+def describe_attention(backend: str, device, dtype, cp: int = 1, cp_comm_type=("p2p",)) -> str:
+    """What the core attention will run, for the start-up line (chosen at build time)."""
+    cls = core_attention_class(backend)
+    name = cls.name
+    if cls is FlashAttention and not (flash_attn_func() is not None and torch.device(device).type == "cuda"
+                                      and dtype in (torch.bfloat16, torch.float16)):
+        name = "sdpa (flash-attn needs CUDA, bf16/fp16 and the flash-attn package)"
+    if cp > 1:
+        types = list(dict.fromkeys(cp_comm_type))
+        blocks = [t for t in types if t != "a2a"]
+        name = (f"context parallel {'/'.join(types)} over {cp} ranks"
+                + (f"; Ulysses core {name}" if "a2a" in types else "")
+                + ("; ring / all-gather blocks: local LSE kernel" if blocks else ""))
+    return name
+
+
 def core_attention_class(backend: str):
     """The core-attention constructor of `--attention-backend` (Megatron's names accepted:
     fused -> sdpa, unfused -> local)."""
     return {"auto": SDPAAttention, "sdpa": SDPAAttention, "fused": SDPAAttention, "local": CoreAttention,
             "unfused": CoreAttention, "flash": FlashAttention}[backend]
+
+
+class ContextParallelAttention(nn.Module):
+    """The core attention of a context-parallel layer: q, k, v are this rank's zigzag chunks of
+    the sequence (parallel/context_parallel.py), and the layer's --cp-comm-type decides how the
+    other ranks' keys are reached. Same interface as the backends (offsets must be 0: training).
+    Ulysses (a2a) runs the configured backend over the whole gathered sequence, put back in
+    order; the ring and all-gather types compute their blocks with the LSE-returning kernel."""
+    name = "context_parallel"
+
+    def __init__(self, cfg, ctx, layer_number: int):
+        super().__init__()
+        types = ctx.cp_comm_type if isinstance(ctx.cp_comm_type, (list, tuple)) else [ctx.cp_comm_type]
+        self.comm_type = types[layer_number] if len(types) > 1 else types[0]
+        self.dims, self.window = ctx.dims, getattr(cfg, "window_size", None)
+        self.inner = core_attention_class(cfg.attention_backend)(cfg, ctx, layer_number)
+        self.dropout = self.inner.dropout
+
+    def _ordered_core(self, q, k, v, index, docs):
+        """The inner backend over the gathered sequence in its natural order (its fast causal path)."""
+        order = torch.argsort(index)
+        back = torch.argsort(order)
+        packed = None if docs is None else PackedSeq(docs[:, order])
+        out = self.inner(q[:, order], k[:, order], v[:, order], packed)
+        return out[:, back]
+
+    def forward(self, q, k, v, packed: Optional[PackedSeq] = None, q_offset: int = 0, k_offset: int = 0,
+                return_lse: bool = False):
+        from ..parallel.context_parallel import cp_attention, ulysses_attention, zigzag_indices
+
+        assert q_offset == 0 and k_offset == 0 and not return_lse, "context-parallel attention is for training"
+        dims = self.dims
+        index = zigzag_indices(q.shape[1] * dims.cp, dims.cp, dims.cp_rank, device=q.device)
+        docs = None if packed is None else packed.document_ids
+        if self.comm_type == "a2a":
+            return ulysses_attention(q, k, v, group=dims.cp_group, q_index=index, q_doc=docs, window=self.window,
+                                     core=self._ordered_core, counter=dims.comm_counter)
+        groups = (dict(a2a_group=dims.group("cp_a2a"), p2p_group=dims.group("cp_p2p"))
+                  if self.comm_type == "a2a+p2p" else dict(cp_group=dims.cp_group))
+        return cp_attention(q, k, v, comm_type=self.comm_type, q_index=index, q_doc=docs, window=self.window,
+                            counter=dims.comm_counter, **groups)

@@ -13,7 +13,7 @@ defers weight gradients for zero-bubble schedules, and the recomputation setting
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Union
 
 import torch
 
@@ -33,6 +33,7 @@ class BuildContext:
     recompute_method: str = "uniform"  # full: uniform groups of recompute_num_layers, or the first ones
     recompute_num_layers: int = 1
     device: Optional[torch.device] = None  # where the built model goes (built on the CPU, then moved)
+    cp_comm_type: Union[str, List[str]] = "p2p"  # context parallelism: one type, or one per layer
 
     def __post_init__(self):
         self.sequence_parallel = self.sequence_parallel and self.dims.tp > 1
