@@ -76,6 +76,9 @@ class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, dims: ParallelDims,
                  swiglu: bool = True, activation: str = "gelu", grouped_gemm: bool = False, dtype=torch.float32):
         super().__init__()
+        if not swiglu and activation not in ACTIVATIONS:
+            raise ConfigError(f"expert activation {activation!r} is not one of {', '.join(ACTIVATIONS)}: "
+                              f"pick one of those or use SwiGLU experts")
         self.swiglu, self.activation, self.grouped_gemm = swiglu, activation, grouped_gemm
         self.num_local_experts = num_experts // dims.ep
         self.local_expert_start = dims.ep_rank * self.num_local_experts

@@ -42,7 +42,9 @@ class AuxLossScale:
         already divides each micro-batch by N before backward, pass loss_scale / N.
         With equal T_mb this is the mean of aux_mb over all M x D micro-batches.
     (b) Megatron's default, the mean over micro-batches of per-micro-batch token means. The step
-        backpropagates `(loss_sum_mb / T_mb) * loss_scale / M` and averages gradients over D:
+        backpropagates `(loss_sum_mb / T_mb) * loss_scale / M` (this rank's loss sum, T_mb of the
+        whole micro-batch) and divides the gradients summed over DP x CP by D:
+        J = (1/(M D)) sum_mb (lm_mb + aux_mb), so set
             value = loss_scale / M                (`set_per_micro_batch_mean`)
     Either way the injected gradient then passes through the same reductions as the main loss
     (sum over DP x CP, and over TP for sequence-sharded parameters) and the same final factor.
@@ -85,6 +87,7 @@ def attach_aux_loss(activation: torch.Tensor, loss: torch.Tensor, scale: AuxLoss
 def recording() -> bool:
     """Whether this forward should count tokens and log losses: gradients are on (not evaluation)
     and no backward pass is running (not the recomputation of a checkpointed forward)."""
+    # The id of the running backward graph task; -1 outside backward (torch >= 1.13).
     return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
 
 

@@ -40,7 +40,10 @@ from .losses import (AuxLossScale, attach_aux_loss, load_balancing_loss, recordi
                      sequence_load_balancing_loss, z_loss)
 from .tracker import MoEMetricsTracker
 
-ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
+
+def router_dtype(name: Optional[str]) -> Optional[torch.dtype]:
+    """--moe-router-dtype as a torch dtype (None: compute in the input's dtype)."""
+    return {None: None, "fp32": torch.float32, "fp64": torch.float64}[name]
 
 
 @dataclass
@@ -102,7 +105,7 @@ class TopKRouter(nn.Module):
         self.cfg, self.dims, self.layer_number = cfg, dims, layer_number
         self.aux_loss_scale, self.tracker = aux_loss_scale, tracker
         self.num_experts, self.topk = cfg.num_experts, cfg.moe_router_topk
-        self.router_dtype = ROUTER_DTYPES[cfg.moe_router_dtype]
+        self.router_dtype = router_dtype(cfg.moe_router_dtype)
         # Every TP rank routes its own tokens (the layer shards them over TP), so the router
         # weight's gradient is partial per TP rank, as a sequence-parallel weight's is.
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size, dtype=dtype))
