@@ -343,3 +343,42 @@ def test_routing_object_shapes():
     assert isinstance(out, Routing) and out.probs.shape == (6, 4) and out.routing_map.dtype == torch.bool
     assert (out.routing_map.sum(1) == 2).all()
     assert torch.allclose(out.probs.sum(1), torch.ones(6))
+
+
+@pytest.mark.parametrize("mode", ["per_token", "per_micro_batch_mean"])
+def test_aux_loss_scale_values_give_the_documented_objective(mode):
+    """The values AuxLossScale documents for the two loss normalisations make the gradients those
+    of J = (1/N) sum_mb (loss_sum_mb + T_mb aux_mb) (per token) or (1/M) sum_mb (loss_mb / T_mb +
+    aux_mb) (per-micro-batch mean), micro-batches with different loss-token counts T_mb."""
+    from tests.moe_helpers import build_layer, full_state, load_full_state
+    s, b, h, ls, coeff = 6, 2, 16, 4.0, 0.3
+    cfg_kw = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=8, moe_aux_loss_coeff=coeff)
+    dims = ParallelDims().build_groups()
+    gen = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(s, b, h, generator=gen), torch.randn(s, b, h, generator=gen),
+                (torch.rand(s, b, 1, generator=gen) < p).float()) for p in (0.9, 0.4)]
+    n = sum(m.sum() for _, _, m in batches)
+    grads = []
+    for injected in (True, False):
+        layer, _ = build_layer(dict(cfg_kw, moe_aux_loss_coeff=coeff if injected else 0.0), dims, h)
+        load_full_state(layer, full_state(layer, seed=2))
+        scale = layer.router.aux_loss_scale
+        for x, probe, mask in batches:
+            t_mb = mask.sum()
+            if injected:  # what a training step does: set the scale before the forward
+                if mode == "per_token":
+                    scale.set_per_token(ls, t_mb)
+                else:
+                    scale.set_per_micro_batch_mean(ls, len(batches))
+            loss_sum = (layer(x) * probe * mask).sum()
+            if injected:  # ... and backpropagate the main loss only
+                main = loss_sum * ls if mode == "per_token" else loss_sum / t_mb * ls / len(batches)
+                main.backward()
+            else:  # the objective written out, its aux term differentiated directly
+                aux = coeff * layer.router.aux_loss(layer.router.gating(x.reshape(s * b, h)), s, b)
+                j = (loss_sum + t_mb * aux) * ls if mode == "per_token" else (loss_sum / t_mb + aux) * ls / len(batches)
+                j.backward()
+        factor = 1.0 / n if mode == "per_token" else 1.0  # the step's final gradient multiplier
+        grads.append({k: p.grad * factor for k, p in layer.named_parameters()})
+    for k in grads[1]:
+        assert_close(grads[0][k], grads[1][k], rtol=1e-5, what=k)
