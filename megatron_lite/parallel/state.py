@@ -8,6 +8,18 @@ TP stays inside a node), then CP, then DP, then PP outermost:
 EP is carved out of (dp * cp) for expert layers. One object is built once and passed to the
 layers that need a group; nothing is stored in module-level globals, so several instances may
 coexist (tests build one per layout).
+
+Expert layers see the same ranks as Megatron's expert grid ETP x EP x EDP x PP, folded over the
+dense grid: with m = cp_rank + cp * dp_rank (the rank's place among the DP x CP replicas)
+
+    ep_rank  = m % ep                       (EP must divide dp * cp)
+    etp_rank = tp_rank if etp == tp else 0  (ETP is 1 or TP)
+    edp_rank = (tp_rank // etp) + (tp // etp) * (m // ep)
+
+So with ETP = TP the expert TP group is the dense TP group and EP consecutive DP x CP replicas
+share out the experts (Megatron's "tp-ep-dp-pp" order exactly). With ETP = 1 the TP ranks hold
+whole experts and become expert-data-parallel replicas of each other (Megatron instead lets EP
+span the TP ranks there; keeping EP inside DP x CP makes every TP size fold the same way).
 """
 from __future__ import annotations
 
@@ -15,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
+
+from ..errors import ConfigError
 
 
 @dataclass
@@ -26,14 +40,29 @@ class ParallelDims:
     ep: int = 1
     vpp: int = 1  # virtual pipeline stages (model chunks) per pipeline rank
     cp_a2a: int = 0  # hierarchical CP (a2a+p2p): consecutive CP ranks in each all-to-all group; 0: none
+    etp: int = 1  # expert tensor parallelism: 1 (experts whole on each TP rank) or tp
     rank: int = 0
     groups: Dict[str, Optional[dist.ProcessGroup]] = field(default_factory=dict, repr=False)
     comm_counter: Optional[object] = field(default=None, repr=False)  # a comm.CommCounter: bytes moved
     group_ranks: Dict[str, List[int]] = field(default_factory=dict, repr=False)
 
+    def __post_init__(self):
+        if (self.dp * self.cp) % self.ep != 0:
+            raise ConfigError(f"expert model parallel size {self.ep} must divide data x context parallel size "
+                              f"{self.dp * self.cp} (dp {self.dp} x cp {self.cp}): pick --expert-model-parallel-size "
+                              f"among its divisors")
+        if self.etp not in (1, self.tp):
+            raise ConfigError(f"expert tensor parallel size {self.etp} must be 1 or the tensor parallel size "
+                              f"{self.tp}: set --expert-tensor-parallel-size to 1 or {self.tp}")
+
     @property
     def world_size(self) -> int:
         return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def edp(self) -> int:
+        """Expert data parallel size: ranks of one pipeline stage holding the same expert shard."""
+        return (self.tp // self.etp) * (self.dp * self.cp) // self.ep
 
     # --- coordinates -------------------------------------------------------------------------
     def coords(self, rank: Optional[int] = None) -> Tuple[int, int, int, int]:
@@ -49,6 +78,26 @@ class ParallelDims:
 
     def global_rank(self, tp_rank: int = 0, cp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0) -> int:
         return tp_rank + self.tp * (cp_rank + self.cp * (dp_rank + self.dp * pp_rank))
+
+    def expert_coords(self, rank: Optional[int] = None) -> Tuple[int, int, int, int]:
+        """(etp_rank, ep_rank, edp_rank, pp_rank) of a global rank in the expert grid."""
+        tp_rank, cp_rank, dp_rank, pp_rank = self.coords(rank)
+        m = cp_rank + self.cp * dp_rank
+        etp_rank = tp_rank if self.etp == self.tp else 0
+        edp_rank = tp_rank // self.etp + (self.tp // self.etp) * (m // self.ep)
+        return etp_rank, m % self.ep, edp_rank, pp_rank
+
+    @property
+    def ep_rank(self) -> int:
+        return self.expert_coords()[1]
+
+    @property
+    def etp_rank(self) -> int:
+        return self.expert_coords()[0]
+
+    @property
+    def edp_rank(self) -> int:
+        return self.expert_coords()[2]
 
     @property
     def tp_rank(self) -> int:
@@ -105,6 +154,40 @@ class ParallelDims:
         """First and last pipeline stage of one TP/DP slice, for tied embedding grads."""
         return self.group("embedding")
 
+    # --- expert groups (see the module docstring for the grid) ----------------------------------
+    @property
+    def ep_group(self):
+        """Expert parallel: the ranks that share out one layer's experts (token all-to-all)."""
+        return self.group("ep")
+
+    @property
+    def etp_group(self):
+        """Expert tensor parallel: the ranks holding slices of the same experts (= tp or single)."""
+        return self.group("etp")
+
+    @property
+    def etp_ep_group(self):
+        """ETP x EP: every rank holding a piece of one layer's experts for one set of tokens."""
+        return self.group("etp_ep")
+
+    @property
+    def edp_group(self):
+        """Expert data parallel: the ranks holding the same expert shard. Expert gradients are
+        summed over it (instead of dp_cp) and ZeRO shards expert state over it."""
+        return self.group("edp")
+
+    @property
+    def expert_mp_group(self):
+        """ETP x EP x PP: the ranks holding distinct pieces of the experts of one model replica.
+        The expert part of the global grad norm (every rank counts all its expert elements) is
+        all-reduced over it, as the dense part is over mp."""
+        return self.group("expert_mp")
+
+    @property
+    def tp_dp_cp_group(self):
+        """All ranks of one pipeline stage: routed-token counts for the expert bias are summed here."""
+        return self.group("tp_dp_cp")
+
     def tp_replica_group(self, replicas: int):
         """The TP ranks that hold the same shard of a parameter replicated on `replicas` ranks."""
         if replicas <= 1:
@@ -127,12 +210,13 @@ class ParallelDims:
 
         lists = {
             "tp": by({0}), "cp": by({1}), "pp": by({3}),
-            "dp_cp": by({1, 2}), "mp": by({0, 3}),
+            "dp_cp": by({1, 2}), "mp": by({0, 3}), "tp_cp": by({0, 1}), "tp_dp_cp": by({0, 1, 2}),
         }
         if self.cp_a2a:  # Ulysses inside blocks of consecutive CP ranks, the ring across them
             a = self.cp_a2a
             lists["cp_a2a"] = [g[i:i + a] for g in lists["cp"] for i in range(0, self.cp, a)]
             lists["cp_p2p"] = [g[j::a] for g in lists["cp"] for j in range(a)]
+        lists.update(self._expert_rank_lists())
         for r in range(2, self.tp):  # blocks of r consecutive TP ranks (replicated K/V groups)
             if self.tp % r == 0:
                 lists[f"tp_sub{r}"] = [tp_group[i:i + r] for tp_group in lists["tp"] for i in range(0, self.tp, r)]
@@ -141,6 +225,18 @@ class ParallelDims:
             emb.append(sorted({pp_group[0], pp_group[-1]}))
         lists["embedding"] = emb
         return lists
+
+    def _expert_rank_lists(self) -> Dict[str, List[List[int]]]:
+        """The groups of the expert grid (etp, ep, edp, pp coordinates) as lists of global ranks."""
+        coords = [self.expert_coords(r) for r in range(self.world_size)]
+
+        def by(vary):  # ranks that agree on every expert coordinate not in `vary`
+            buckets: Dict[tuple, List[int]] = {}
+            for r, c in enumerate(coords):
+                buckets.setdefault(tuple(v for i, v in enumerate(c) if i not in vary), []).append(r)
+            return list(buckets.values())
+
+        return {"etp": by({0}), "ep": by({1}), "edp": by({2}), "etp_ep": by({0, 1}), "expert_mp": by({0, 1, 3})}
 
     def build_groups(self) -> "ParallelDims":
         """Create every process group. Collective: every rank must call it in the same order."""
@@ -164,10 +260,10 @@ class ParallelDims:
 
     @classmethod
     def from_world(cls, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, vpp: int = 1,
-                   cp_a2a: int = 0) -> "ParallelDims":
+                   cp_a2a: int = 0, etp: int = 1) -> "ParallelDims":
         """Derive DP from the initialized world and build the groups (or a single-process layout)."""
         world = dist.get_world_size() if dist.is_initialized() else 1
-        dims = cls(tp=tp, cp=cp, dp=world // (tp * cp * pp), pp=pp, ep=ep, vpp=vpp, cp_a2a=cp_a2a,
+        dims = cls(tp=tp, cp=cp, dp=world // (tp * cp * pp), pp=pp, ep=ep, vpp=vpp, cp_a2a=cp_a2a, etp=etp,
                    rank=dist.get_rank() if dist.is_initialized() else 0)
         return dims.build_groups()
 

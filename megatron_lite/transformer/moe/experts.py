@@ -1,0 +1,143 @@
+"""Routed experts stacked in two weights, and the shared expert.
+
+`GroupedExperts` holds this rank's E_local = E / EP experts (E_local consecutive global experts
+starting at ep_rank * E_local) as
+  weight1 [E_local, 2F/ETP, H]  SwiGLU: this rank's slice of [gate | up] (or [E_local, F/ETP, H] GELU)
+  weight2 [E_local, H, F/ETP]
+(the layout of transformers' fused Mixtral/Qwen/DeepSeek experts `gate_up_proj` / `down_proj`).
+Their ShardSpecs: full shapes [E, 2F, H] and [E, H, F]; Split(0, "ep", EP, ep_rank, (E,)) always
+(so every expert parameter is recognisable, `is_expert_parameter`); with ETP > 1 also a "tp"
+split of the ffn dimension (dim 1 of weight1 in two segments [F, F], dim 2 of weight2).
+Expert gradients are summed over the expert-data-parallel group, not dp_cp, and in the global
+grad norm every rank counts all of its expert elements, all-reduced over `expert_mp`.
+
+Input: tokens [N, H] sorted by local expert with the count per expert. With moe_grouped_gemm
+each projection is one `torch._grouped_mm` call (fp32 on CPU, bf16 on CUDA; rows must be
+16-byte aligned: H and F/ETP multiples of 4 fp32 / 8 bf16 elements); otherwise a loop over the
+experts (the reference path). With ETP > 1 the output is this rank's partial sum.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ...errors import ConfigError
+from ...parallel.sharding import ShardSpec, Split, replicated, set_spec, spec_of, tp_split
+from ...parallel.state import ParallelDims
+from ...parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+ACTIVATIONS = ("gelu", "gelu_tanh")
+
+
+def activation_fn(h: torch.Tensor, swiglu: bool, activation: str) -> torch.Tensor:
+    if swiglu:
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(h, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+def is_expert_parameter(param: nn.Parameter) -> bool:
+    """True for parameters split over experts (reduced over edp, normed over expert_mp)."""
+    return spec_of(param).split("ep") is not None
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """y[rows of expert e] = x[rows of e] @ w[e]^T for stacked w [E, out, in], one grouped GEMM
+    per pass (the builtin backward rejects expanded or unaligned gradients)."""
+
+    @staticmethod
+    def forward(ctx, x, w, offs):
+        ctx.save_for_backward(x, w, offs)
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, offs = ctx.saved_tensors
+        g = g.contiguous()
+        grad_x = torch._grouped_mm(g, w, offs=offs) if ctx.needs_input_grad[0] else None
+        grad_w = torch._grouped_mm(g.t(), x, offs=offs) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: List[int]) -> torch.Tensor:
+    offs = torch.tensor(tokens_per_expert, device=x.device).cumsum(0).to(torch.int32)
+    return _GroupedLinear.apply(x, w, offs)
+
+
+def looped_linear(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: List[int]) -> torch.Tensor:
+    outs = [F.linear(chunk, w[e]) for e, chunk in enumerate(x.split(tokens_per_expert))]
+    return torch.cat(outs) if outs else x.new_zeros((0, w.shape[1]))
+
+
+class GroupedExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, dims: ParallelDims,
+                 swiglu: bool = True, activation: str = "gelu", grouped_gemm: bool = False, dtype=torch.float32):
+        super().__init__()
+        if not swiglu and activation not in ACTIVATIONS:
+            raise ConfigError(f"expert activation {activation!r} is not one of {', '.join(ACTIVATIONS)}: "
+                              f"pick one of those or use SwiGLU experts")
+        self.swiglu, self.activation, self.grouped_gemm = swiglu, activation, grouped_gemm
+        self.num_local_experts = num_experts // dims.ep
+        self.local_expert_start = dims.ep_rank * self.num_local_experts
+        ep_split = Split(0, "ep", dims.ep, dims.ep_rank, (num_experts,))
+        f, h = ffn_hidden_size, hidden_size
+        fc1_rows, fc1_segments = (2 * f, (f, f)) if swiglu else (f, (f,))
+        fc1_splits, fc2_splits = (ep_split,), (ep_split,)
+        if dims.etp > 1:  # expert TP uses the dense TP group (ETP = TP)
+            fc1_splits += (tp_split(dims, 1, fc1_rows, fc1_segments),)
+            fc2_splits += (tp_split(dims, 2, f),)
+        spec1 = ShardSpec((num_experts, fc1_rows, h), fc1_splits, init="normal")
+        spec2 = ShardSpec((num_experts, h, f), fc2_splits, init="normal_scaled")
+        self.weight1 = set_spec(nn.Parameter(torch.empty(spec1.local_shape, dtype=dtype)), spec1)
+        self.weight2 = set_spec(nn.Parameter(torch.empty(spec2.local_shape, dtype=dtype)), spec2)
+        if grouped_gemm:
+            self._check_grouped_gemm(dtype)
+
+    def _check_grouped_gemm(self, dtype) -> None:
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ConfigError(f"moe_grouped_gemm runs in float32, bfloat16 or float16, not {dtype}: "
+                              f"drop --moe-grouped-gemm or change the parameter dtype")
+        align = 16 // torch.empty((), dtype=dtype).element_size()
+        for name, size in (("hidden size", self.weight1.shape[2]), ("expert ffn size per ETP rank", self.weight2.shape[2])):
+            if size % align:
+                raise ConfigError(f"moe_grouped_gemm needs the {name} ({size}) to be a multiple of {align} for "
+                                  f"{dtype} (16-byte rows): change it or drop --moe-grouped-gemm")
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: List[int]) -> torch.Tensor:
+        """x [N, H] sorted by local expert, tokens_per_expert [E_local] -> [N, H]."""
+        linear = grouped_linear if self.grouped_gemm else looped_linear
+        h = activation_fn(linear(x, self.weight1, tokens_per_expert), self.swiglu, self.activation)
+        return linear(h, self.weight2, tokens_per_expert)
+
+
+class SharedExpertMLP(nn.Module):
+    """The shared expert every token goes through: a dense TP MLP (column- then row-parallel, so
+    its input and output follow the layer's SP layout), optionally scaled by
+    sigmoid(x . gate_weight) per token (Qwen2-MoE). gate_weight [1, H] is whole on every rank
+    (partial gradients under SP, like a norm weight)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dims: ParallelDims, sequence_parallel: bool,
+                 swiglu: bool = True, activation: str = "gelu", gate: bool = False, dtype=torch.float32):
+        super().__init__()
+        self.dims, self.sequence_parallel = dims, sequence_parallel
+        self.swiglu, self.activation = swiglu, activation
+        i = intermediate_size
+        self.linear_fc1 = ColumnParallelLinear(hidden_size, 2 * i if swiglu else i, dims, bias=False,
+                                               sequence_parallel=sequence_parallel,
+                                               segments=[i, i] if swiglu else None, dtype=dtype)
+        self.linear_fc2 = RowParallelLinear(i, hidden_size, dims, bias=False, sequence_parallel=sequence_parallel,
+                                            dtype=dtype)
+        if gate:
+            self.gate_weight = nn.Parameter(torch.empty(1, hidden_size, dtype=dtype))
+            set_spec(self.gate_weight, replicated((1, hidden_size), sequence_parallel=sequence_parallel))
+        else:
+            self.register_parameter("gate_weight", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear_fc2(activation_fn(self.linear_fc1(x), self.swiglu, self.activation))
+        if self.gate_weight is not None:
+            y = y * torch.sigmoid(F.linear(x, self.gate_weight))
+        return y

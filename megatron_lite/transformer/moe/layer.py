@@ -1,0 +1,96 @@
+"""MoELayer: the mixture-of-experts block for the MLP slot of a transformer layer.
+
+forward(x [s, b, h]) -> [s, b, h], in the layer's sequence layout (sequence-sharded [s/tp, b, h]
+under SP), like the dense MLP it replaces.
+
+Which tokens each rank routes. Under TP the experts' tokens must be split among the TP ranks,
+not replicated: with ETP = 1 each TP rank holds whole experts and is an expert-data-parallel
+replica of the others, so replicated tokens would be computed (and their expert gradients
+summed) TP times; with ETP = TP the experts' slices need each token once per TP group. So, as in
+Megatron-Core (which requires SP for MoE under TP), every TP rank routes its own sequence shard:
+  - with SP the input already is that shard;
+  - without SP (input whole on every TP rank) the layer keeps its shard of the sequence on the
+    way in (s must be divisible by tp) and all-gathers the output on the way out.
+Under CP each CP rank routes its own part of the sequence; EP spans DP x CP ranks. The router
+weight's gradient is therefore partial on each TP rank (summed over TP by grad finalization, its
+ShardSpec says sequence_parallel) and summed over DP x CP with the dense gradients.
+
+What the caller passes (the GPT layer spec / the training step):
+  cfg               a validated MoEConfig (`cfg.with_defaults(ffn_hidden_size).validate(...)`)
+  dims              ParallelDims with the expert groups (ep, etp, edp, etp_ep, tp_cp, tp_dp_cp)
+  layer_number      the global layer index (0-based), the tracker's key
+  aux_loss_scale    one AuxLossScale shared by all layers; the step sets it per micro-batch
+                    (losses.AuxLossScale says what value for each loss normalisation)
+  tracker           one MoEMetricsTracker shared by all layers (or None); the step calls
+                    `tracker.reduce(dims)` on every rank when it logs, then `tracker.clear()`
+  sequence_parallel, swiglu, activation, dtype as for the dense MLP.
+After each optimizer step the step calls `update_expert_bias(routers_of(chunks), dims)` when
+moe_router_enable_expert_bias is on (a collective over TP x DP x CP).
+"""
+from __future__ import annotations
+
+from typing import Iterable, List, Optional
+
+import torch
+import torch.nn as nn
+
+from ...errors import ConfigError
+from ...parallel import comm
+from ...parallel.state import ParallelDims
+from .config import MoEConfig
+from .dispatcher import build_dispatcher
+from .experts import GroupedExperts, SharedExpertMLP
+from .losses import AuxLossScale
+from .router import TopKRouter
+from .tracker import MoEMetricsTracker
+
+
+class MoELayer(nn.Module):
+    def __init__(self, cfg: MoEConfig, hidden_size: int, dims: ParallelDims, *, layer_number: int,
+                 aux_loss_scale: AuxLossScale, tracker: Optional[MoEMetricsTracker] = None,
+                 sequence_parallel: bool = False, swiglu: bool = True, activation: str = "gelu",
+                 dtype=torch.float32):
+        super().__init__()
+        cfg.validate(ep=dims.ep, etp=dims.etp)
+        self.cfg, self.dims, self.sequence_parallel = cfg, dims, sequence_parallel
+        self.router = TopKRouter(cfg, hidden_size, dims, layer_number, aux_loss_scale, tracker, dtype)
+        self.experts = GroupedExperts(cfg.num_experts, hidden_size, cfg.moe_ffn_hidden_size, dims, swiglu,
+                                      activation, cfg.moe_grouped_gemm, dtype)
+        self.shared_experts = None
+        if cfg.moe_shared_expert_intermediate_size:
+            self.shared_experts = SharedExpertMLP(hidden_size, cfg.moe_shared_expert_intermediate_size, dims,
+                                                  sequence_parallel, swiglu, activation, cfg.moe_shared_expert_gate,
+                                                  dtype)
+        self.dispatcher = build_dispatcher(cfg.moe_token_dispatcher_type, cfg.num_experts, dims)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = self._own_tokens(x)
+        s, b, h = local.shape
+        tokens = local.reshape(s * b, h)
+        routing = self.router(tokens, s, b)
+        rows, tokens_per_expert, state = self.dispatcher.dispatch(tokens, routing)
+        out = self.dispatcher.combine(self.experts(rows, tokens_per_expert), state)
+        out = self._all_tokens(out.view(s, b, h))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def _own_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """This TP rank's tokens: x itself under SP, else its slice of the sequence."""
+        if self.dims.tp == 1 or self.sequence_parallel:
+            return x
+        if x.shape[0] % self.dims.tp:
+            raise ConfigError(f"an MoE layer without sequence parallelism splits the sequence over TP: sequence "
+                              f"length {x.shape[0]} must be divisible by tp {self.dims.tp} (or use "
+                              f"--sequence-parallel)")
+        return comm.scatter_to_sp(x, self.dims.tp_group)
+
+    def _all_tokens(self, out: torch.Tensor) -> torch.Tensor:
+        if self.dims.tp == 1 or self.sequence_parallel:
+            return out
+        return comm.gather_from_sp(out, self.dims.tp_group, tensor_parallel_output_grad=False)
+
+
+def routers_of(modules: Iterable[nn.Module]) -> List[TopKRouter]:
+    """Every TopKRouter inside `modules` (e.g. this rank's model chunks), in module order."""
+    return [m for chunk in modules for m in chunk.modules() if isinstance(m, TopKRouter)]

@@ -1,0 +1,124 @@
+"""Auxiliary router losses and how their gradients reach backward.
+
+The losses follow Megatron-Core's conventions, computed as *partials*: the tokens of one
+micro-batch on one data-parallel replica are spread over the TP x CP ranks (each routes its own
+sequence shard), and each rank returns its share, so that the sum over the TP x CP group is the
+loss of the whole micro-batch. The routed-token counts a loss needs are summed over that group
+first (no gradient flows through counts, as in Megatron), so each rank's partial has exactly the
+gradient of the whole loss with respect to its own tokens.
+
+  load balancing (aux_loss):  E / (k T^2) * sum_e P_e * c_e
+      P_e = sum over the micro-batch's T tokens of the router score of expert e,
+      c_e = tokens whose top-k (of the scores, before expert bias or capacity) includes e
+      (Megatron's 1/k; Hugging Face's load_balancing_loss_func omits it and is k times this)
+  seq_aux_loss: the same per sequence (S tokens each), averaged over the b sequences
+  z-loss:       mean over tokens of logsumexp(logits)^2
+
+No pipeline schedule knows about these losses: `attach_aux_loss` ties each one to an activation
+of the forward pass, and in backward adds `scale * d(loss)` where `scale` is the value of the
+layer's `AuxLossScale` when the forward ran (read then, so 1F1B, interleaved schedules and
+activation recomputation, whose forward runs again during backward, all use the micro-batch's
+own value).
+"""
+from __future__ import annotations
+
+import torch
+
+from ...parallel import comm
+
+
+class AuxLossScale:
+    """The factor the training step sets, per micro-batch before its forward, for the gradient of
+    every auxiliary loss (coefficient included) relative to that of the loss it is part of.
+
+    Objective of one step, with M micro-batches on each of D data-parallel replicas:
+    (a) per-token loss over the global batch. The step backpropagates `loss_sum * loss_scale`
+        per micro-batch and multiplies the reduced gradients by 1 / N (N loss-bearing tokens in
+        the global batch). Each micro-batch's auxiliary loss is weighted like its tokens:
+        J = (1/N) sum_mb (loss_sum_mb + T_mb * aux_mb), so set
+            value = loss_scale * T_mb             (`set_per_token`)
+        with T_mb the loss-bearing tokens of this micro-batch on this replica, over all of its
+        CP (and SP) shards - the same number on every rank of the replica. If instead the step
+        already divides each micro-batch by N before backward, pass loss_scale / N.
+        With equal T_mb this is the mean of aux_mb over all M x D micro-batches.
+    (b) Megatron's default, the mean over micro-batches of per-micro-batch token means. The step
+        backpropagates `(loss_sum_mb / T_mb) * loss_scale / M` (this rank's loss sum, T_mb of the
+        whole micro-batch) and divides the gradients summed over DP x CP by D:
+        J = (1/(M D)) sum_mb (lm_mb + aux_mb), so set
+            value = loss_scale / M                (`set_per_micro_batch_mean`)
+    Either way the injected gradient then passes through the same reductions as the main loss
+    (sum over DP x CP, and over TP for sequence-sharded parameters) and the same final factor.
+    `loss_scale` is the fp16 loss scale (1.0 without one).
+    """
+
+    def __init__(self, value: float = 1.0):
+        self.value = float(value)
+
+    def set(self, value: float) -> None:
+        self.value = float(value)
+
+    def set_per_token(self, loss_scale: float, micro_batch_tokens: float) -> None:
+        self.value = float(loss_scale) * float(micro_batch_tokens)
+
+    def set_per_micro_batch_mean(self, loss_scale: float, num_micro_batches: int) -> None:
+        self.value = float(loss_scale) / num_micro_batches
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on `activation`; in backward also gives `loss` the gradient `scale`."""
+
+    @staticmethod
+    def forward(ctx, activation, loss, scale: float):
+        ctx.scale = scale  # a plain float on ctx: recomputation does not replace it
+        ctx.loss_meta = (loss.shape, loss.dtype, loss.device)
+        return activation
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.loss_meta
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
+def attach_aux_loss(activation: torch.Tensor, loss: torch.Tensor, scale: AuxLossScale) -> torch.Tensor:
+    """`activation`, unchanged, carrying `loss` into backward with the current `scale.value`."""
+    return _AttachAuxLoss.apply(activation, loss, scale.value)
+
+
+def recording() -> bool:
+    """Whether this forward should count tokens and log losses: gradients are on (not evaluation)
+    and no backward pass is running (not the recomputation of a checkpointed forward)."""
+    # The id of the running backward graph task; -1 outside backward (torch >= 1.13).
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+
+
+def _global_counts(counts: torch.Tensor, num_tokens: int, group) -> tuple:
+    """(counts, tokens) summed over the sequence-partition group, in fp32, without gradient."""
+    buf = torch.cat([counts.detach().float().reshape(-1),
+                     torch.tensor([float(num_tokens)], device=counts.device)])
+    comm.all_reduce(buf, group)
+    return buf[:-1].reshape(counts.shape), buf[-1]
+
+
+def load_balancing_loss(scores: torch.Tensor, topk_map: torch.Tensor, topk: int, group) -> torch.Tensor:
+    """This rank's partial of E / (k T^2) * sum_e P_e * c_e (coefficient not applied).
+    scores [T_local, E] (softmax or normalised sigmoid of the logits), topk_map [T_local, E] bool."""
+    num_experts = scores.shape[1]
+    counts, total = _global_counts(topk_map.sum(0), scores.shape[0], group)
+    return (scores.float().sum(0) * counts).sum() * (num_experts / (topk * total * total))
+
+
+def sequence_load_balancing_loss(scores: torch.Tensor, topk_map: torch.Tensor, topk: int, seq_len: int,
+                                 batch: int, group) -> torch.Tensor:
+    """This rank's partial of the per-sequence load-balancing loss, averaged over the `batch`
+    sequences. Tokens are laid out [seq_len (this rank's shard), batch] as in the [s, b, h] input."""
+    num_experts = scores.shape[1]
+    per_seq = scores.float().reshape(seq_len, batch, num_experts).sum(0)  # [b, E]
+    counts, total = _global_counts(topk_map.reshape(seq_len, batch, num_experts).sum(0), seq_len, group)
+    return (per_seq * counts).sum() * (num_experts / (topk * total * total * batch))
+
+
+def z_loss(logits: torch.Tensor, group) -> torch.Tensor:
+    """This rank's partial of mean over tokens of logsumexp(logits)^2 (coefficient not applied)."""
+    total = torch.tensor(float(logits.shape[0]), device=logits.device)
+    comm.all_reduce(total, group)
+    return torch.logsumexp(logits.float(), dim=-1).square().sum() / total
