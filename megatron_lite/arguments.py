@@ -15,8 +15,10 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 
 from .config import Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig
 from .errors import ConfigError
+from .transformer.moe.config import MoEConfig
 
-SECTIONS = (("model", ModelConfig), ("parallel", ParallelConfig), ("training", TrainingConfig), ("data", DataConfig))
+SECTIONS = (("model", ModelConfig), ("moe", MoEConfig), ("parallel", ParallelConfig), ("training", TrainingConfig),
+            ("data", DataConfig))
 
 # Switches of Megatron-LM that select fused kernels or legacy code paths we do not have, or whose
 # behaviour is always on here: accepted so that existing launch scripts run unchanged; they do not
@@ -41,9 +43,7 @@ COMPAT_VALUE_FLAGS = ["--distributed-backend", "--timing-log-level", "--distribu
 UNSUPPORTED_FLAGS = {"--rampup-batch-size": "batch-size ramp-up", "--train-samples": "sample-based training length",
                      "--lr-warmup-samples": "sample-based warmup", "--lr-decay-samples": "sample-based decay",
                      "--lr-warmup-init": "a non-zero warmup start", "--use-checkpoint-args": "model shape from a checkpoint",
-                     "--expert-tensor-parallel-size": "expert tensor parallelism",
-                     "--moe-grouped-gemm": "mixture of experts", "--moe-router-topk": "mixture of experts",
-                     "--num-experts": "mixture of experts", "--tp-comm-overlap": "Transformer Engine's userbuffers"}
+                     "--tp-comm-overlap": "Transformer Engine's userbuffers"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -135,6 +135,11 @@ def _given(args: argparse.Namespace, cls) -> Dict[str, object]:
 
 def _model_config(args: argparse.Namespace, preset: dict) -> ModelConfig:
     given = _given(args, ModelConfig)
+    moe = {**(preset.pop("moe", None) or {}), **_given(args, MoEConfig)}
+    if moe.get("num_experts"):
+        given["moe"] = moe
+    elif moe:
+        raise ConfigError(f"--{next(iter(moe)).replace('_', '-')} is an MoE setting: add --num-experts N")
     if not args.group_query_attention:  # Megatron reads --num-query-groups only with it
         given.pop("num_query_groups", None)
     if any(k in given for k in ("hidden_size", "num_attention_heads", "swiglu")):

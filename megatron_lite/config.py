@@ -8,25 +8,17 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import List, Optional
 
 from .errors import ConfigError
+from .options import arg
+from .transformer.moe.config import MoEConfig, parse_moe_layer_freq
 
 
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
-
-
-def arg(default=None, help: str = "", *, factory=None, **cli):
-    """A config field with its one-line doc (what `--help` prints) and how the command line sets it
-    (arguments.py): `flag` (default: --field-name; None: not a flag), `aliases`, `choices`, `nargs`,
-    `store` ("true"/"false" for a switch that sets the field True/False)."""
-    meta = dict(help=help, **cli)
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -62,8 +54,12 @@ class ModelConfig:
                                  choices=["auto", "sdpa", "local", "flash", "fused", "unfused"])
     window_size: Optional[int] = arg(None, "sliding-window attention: keys less than this many tokens back",
                                      flag=None)
+    moe: Optional[MoEConfig] = arg(None, "mixture of experts (the --num-experts / --moe-* flags); None: dense",
+                                   flag=None)
 
     def __post_init__(self):
+        if isinstance(self.moe, dict):  # from a checkpoint's metadata or a zoo preset
+            self.moe = MoEConfig(**self.moe)
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         self._kv_channels_given = self.kv_channels is not None
@@ -74,6 +70,8 @@ class ModelConfig:
                 self.ffn_hidden_size = int((4 * self.hidden_size * 2 / 3) / 64) * 64
             else:
                 self.ffn_hidden_size = 4 * self.hidden_size
+        if self.moe is not None and self.moe.moe_ffn_hidden_size is None:  # Megatron: the dense MLP's size
+            self.moe = self.moe.with_defaults(self.ffn_hidden_size)
 
     def padded_vocab_size(self, tp: int) -> int:
         """Vocab rounded up to a multiple of make_vocab_size_divisible_by * tp (Megatron's rule).
@@ -82,8 +80,25 @@ class ModelConfig:
         multiple = self.make_vocab_size_divisible_by * tp
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
-    def num_parameters(self, include_embedding: bool = True) -> int:
-        """Parameter count of the unsharded model (true vocab size, no padding)."""
+    def moe_layers(self) -> List[bool]:
+        """Per layer, whether its MLP slot is an MoE layer."""
+        if self.moe is None or not self.moe.num_experts:
+            return [False] * self.num_layers
+        return parse_moe_layer_freq(self.moe.moe_layer_freq, self.num_layers)
+
+    def _moe_mlp_parameters(self, active: bool) -> int:
+        """Parameters of one MoE layer's MLP slot: router, experts (the k a token uses when
+        `active`), shared expert and its gate."""
+        m, h, per = self.moe, self.hidden_size, 3 if self.swiglu else 2
+        experts = m.moe_router_topk if active else m.num_experts
+        n = m.num_experts * h + experts * per * h * m.moe_ffn_hidden_size
+        if m.moe_shared_expert_intermediate_size:
+            n += per * h * m.moe_shared_expert_intermediate_size + (h if m.moe_shared_expert_gate else 0)
+        return n
+
+    def num_parameters(self, include_embedding: bool = True, active: bool = False) -> int:
+        """Parameter count of the unsharded model (true vocab size, no padding); with `active`, an
+        MoE layer counts only the experts a token is routed to (what FLOPs and MFU count)."""
         h, f, d = self.hidden_size, self.ffn_hidden_size, self.kv_channels
         q, kv = self.num_attention_heads * d, self.num_query_groups * d
         bias = self.add_bias_linear
@@ -94,8 +109,10 @@ class ModelConfig:
         if bias:
             attn += h
         mlp = h * f * (3 if self.swiglu else 2) + ((f * (2 if self.swiglu else 1) + h) if bias else 0)
-        per_layer = attn + mlp + 2 * norm
-        total = self.num_layers * per_layer + norm
+        moe = self.moe_layers()
+        total = self.num_layers * (attn + 2 * norm) + norm + (self.num_layers - sum(moe)) * mlp
+        if any(moe):
+            total += sum(moe) * self._moe_mlp_parameters(active)
         emb = self.vocab_size * h
         if self.position_embedding_type == "learned_absolute":
             emb += self.max_position_embeddings * h
@@ -144,7 +161,9 @@ class ParallelConfig:
     tensor_model_parallel_size: int = arg(1, "tensor-parallel size (TP)")
     pipeline_model_parallel_size: int = arg(1, "pipeline-parallel size (PP)")
     context_parallel_size: int = arg(1, "context-parallel size (CP)")
-    expert_model_parallel_size: int = arg(1, "expert-parallel size (EP)")
+    expert_model_parallel_size: int = arg(1, "expert-parallel size (EP): each MoE layer's experts spread over "
+                                             "this many of the DP x CP ranks")
+    expert_tensor_parallel_size: int = arg(1, "tensor parallelism inside each expert: 1, or the TP size")
     virtual_pipeline_model_parallel_size: Optional[int] = arg(None, "model chunks per pipeline rank (interleaving)")
     num_layers_per_virtual_pipeline_stage: Optional[int] = arg(None, "layers per model chunk (sets the virtual size)")
     decoder_first_pipeline_num_layers: Optional[int] = arg(None, "layers of the first pipeline stage (uneven split)")
@@ -244,9 +263,20 @@ class ParallelConfig:
                  "--overlap-param-gather needs the distributed optimizer: --zero-stage 1, 2 or 3 "
                  "(or --use-distributed-optimizer)")
         self._validate_context_parallel(model, seq_length)
-        _require(self.expert_model_parallel_size == 1,
-                 f"expert_model_parallel_size ({self.expert_model_parallel_size}) > 1 needs an MoE model, "
-                 f"which is not implemented yet; use 1")
+        self._validate_experts(world_size, model)
+
+    def _validate_experts(self, world_size: int, model: ModelConfig) -> None:
+        ep, etp, tp = self.expert_model_parallel_size, self.expert_tensor_parallel_size, self.tp
+        if model.moe is None or not model.moe.num_experts:
+            _require(ep == 1 and etp == 1, f"expert_model_parallel_size ({ep}) / expert_tensor_parallel_size ({etp}) "
+                                           f"> 1 need an MoE model: add --num-experts")
+            return
+        dp_cp = world_size // (tp * self.pp) if world_size % (tp * self.pp) == 0 else 0
+        _require(dp_cp > 0 and dp_cp % ep == 0,
+                 f"expert_model_parallel_size ({ep}) must divide data x context parallel size ({dp_cp}): experts are "
+                 f"spread over the DP x CP ranks")
+        _require(etp in (1, tp), f"expert_tensor_parallel_size ({etp}) must be 1 or tensor_model_parallel_size ({tp})")
+        model.moe.validate(num_layers=model.num_layers, ep=ep, etp=etp)
 
 
 CP_COMM_TYPES = ("p2p", "a2a", "all_gather", "allgather", "a2a+p2p")
@@ -435,5 +465,4 @@ class Config:
                                    self.model.num_layers)
 
     def to_dict(self) -> dict:
-        return {f.name: {k: v for k, v in vars(getattr(self, f.name)).items() if not k.startswith("_")}
-                for f in fields(self)}
+        return {f.name: asdict(getattr(self, f.name)) for f in fields(self)}

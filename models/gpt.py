@@ -30,6 +30,7 @@ from megatron_lite.transformer.attention import SelfAttention
 from megatron_lite.transformer.block import TransformerLayer
 from megatron_lite.transformer.core_attention import ContextParallelAttention, PackedSeq, core_attention_class
 from megatron_lite.transformer.mlp import MLP
+from megatron_lite.transformer.moe import MoELayer
 from megatron_lite.transformer.norm import build_norm
 from megatron_lite.transformer.rope import rope_cos_sin
 from megatron_lite.transformer.spec import BuildContext, TransformerLayerSpec
@@ -37,12 +38,22 @@ from megatron_lite.transformer.spec import BuildContext, TransformerLayerSpec
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
 
+def moe_mlp(cfg: C.ModelConfig, ctx: BuildContext, layer_number: int) -> MoELayer:
+    """The MLP slot of an MoE layer (experts over EP), built from the model's MoE config."""
+    assert ctx.aux_loss_scale is not None, "an MoE model needs BuildContext.aux_loss_scale"
+    return MoELayer(cfg.moe, cfg.hidden_size, ctx.dims, layer_number=layer_number, aux_loss_scale=ctx.aux_loss_scale,
+                    tracker=ctx.moe_tracker, sequence_parallel=ctx.sequence_parallel, swiglu=cfg.swiglu,
+                    activation=cfg.activation, dtype=ctx.params_dtype)
+
+
 def gpt_layer_spec(cfg: C.ModelConfig, ctx: BuildContext, layer_number: int) -> TransformerLayerSpec:
     """The submodules of GPT layer `layer_number`: the norms of the config, self-attention over the
-    configured core-attention backend (wrapped for context parallelism when cp > 1), a dense MLP."""
+    configured core-attention backend (wrapped for context parallelism when cp > 1), a dense MLP
+    or, where --moe-layer-freq says so, an MoE layer."""
     core = ContextParallelAttention if ctx.dims.cp > 1 else core_attention_class(cfg.attention_backend)
+    mlp = moe_mlp if cfg.moe_layers()[layer_number] else MLP
     return TransformerLayerSpec(input_layernorm=build_norm, self_attention=SelfAttention, core_attention=core,
-                                pre_mlp_layernorm=build_norm, mlp=MLP)
+                                pre_mlp_layernorm=build_norm, mlp=mlp)
 
 
 class GPTModel(nn.Module):

@@ -118,7 +118,7 @@ def _live_units(rank, world):
 
     def tracked_gather(u):
         gather(u)
-        if u.full is not None:
+        if any(part.full is not None for part in u.parts):
             live.add(u)
         peak[0] = max(peak[0], len(live))
 
@@ -209,12 +209,12 @@ def test_communication_per_step_matches_theory(dtype, micro_batches):
     """Bytes of the full logical buffers per step and rank: stage 0 all-reduces every gradient;
     1-2 reduce-scatter them and all-gather the params; 3 all-gathers the params twice per
     micro-batch (forward, backward) and reduce-scatters the gradients. Besides: the token count
-    and the loss (4 bytes each) and, once the grads are sharded, the squared grad norm with the
-    non-finite-loss flag (two float64: 16 bytes)."""
+    and the loss (4 bytes each), and the squared grad norm with the non-finite-loss flag, summed
+    over the whole world (two float64: 16 bytes)."""
     elt = 2 if dtype == torch.bfloat16 else 4
     for stage, (psi, measured) in run_distributed(_comm, 4, dtype, micro_batches)[0].items():
         grads, params = 4 * psi, elt * psi
-        scalars = 8 + (16 if stage >= 1 else 0)
+        scalars = 8 + 16
         expected = {0: {"all_reduce": grads + scalars},
                     1: {"all_reduce": scalars, "reduce_scatter": grads, "all_gather": params},
                     2: {"all_reduce": scalars, "reduce_scatter": grads, "all_gather": params},

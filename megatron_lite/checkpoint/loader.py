@@ -23,20 +23,34 @@ from ..config import ModelConfig
 from ..errors import agree_on_errors
 from . import directory, rng
 from .files import CheckpointError
-from .plan import MODEL, bucket_sources, fill_range, model_key, optim_key, regions
+from .plan import MODEL, buffer_key, bucket_sources, fill_range, model_key, optim_key, persistent_buffers, regions
 from .reader import CheckpointReader
 from .saver import world_rank
 
 # ModelConfig fields that do not change the stored tensors or what they compute with.
 FREE_FIELDS = {"attention_dropout", "hidden_dropout", "init_method_std", "attention_backend",
-               "make_vocab_size_divisible_by"}
+               "make_vocab_size_divisible_by",
+               # MoE: how tokens are exchanged and balanced, not the experts' weights
+               "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+               "moe_router_bias_update_rate", "moe_input_jitter_eps", "moe_router_load_balancing_type",
+               "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity"}
+
+
+def _config_diffs(saved: dict, current: dict, prefix: str = "") -> List[str]:
+    out = []
+    for name, value in current.items():
+        if name in FREE_FIELDS or name not in saved:
+            continue
+        if isinstance(value, dict) and isinstance(saved[name], dict):
+            out += _config_diffs(saved[name], value, f"{prefix}{name}.")
+        elif saved[name] != value:
+            out.append(f"{prefix}{name} is {saved[name]!r} there and {value!r} here")
+    return out
 
 
 def check_model_config(saved: dict, current: ModelConfig, where: str) -> None:
     """Raise naming every field in which the checkpoint's model differs from this one."""
-    diffs = [f"{f.name} is {saved[f.name]!r} there and {getattr(current, f.name)!r} here"
-             for f in dataclasses.fields(ModelConfig)
-             if f.name not in FREE_FIELDS and f.name in saved and saved[f.name] != getattr(current, f.name)]
+    diffs = _config_diffs(saved, dataclasses.asdict(current))
     if diffs:
         raise CheckpointError(f"checkpoint {where} was written by a different model: {'; '.join(diffs)}")
 
@@ -105,6 +119,9 @@ def _read_local(trainer, path: str, load_optim: bool, load_rng: bool, iteration:
     with CheckpointReader(ckpt_dir, meta, verify) as reader:
         reader.verify_files()
         fill_tensors(trainer, reader, load_optim)
+        for name, buf in persistent_buffers(trainer.chunks):  # e.g. MoE expert biases
+            if reader.has(buffer_key(name)):
+                buf.copy_(reader.read_full(buffer_key(name)))
         if load_rng:
             prefix = rng.rank_prefix(trainer.dims) + "/"
             keys = [k for k in reader.pieces if k.startswith(prefix)]

@@ -47,7 +47,8 @@ def _rank_pieces(reader: CheckpointReader, dims: ParallelDims, chunks: List[nn.M
             if not counts_in_norm(p, dims):
                 continue
             name, spec = stored_name(name, p), spec_of(p)
-            runs = flat_range_to_full(spec, *even_part(p.numel(), dims.dp, dims.dp_rank))
+            copies = (dims.edp, dims.edp_rank) if spec.split("ep") is not None else (dims.dp, dims.dp_rank)
+            runs = flat_range_to_full(spec, *even_part(p.numel(), *copies))
             for kind in (MODEL,) + OPTIM_STATES:
                 key = stored_key(kind, name)
                 if not reader.has(key):

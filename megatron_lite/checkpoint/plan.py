@@ -66,10 +66,12 @@ def even_part(n: int, parts: int, index: int) -> Tuple[int, int]:
     return index * n // parts, (index + 1) * n // parts
 
 
-def write_range(bucket: Bucket, zero_stage: int, dp: int, dp_rank: int) -> Tuple[int, int]:
-    if zero_stage >= 1:
+def write_range(bucket: Bucket) -> Tuple[int, int]:
+    """Bucket positions this rank writes: its ZeRO shard, or (unsharded) its even share of the
+    bucket among the data-parallel ranks holding it."""
+    if bucket.shard_numel < bucket.numel:
         return bucket.shard_lo, bucket.shard_lo + bucket.shard_numel
-    return even_part(bucket.numel, dp, dp_rank)
+    return even_part(bucket.numel, bucket.group_size, bucket.group_rank)
 
 
 def fill_range(bucket: Bucket) -> Tuple[int, int]:
@@ -87,6 +89,21 @@ def bucket_sources(optimizer) -> Iterator[Tuple[Bucket, Dict[str, Tuple[torch.Te
         for state, t in states.items():
             sources[state] = (t, bucket.shard_lo)
         yield bucket, sources
+
+
+def buffer_key(name: str) -> str:
+    return f"buffer/{name}"
+
+
+def persistent_buffers(chunks) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(global name, tensor) of the model's persistent buffers (e.g. MoE expert biases): whole
+    tensors, the same on every rank that holds their layer."""
+    for chunk in chunks:
+        params = {n for n, _ in chunk.named_parameters()}
+        buffers = dict(chunk.named_buffers())
+        for name in chunk.state_dict():
+            if name not in params and name in buffers:
+                yield name, buffers[name]
 
 
 def stored_key(kind: str, name: str) -> str:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from . import directory, rng
 from .files import FORMAT, PieceSet, describe_files
 from .geometry import whole_box
-from .plan import bucket_sources, regions, stored_key, write_range
+from .plan import buffer_key, bucket_sources, persistent_buffers, regions, stored_key, write_range
 
 
 def world_min(value: int, device) -> int:
@@ -68,7 +68,7 @@ def snapshot(trainer, copy: bool) -> PieceSet:
     sync.wait_param_gather()  # --overlap-param-gather: the last update's params
     pieces = PieceSet()
     for bucket, sources in bucket_sources(trainer.optimizer):
-        lo, hi = write_range(bucket, sync.stage, sync.dp, sync.dp_rank)
+        lo, hi = write_range(bucket)
         for region in regions(bucket, lo, hi, dims, writers_only=True):
             runs = region.runs()
             for kind, (flat, base) in sources.items():
@@ -77,6 +77,9 @@ def snapshot(trainer, copy: bool) -> PieceSet:
                                run.view(flat, region.start - base), copy)
     for key, state in rng.capture(dims, trainer.tracker).items():
         pieces.add(key, whole_box(state.shape), state.shape, state)
+    if dims.tp_rank == dims.cp_rank == dims.dp_rank == 0:  # one writer per pipeline stage
+        for name, buf in persistent_buffers(trainer.chunks):
+            pieces.add(buffer_key(name), whole_box(buf.shape), buf.shape, buf, copy)
     return pieces
 
 

@@ -60,6 +60,9 @@ class _ShardState:
         self.decay = _merge([(lo, hi) for i, lo, hi in segments
                              if not no_weight_decay(bucket.names[i], len(bucket.shapes[i]))])
         self.norm = _merge([(lo, hi) for i, lo, hi in segments if counts_in_norm(bucket.params[i], dims)])
+        # Summed over the whole world: a shard (ZeRO 1-3) is this rank's alone; an unsharded bucket
+        # is held alike by every rank of its data-parallel group, each counting its share.
+        self.norm_weight = 1.0 if bucket.shard_numel < bucket.numel else 1.0 / bucket.group_size
 
     @property
     def owns_main(self) -> bool:
@@ -73,7 +76,6 @@ class _ShardState:
 class DistributedOptimizer:
     def __init__(self, grad_sync: GradientSync, tcfg: TrainingConfig):
         self.sync, self.tcfg, self.dims = grad_sync, tcfg, grad_sync.dims
-        self.sharded = grad_sync.stage >= 1 and grad_sync.dp > 1
         self.shards = [_ShardState(b, self.dims) for b in grad_sync.buckets]
         if tcfg.fp16 and tcfg.loss_scale is not None:
             self.scaler = ConstantLossScaler(tcfg.loss_scale)
@@ -91,10 +93,9 @@ class DistributedOptimizer:
         return self.scaler.scale
 
     def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        """Over every rank holding a distinct part of the gradients: DP when sharded, then TP x PP."""
-        if self.sharded:
-            comm.all_reduce(t, self.sync.group, op=op, counter=self.dims.comm_counter)
-        comm.all_reduce(t, self.dims.mp_group, op=op, counter=self.dims.comm_counter)
+        """Over the whole world: every rank holds a part of the gradients (dense and expert
+        parameters reduce over different data-parallel groups; see _ShardState.norm_weight)."""
+        comm.all_reduce(t, self.dims.group("world"), op=op, counter=self.dims.comm_counter)
         return t
 
     def _found_inf(self, tensors: List[torch.Tensor], bad_loss: bool) -> Tuple[bool, bool]:
@@ -112,10 +113,12 @@ class DistributedOptimizer:
         elements drift by 1e-5, which would make the clipping coefficient depend on the layout."""
         sq = torch.zeros(2, dtype=torch.float64, device=self.device)
         for s, g in zip(self.shards, grads):
+            part = torch.zeros((), dtype=torch.float64, device=self.device)
             for lo, hi in s.norm:
                 for a in range(lo, hi, _NORM_SLICE):
                     seg = g[a:min(hi, a + _NORM_SLICE)].double()
-                    sq[0] += torch.dot(seg, seg)
+                    part += torch.dot(seg, seg)
+            sq[0] += part * s.norm_weight
         sq[1] = float(bad_loss)
         sq = self._all_reduce(sq)
         return math.sqrt(sq[0].item()), bool(sq[1].item())

@@ -46,6 +46,10 @@ from .sharding import spec_of
 from .state import ParallelDims, group_rank, group_size
 
 
+def _is_expert(p: nn.Parameter) -> bool:
+    return spec_of(p).split("ep") is not None
+
+
 def default_bucket_size(dp: int) -> int:
     """Megatron-LM's default bucket size in elements: 40M, more for large DP groups."""
     return max(40_000_000, 1_000_000 * dp)
@@ -54,9 +58,15 @@ def default_bucket_size(dp: int) -> int:
 class Bucket:
     """Parameters whose gradients are reduced by one collective, and this rank's shard of them."""
 
-    def __init__(self, index: int, params: List[nn.Parameter], names: List[str], shards: int, shard_rank: int,
+    def __init__(self, index: int, params: List[nn.Parameter], names: List[str], group, sharded: bool,
                  grad_dtype: torch.dtype):
+        """`group`: the data-parallel ranks holding the same parameters (DP x CP, or the
+        expert-data-parallel group for experts), over which the gradients are reduced and, when
+        `sharded` (ZeRO 1-3), the shards are cut."""
         self.index, self.params, self.names = index, params, names
+        self.group, self.group_size, self.group_rank = group, group_size(group), group_rank(group)
+        shards = self.group_size if sharded else 1
+        shard_rank = self.group_rank if sharded else 0
         self.shapes = [tuple(p.shape) for p in params]
         self.offsets: List[Tuple[int, int]] = []
         n = 0
@@ -165,7 +175,6 @@ class GradientSync:
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather and self.stage in (1, 2)
         self.grad_dtype = grad_dtype
-        shards = self.dp if self.stage >= 1 else 1
         bucket_size = bucket_size or default_bucket_size(self.dp)
         for chunk in chunks:
             for p in chunk.parameters():
@@ -180,9 +189,12 @@ class GradientSync:
             else:
                 params = [(names[p], p) for p in chunk.parameters() if p.requires_grad][::-1]
                 groups = [[p for _, p in g] for g in _split_by_size(params, bucket_size)]
-            for g in groups:
-                self.buckets.append(Bucket(len(self.buckets), g, [names[p] for p in g], shards,
-                                           self.dp_rank if shards > 1 else 0, self.grad_dtype))
+            for g in groups:  # expert weights apart: they are reduced over the expert-data-parallel group
+                for ps in ([p for p in g if not _is_expert(p)], [p for p in g if _is_expert(p)]):
+                    if ps:
+                        group = dims.group("edp") if _is_expert(ps[0]) else self.group
+                        self.buckets.append(Bucket(len(self.buckets), ps, [names[p] for p in ps], group,
+                                                   self.stage >= 1, self.grad_dtype))
         self.params = [p for b in self.buckets for p in b.params]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.arrivals = {p: 0 for p in self.params}
@@ -275,10 +287,10 @@ class GradientSync:
             self._alloc_grad(b)
         finalize_model_grads(b.params, self.dims)
         if self.stage == 0:
-            b.handle = comm.all_reduce(b.grad_data, self.group, async_op=True, counter=self.dims.comm_counter)
+            b.handle = comm.all_reduce(b.grad_data, b.group, async_op=True, counter=self.dims.comm_counter)
         else:
             out = b.grad_shard if b.grad_shard is not None else b.grad_data[b.shard]
-            b.handle = comm.reduce_scatter(out, b.grad_data, self.group, async_op=True,
+            b.handle = comm.reduce_scatter(out, b.grad_data, b.group, async_op=True,
                                            counter=self.dims.comm_counter)
         b.launched = True
         self._inflight.append(b)
@@ -326,7 +338,7 @@ class GradientSync:
         if self.stage not in (1, 2):
             return
         for b in self.buckets:
-            b.param_handle = comm.all_gather(b.param_data, b.param_data[b.shard], self.group, async_op=True,
+            b.param_handle = comm.all_gather(b.param_data, b.param_data[b.shard], b.group, async_op=True,
                                              counter=self.dims.comm_counter)
         if not self.overlap_param_gather:
             self.wait_param_gather()

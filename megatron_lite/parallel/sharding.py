@@ -184,6 +184,8 @@ def counts_in_norm(param: nn.Parameter, dims) -> bool:
     spec = spec_of(param)
     if spec.tie is not None and not spec.tie.primary:
         return False  # the other pipeline stage's copy of a tied weight
+    if spec.split("ep") is not None and spec.split("tp") is None:
+        return True  # experts whole on each TP rank: those ranks are expert-data-parallel copies
     replicas = spec.replicas("tp")
     return dims.tp_rank == 0 if replicas == 0 else dims.tp_rank % replicas == 0
 

@@ -217,6 +217,7 @@ class ParallelDims:
             lists["cp_a2a"] = [g[i:i + a] for g in lists["cp"] for i in range(0, self.cp, a)]
             lists["cp_p2p"] = [g[j::a] for g in lists["cp"] for j in range(a)]
         lists.update(self._expert_rank_lists())
+        lists["world"] = [list(range(self.world_size))]
         for r in range(2, self.tp):  # blocks of r consecutive TP ranks (replicated K/V groups)
             if self.tp % r == 0:
                 lists[f"tp_sub{r}"] = [tp_group[i:i + r] for tp_group in lists["tp"] for i in range(0, self.tp, r)]

@@ -56,29 +56,37 @@ def _tensors(out) -> List[torch.Tensor]:
     return []
 
 
-class _Unit:
-    def __init__(self, module: nn.Module, bucket):
-        self.module, self.bucket = module, bucket
+class _Part:
+    """One bucket of a unit (a unit has one per group its parameters reduce over: dense, experts)."""
+
+    def __init__(self, bucket):
+        self.bucket = bucket
         self.full: Optional[torch.Tensor] = None  # gathered flat params while not freed
         self.handle = None  # in-flight all-gather
         self.bound = False  # params are views of `full`
+
+
+class _Unit:
+    def __init__(self, module: nn.Module, buckets):
+        self.module, self.parts = module, [_Part(b) for b in buckets]
+        self.num_params = sum(len(b.params) for b in buckets)
         self.arrived = 0  # gradients accumulated since gathered for backward
 
 
 class ShardedParams:
-    """Gathers and frees the units of a GradientSync's ZeRO-3 buckets (one bucket per unit)."""
+    """Gathers and frees the units of a GradientSync's ZeRO-3 buckets (each unit's own buckets)."""
 
     def __init__(self, sync, chunk_units: List[List[Tuple[nn.Module, List[nn.Parameter]]]]):
-        self.sync, self.group = sync, sync.group
+        self.sync = sync
         self.in_backward = False
         self.units: List[_Unit] = []
         self.unit_of = {}
         for units in chunk_units:
-            chain = [_Unit(m, sync.bucket_of[ps[0]] if ps else None) for m, ps in units]
+            chain = [_Unit(m, list(dict.fromkeys(sync.bucket_of[p] for p in ps))) for m, ps in units]
             self.units += chain
             for u in chain:
-                if u.bucket is not None:
-                    self.unit_of[u.bucket] = u
+                for part in u.parts:
+                    self.unit_of[part.bucket] = u
             self._register(chain)
         self.release_all()  # the shards were copied by GradientSync: drop the full params
 
@@ -93,32 +101,33 @@ class ShardedParams:
 
     # --- gather / free -----------------------------------------------------------------------
     def _gather(self, u: _Unit) -> None:
-        if u.full is not None or u.bucket is None:
-            return
-        b = u.bucket
-        u.full = torch.empty(b.numel, dtype=b.dtype, device=b.device)
-        u.handle = comm.all_gather(u.full, b.param_shard, self.group, async_op=True, counter=self.sync.dims.comm_counter)
+        for part in u.parts:
+            if part.full is not None:
+                continue
+            b = part.bucket
+            part.full = torch.empty(b.numel, dtype=b.dtype, device=b.device)
+            part.handle = comm.all_gather(part.full, b.param_shard, b.group, async_op=True,
+                                          counter=self.sync.dims.comm_counter)
 
     def _ensure(self, u: _Unit) -> None:
-        if u.bucket is None:
-            return
         self._gather(u)
-        if u.handle is not None:
-            u.handle.wait()
-            u.handle = None
-        if not u.bound:
-            u.bucket.bind_params(u.full)
-            u.bound = True
+        for part in u.parts:
+            if part.handle is not None:
+                part.handle.wait()
+                part.handle = None
+            if not part.bound:
+                part.bucket.bind_params(part.full)
+                part.bound = True
 
     def _release(self, u: _Unit) -> None:
-        if u.bucket is None:
-            return
-        if u.handle is not None:  # never drop a buffer a collective is still writing
-            u.handle.wait()
-            u.handle = None
-        for p in u.bucket.params:
-            p.data = torch.empty(0, dtype=u.bucket.dtype, device=u.bucket.device)
-        u.full, u.bound, u.arrived = None, False, 0
+        for part in u.parts:
+            if part.handle is not None:  # never drop a buffer a collective is still writing
+                part.handle.wait()
+                part.handle = None
+            for p in part.bucket.params:
+                p.data = torch.empty(0, dtype=part.bucket.dtype, device=part.bucket.device)
+            part.full, part.bound = None, False
+        u.arrived = 0
 
     def gather_all(self) -> None:
         for u in self.units:
@@ -156,7 +165,7 @@ class ShardedParams:
         its params have theirs (no later backward node of this pass reads them)."""
         u = self.unit_of[bucket]
         u.arrived += 1
-        if u.arrived == len(bucket.params) and self.in_backward:
+        if u.arrived == u.num_params and self.in_backward:
             self._release(u)
 
     def _end_backward(self) -> None:

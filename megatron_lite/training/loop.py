@@ -25,6 +25,7 @@ from ..parallel.pipeline.executor import PipelineExecutor, activation_shape
 from ..parallel.pipeline.schedules import ZERO_BUBBLE, default_schedule
 from ..parallel.tensor_parallel import WeightGradStore
 from ..transformer.core_attention import describe_attention
+from ..transformer.moe import AuxLossScale, MoEMetricsTracker, routers_of, update_expert_bias
 from ..transformer.spec import BuildContext
 from .step import eval_step, forward_backward_no_pipelining, move_batch, pipelined_forward_backward, train_step
 
@@ -78,18 +79,23 @@ class Trainer:
         self.cfg, self.device, self.forward_step = cfg, device, forward_step
         m, p, t = cfg.model, cfg.parallel, cfg.training
         self.dims = ParallelDims.from_world(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.expert_model_parallel_size,
-                                            vpp=p.virtual_pipeline_model_parallel_size or 1, cp_a2a=p.cp_a2a_size())
+                                            vpp=p.virtual_pipeline_model_parallel_size or 1, cp_a2a=p.cp_a2a_size(),
+                                            etp=p.expert_tensor_parallel_size)
         dims = self.dims
         dims.comm_counter = comm.CommCounter() if t.log_comm_volume else None  # bytes per step in the metrics
         self.tracker = RNGStatesTracker(device)
         model_parallel_seed(self.tracker, t.seed, dims.tp_rank, dims.pp_rank)
         schedule = (p.pipeline_schedule or default_schedule(dims.vpp)) if dims.pp > 1 else None
         store = WeightGradStore() if schedule in ZERO_BUBBLE else None
+        # MoE: the scale of the auxiliary losses' gradient (set every step) and their statistics.
+        self.aux_loss_scale = AuxLossScale() if m.moe is not None else None
+        self.moe_tracker = MoEMetricsTracker(m.num_layers, m.moe.num_experts, device) if m.moe is not None else None
         ctx = BuildContext(dims, sequence_parallel=p.sequence_parallel, params_dtype=params_dtype(cfg),
                            tracker=self.tracker, weight_grad_store=store,
                            recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
                            recompute_num_layers=t.recompute_num_layers, device=device,
-                           cp_comm_type=[c.replace("allgather", "all_gather") for c in p.cp_comm_type])
+                           cp_comm_type=[c.replace("allgather", "all_gather") for c in p.cp_comm_type],
+                           aux_loss_scale=self.aux_loss_scale, moe_tracker=self.moe_tracker)
         self.chunks = model_provider(cfg, ctx)
         self.optimizer, self.grad_sync = build_optimizer(self.chunks, dims, t, p)
         warmup = t.lr_warmup_iters
@@ -126,7 +132,7 @@ class Trainer:
         self.logs_here = dims.is_last_stage and dims.tp_rank == 0 and dims.dp_rank == 0 and dims.cp_rank == 0
         # A resumed run appends to its metrics file, so that a restarted job keeps the earlier records.
         self.logger = MetricsLogger(t, self.logs_here, cfg.to_dict(), append=self.iteration > 0)
-        self.flops_per_token = flops_per_token(m, t.seq_length)
+        self.flops_per_token = flops_per_token(m, t.seq_length)  # active parameters of an MoE model
         self.peak_tflops = device_peak_tflops(device)
 
     def _next_batches(self, it) -> List[Dict[str, torch.Tensor]]:
@@ -149,8 +155,8 @@ class Trainer:
         history = []
         mem = self.optimizer.memory_bytes()
         self.logger.info(
-            f"> model: {self.cfg.model.num_parameters() / 1e6:.2f}M parameters | layout tp={dims.tp} pp={dims.pp} "
-            f"vpp={dims.vpp} cp={dims.cp} dp={dims.dp} | zero stage {self.cfg.parallel.zero_stage} | "
+            f"> model: {self._parameters_line()} | layout tp={dims.tp} pp={dims.pp} "
+            f"vpp={dims.vpp} cp={dims.cp} dp={dims.dp}{self._expert_layout()} | zero stage {self.cfg.parallel.zero_stage} | "
             f"micro-batches/step {self.num_microbatches} | device {self.device} | attention "
             + describe_attention(self.cfg.model.attention_backend, self.device, params_dtype(self.cfg), dims.cp,
                                  self.cfg.parallel.cp_comm_type))
@@ -164,6 +170,12 @@ class Trainer:
                 dims.comm_counter.reset()  # count this step's traffic only
             start = time.perf_counter()
             batches = self._next_batches(self.train_iter)
+            if self.aux_loss_scale is not None:
+                # An auxiliary loss per micro-batch weighs like the micro-batch's tokens in the per-token
+                # mean: backward runs on loss sums / tokens_per_step (see train_step's normalizer).
+                self.aux_loss_scale.set(self.optimizer.loss_scale * t.micro_batch_size * t.seq_length
+                                        / tokens_per_step)
+                self.moe_tracker.clear()
             try:
                 out = train_step(self.chunks, batches, dims, self.optimizer, self.grad_sync, lr, self.forward_step,
                                  self.forward_backward, loss_normalizer=float(tokens_per_step))
@@ -174,8 +186,11 @@ class Trainer:
             step_time = time.perf_counter() - start
             if out["update_successful"]:
                 self.lr_schedule.step()
+                if self.moe_tracker is not None:
+                    update_expert_bias(routers_of(self.chunks), dims)  # aux-loss-free balancing, if on
             self.consumed_samples += t.global_batch_size
-            rec = self._record(out, lr, step_time, tokens_per_step, mem if self.iteration == 1 else None)
+            moe = self.moe_tracker.reduce(dims) if self.moe_tracker is not None else None  # collective
+            rec = self._record(out, lr, step_time, tokens_per_step, mem if self.iteration == 1 else None, moe)
             if self.valid_iter is not None and (self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters):
                 rec["val_lm_loss"] = self.evaluate()
                 self.consumed_valid_samples += t.eval_iters * t.global_batch_size
@@ -200,7 +215,16 @@ class Trainer:
             + (f" (the last checkpoint, iteration {kept}, is kept)" if kept else "")
             + ". Lower --lr (or --clip-grad), or pass --no-check-for-nan-in-loss-and-grad to train on anyway") from error
 
-    def _record(self, out: dict, lr: float, step_time: float, tokens: int, mem: Optional[dict]) -> dict:
+    def _parameters_line(self) -> str:
+        m = self.cfg.model
+        line = f"{m.num_parameters() / 1e6:.2f}M parameters"
+        return line + (f" ({m.num_parameters(active=True) / 1e6:.2f}M active)" if m.moe is not None else "")
+
+    def _expert_layout(self) -> str:
+        return f" ep={self.dims.ep} etp={self.dims.etp}" if self.cfg.model.moe is not None else ""
+
+    def _record(self, out: dict, lr: float, step_time: float, tokens: int, mem: Optional[dict],
+                moe: Optional[dict] = None) -> dict:
         tokens_per_sec = tokens / step_time
         tflops = self.flops_per_token * tokens_per_sec / self.dims.world_size / 1e12
         rec = {"iteration": self.iteration, "lm_loss": out["lm_loss"], "grad_norm": out["grad_norm"], "lr": lr,
@@ -220,4 +244,8 @@ class Trainer:
             rec.update(mem)
         if self.cfg.training.log_comm_volume:
             rec["comm_bytes"] = self.dims.comm_counter.reset()
+        if moe is not None:  # MoE: per-layer router statistics, and their means / worst over layers
+            rec.update({k: moe[k] for k in ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance") if k in moe})
+            rec["moe_layers"] = {str(layer): {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in s.items()}
+                                 for layer, s in moe["layers"].items()}
         return rec

@@ -17,6 +17,7 @@ def _console_line(rec: dict, train_iters: int) -> str:
            ("lr", "learning rate", "{:.3E}"), ("global_batch_size", "global batch size", "{:d}"),
            ("lm_loss", "lm loss", "{:.6E}"), ("loss_scale", "loss scale", "{:.1f}"),
            ("grad_norm", "grad norm", "{:.3f}"), ("moe_aux_loss", "moe aux loss", "{:.4E}"),
+           ("moe_z_loss", "moe z loss", "{:.4E}"), ("moe_load_imbalance", "moe max load", "{:.2f}"),
            ("tokens_per_sec", "tokens/s", "{:.0f}"), ("tflops_per_gpu", "TFLOP/s/GPU", "{:.2f}"),
            ("mfu", "MFU", "{:.1%}"), ("max_memory_gb", "max mem (GB)", "{:.2f}")]
     for key, label, f in fmt:
@@ -65,6 +66,8 @@ class MetricsLogger:
             self._window = []
             print(_console_line(shown, self.tcfg.train_iters), flush=True)
         scalars = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "iteration"}
+        for layer, stats in rec.get("moe_layers", {}).items():  # per MoE layer, e.g. moe/layer_3/max_load
+            scalars.update({f"moe/layer_{layer}/{k}": v for k, v in stats.items() if isinstance(v, (int, float))})
         if self.tb:
             for k, v in scalars.items():
                 self.tb.add_scalar(k, v, rec["iteration"])

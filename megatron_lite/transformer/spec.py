@@ -34,6 +34,8 @@ class BuildContext:
     recompute_num_layers: int = 1
     device: Optional[torch.device] = None  # where the built model goes (built on the CPU, then moved)
     cp_comm_type: Union[str, List[str]] = "p2p"  # context parallelism: one type, or one per layer
+    aux_loss_scale: Optional[object] = None  # MoE: moe.AuxLossScale the step sets (gradient of aux losses)
+    moe_tracker: Optional[object] = None  # MoE: moe.MoEMetricsTracker of the logged per-layer values
 
     def __post_init__(self):
         self.sequence_parallel = self.sequence_parallel and self.dims.tp > 1

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import List, Optional, Union
 
 from ...errors import ConfigError
+from ...options import arg
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
@@ -27,30 +28,44 @@ def _require(cond: bool, msg: str) -> None:
 
 @dataclass
 class MoEConfig:
-    num_experts: Optional[int] = None  # routed experts per MoE layer (None: dense model)
-    moe_router_topk: int = 2  # experts each token is sent to (k)
-    moe_router_score_function: str = "softmax"  # softmax | sigmoid (DeepSeek-V3) scores
-    moe_router_pre_softmax: bool = False  # softmax over all experts before top-k (else over the k chosen)
-    moe_router_norm_topk_prob: Optional[bool] = None  # HF norm_topk_prob; None: Megatron's rule (see router)
-    moe_router_topk_scaling_factor: Optional[float] = None  # multiply the routing weights (DeepSeek's routed_scaling_factor)
-    moe_router_num_groups: Optional[int] = None  # expert groups for group-limited routing (devices or nodes)
-    moe_router_group_topk: Optional[int] = None  # groups each token may pick experts from
-    moe_router_dtype: Optional[str] = None  # fp32 | fp64: router GEMM, scores and weighting dtype (None: input's)
-    moe_router_load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss (per sequence) | none
-    moe_aux_loss_coeff: float = 0.0  # weight of the load-balancing loss (0: not computed)
-    moe_z_loss_coeff: Optional[float] = None  # weight of the router z-loss (None: not computed)
-    moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing: a per-expert bias on selection scores
-    moe_router_bias_update_rate: float = 1e-3  # step of the expert-bias update, once per optimizer step
-    moe_input_jitter_eps: Optional[float] = None  # multiply router input by U(1-eps, 1+eps) in training
-    moe_token_dispatcher_type: str = "allgather"  # alltoall | allgather token exchange over EP
-    moe_expert_capacity_factor: Optional[float] = None  # capacity per expert as a factor of the even share (None: dropless)
-    moe_token_drop_policy: str = "probs"  # over capacity, drop the lowest-probability (probs) or latest (position) tokens
-    moe_pad_expert_input_to_capacity: bool = False  # fill every expert up to its capacity (static shapes)
-    moe_grouped_gemm: bool = False  # one torch._grouped_mm per projection instead of a loop over experts
-    moe_ffn_hidden_size: Optional[int] = None  # hidden size of each routed expert (Megatron default: ffn_hidden_size)
-    moe_shared_expert_intermediate_size: Optional[int] = None  # hidden size of the shared expert(s) (None: none)
-    moe_shared_expert_gate: bool = False  # Qwen2-MoE: scale the shared expert by sigmoid(x . w_gate)
-    moe_layer_freq: Union[int, str, List[int]] = 1  # every N-th layer is MoE, or one 0/1 per layer
+    num_experts: Optional[int] = arg(None, "routed experts per MoE layer (None: a dense model)")
+    moe_router_topk: int = arg(2, "experts each token is sent to (k)")
+    moe_router_score_function: str = arg("softmax", "router scores: softmax, or sigmoid (DeepSeek-V3)",
+                                         choices=list(SCORE_FUNCTIONS))
+    moe_router_pre_softmax: bool = arg(False, "softmax over all experts before the top-k (else over the k chosen)",
+                                       store="true")
+    moe_router_norm_topk_prob: Optional[bool] = arg(None, "renormalize the k weights (HF norm_topk_prob); None: "
+                                                          "Megatron's rule", flag=None)
+    moe_router_topk_scaling_factor: Optional[float] = arg(None, "multiply the routing weights (DeepSeek's "
+                                                                "routed_scaling_factor)")
+    moe_router_num_groups: Optional[int] = arg(None, "expert groups of group-limited routing")
+    moe_router_group_topk: Optional[int] = arg(None, "groups a token may pick experts from")
+    moe_router_dtype: Optional[str] = arg(None, "router GEMM, scores and weighting dtype (None: the input's)",
+                                          choices=["fp32", "fp64"])
+    moe_router_load_balancing_type: str = arg("aux_loss", "aux_loss, seq_aux_loss (per sequence) or none",
+                                              choices=list(LOAD_BALANCING_TYPES))
+    moe_aux_loss_coeff: float = arg(0.0, "weight of the load-balancing loss (0: not computed)")
+    moe_z_loss_coeff: Optional[float] = arg(None, "weight of the router z-loss (None: not computed)")
+    moe_router_enable_expert_bias: bool = arg(False, "aux-loss-free balancing: a per-expert bias on the selection "
+                                                     "scores", store="true")
+    moe_router_bias_update_rate: float = arg(1e-3, "step of the expert-bias update, once per optimizer step")
+    moe_input_jitter_eps: Optional[float] = arg(None, "multiply the router input by U(1-eps, 1+eps) in training")
+    moe_token_dispatcher_type: str = arg("allgather", "token exchange over EP", choices=list(DISPATCHERS))
+    moe_expert_capacity_factor: Optional[float] = arg(None, "capacity per expert as a factor of the even share "
+                                                            "(None: dropless)")
+    moe_token_drop_policy: str = arg("probs", "over capacity drop the lowest-probability (probs) or latest "
+                                              "(position) tokens", choices=list(DROP_POLICIES))
+    moe_pad_expert_input_to_capacity: bool = arg(False, "fill every expert up to its capacity (static shapes)",
+                                                 store="true")
+    moe_grouped_gemm: bool = arg(False, "one grouped GEMM per projection instead of a loop over experts",
+                                 store="true")
+    moe_ffn_hidden_size: Optional[int] = arg(None, "hidden size of each routed expert (None: --ffn-hidden-size)")
+    moe_shared_expert_intermediate_size: Optional[int] = arg(None, "hidden size of the shared expert(s) "
+                                                                   "(None: none)")
+    moe_shared_expert_gate: bool = arg(False, "Qwen2-MoE: scale the shared expert by sigmoid(x . w_gate)",
+                                       store="true")
+    moe_layer_freq: Union[int, str, List[int]] = arg(1, "every N-th layer is MoE, or one 0/1 per layer such as "
+                                                        "'([0]*1+[1]*3)*2'")
 
     def with_defaults(self, ffn_hidden_size: int) -> "MoEConfig":
         """A copy with Megatron's defaults filled in from the dense model (moe_ffn_hidden_size)."""
