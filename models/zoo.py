@@ -104,6 +104,24 @@ MODELS: Dict[str, dict] = {
                                               moe_router_enable_expert_bias=True,
                                               moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-4,
                                               moe_shared_expert_intermediate_size=32, moe_layer_freq=[0, 1, 1])),
+    # OLMoE-1B-7B's shapes. OLMoE normalizes Q and K over all heads at once; megatron-lite's
+    # --qk-layernorm normalizes each head (Megatron-Core's kind), so it has no HF conversion.
+    "olmoe-1b-7b": dict(_LLAMA, family=None, **_shape(16, 2048, 16), qk_layernorm=True, ffn_hidden_size=1024,
+                        vocab_size=50304, max_position_embeddings=4096, seq_length=4096, rotary_base=10000.0,
+                        moe=dict(num_experts=64, moe_router_topk=8, moe_router_pre_softmax=True,
+                                 moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)),
+    # DeepSeek-V3's MoE (671B total, 37B active with MLA) on standard multi-head attention with
+    # 128-channel heads: 3 dense layers, then 256 routed experts (top-8 of 8 groups, 4 groups per
+    # token, sigmoid scores, expert bias) and one shared expert per layer.
+    "deepseek-v3-shaped": dict(_LLAMA, family=None, **_shape(61, 7168, 128), kv_channels=128, ffn_hidden_size=18432,
+                               vocab_size=129280, max_position_embeddings=163840, seq_length=4096, norm_epsilon=1e-6,
+                               moe=dict(num_experts=256, moe_router_topk=8, moe_ffn_hidden_size=2048,
+                                        moe_router_score_function="sigmoid", moe_router_num_groups=8,
+                                        moe_router_group_topk=4, moe_router_topk_scaling_factor=2.5,
+                                        moe_router_enable_expert_bias=True, moe_router_dtype="fp32",
+                                        moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-4,
+                                        moe_shared_expert_intermediate_size=2048,
+                                        moe_layer_freq=[0] * 3 + [1] * 58)),
     "mixtral-8x7b": dict(_MIXTRAL, **_shape(32, 4096, 32), ffn_hidden_size=14336,
                          moe=dict(num_experts=8, moe_router_topk=2, moe_aux_loss_coeff=0.02)),
     "mixtral-8x22b": dict(_MIXTRAL, **_shape(56, 6144, 48), ffn_hidden_size=16384, vocab_size=32768,

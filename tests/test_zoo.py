@@ -56,3 +56,30 @@ def test_moe_active_parameters():
 def test_unknown_name_lists_the_choices():
     with pytest.raises(Exception, match="unknown --model 'llama9'.*qwen3-8b"):
         zoo.get_model_config("llama9")
+
+
+def test_flops_count_active_parameters_and_the_window():
+    from megatron_lite.training.flops import flops_per_token
+
+    # Llama-3-8B at 8192 tokens: 6 x 7.50B (no input embedding) + 12 x 32 x 32 x 128 x 8192.
+    dense = _cfg("llama3-8b")
+    n = dense.num_parameters(include_embedding=False)
+    assert flops_per_token(dense, 8192) == 6 * n + 12 * 32 * 32 * 128 * 8192
+    # Mixtral: FLOPs follow the 12.9B active parameters, not the 46.7B stored ones.
+    moe = _cfg("mixtral-8x7b")
+    active = moe.num_parameters(include_embedding=False, active=True)
+    assert active < moe.num_parameters(include_embedding=False) / 3
+    assert flops_per_token(moe, 4096) == 6 * active + 12 * 32 * 32 * 128 * 4096
+    # Mistral's 4096-token window caps the keys a query sees.
+    assert flops_per_token(_cfg("mistral-7b"), 16384) == flops_per_token(_cfg("mistral-7b"), 4096)
+
+
+def test_shapes_without_a_hf_family():
+    # OLMoE-1B-7B: 6.9B total, 1.3B active (AllenAI's card), up to the q/k norm widths.
+    olmoe = _cfg("olmoe-1b-7b")
+    assert round(olmoe.num_parameters() / 1e9, 1) == 6.9 and round(olmoe.num_parameters(active=True) / 1e9, 1) == 1.3
+    # DeepSeek-V3 with standard attention instead of MLA: the MoE layers hold most of the 671B.
+    ds = _cfg("deepseek-v3-shaped")
+    assert ds.moe_layers() == [False] * 3 + [True] * 58
+    # Active: 37B in DeepSeek-V3, plus the ~18B more that 128 full heads cost over MLA.
+    assert 650e9 < ds.num_parameters() < 700e9 and 50e9 < ds.num_parameters(active=True) < 60e9
