@@ -55,7 +55,7 @@ def _source_keys(kind: str, name: str, load_optim: bool, dtype: torch.dtype) -> 
 def fill_tensors(trainer, reader: CheckpointReader, load_optim: bool) -> None:
     """Every rank: its shard of every bucket's params and optimizer state, from the checkpoint.
     Local (no collective): the caller all-gathers the parameters once every rank succeeded."""
-    for bucket, sources in bucket_sources(trainer.optimizer):
+    for bucket, sources in bucket_sources(trainer.optimizer, for_loading=True):
         lo, hi = fill_range(bucket)
         for region in regions(bucket, lo, hi, trainer.dims, writers_only=False):
             runs = region.runs()
@@ -70,6 +70,7 @@ def fill_tensors(trainer, reader: CheckpointReader, load_optim: bool) -> None:
                                           f"needs {list(region.spec.stored_shape)}")
                 for run in runs:
                     reader.read_into(key, run.full, run.view(flat, region.start - base))
+    trainer.optimizer.commit_loaded_state()  # low-precision states: store what was filled in fp32
 
 
 def _same_layout(saved: dict, dims) -> bool:

@@ -69,7 +69,7 @@ def snapshot(trainer, copy: bool) -> PieceSet:
     sync.wait_param_gather()  # --overlap-param-gather: the last update's params
     pieces = PieceSet()
     for bucket, sources in bucket_sources(trainer.optimizer):
-        lo, hi = write_range(bucket, sync.stage, sync.dp, sync.dp_rank)
+        lo, hi = write_range(bucket, sync.stage, sync.dp, sync.dp_rank, sync.replica_rank)
         for region in regions(bucket, lo, hi, dims, writers_only=True):
             runs = region.runs()
             for kind, (flat, base) in sources.items():

@@ -31,6 +31,12 @@ buckets holding the pipeline-tied embedding, whose cross-stage sum must wait for
 and waits. Just before its DP reduction a bucket's model-parallel partial sums (sequence-parallel
 norms, replicated K/V, tied embedding) are summed by `finalize_model_grads`: sums commute, and in
 this order they act on full gradients, which ZeRO shards are not.
+
+Distributed-optimizer instances (--num-distributed-optimizer-instances N): `dp_groups` = (shard
+group, replica group) splits the DP ranks into N instances. Buckets are sharded over an instance
+(the shard group) and reduce-scattered there; each reduced shard is then summed over the replica
+group (the ranks holding the same shard in the other instances), so every instance ends with the
+global gradient, as one ZeRO run over all DP ranks would. Params are gathered inside an instance.
 """
 from __future__ import annotations
 
@@ -153,13 +159,18 @@ class GradientSync:
     calls `zero_grad()` and `gather_params()`."""
 
     def __init__(self, chunks: List[nn.Module], dims: ParallelDims, pcfg: Optional[ParallelConfig] = None,
-                 grad_dtype: Optional[torch.dtype] = None):
+                 grad_dtype: Optional[torch.dtype] = None, dp_groups: Optional[Tuple[object, object]] = None):
         from .zero3 import ShardedParams, unit_params  # zero3 builds on Bucket: import late
 
         pcfg = pcfg or ParallelConfig()
         self.dims, self.stage = dims, pcfg.zero_stage
-        self.group = dims.dp_cp_group
+        # The group buckets are sharded and reduced over, and (distributed-optimizer instances only)
+        # the group each reduced shard is then summed over. A None group has one member.
+        self.group, self.replica_group = (dims.dp_cp_group, None) if dp_groups is None else dp_groups
+        if self.replica_group is not None and self.stage == 0:
+            raise ValueError("distributed-optimizer instances need a sharded optimizer (ZeRO stage >= 1)")
         self.dp, self.dp_rank = group_size(self.group), group_rank(self.group)
+        self.replica_rank = group_rank(self.replica_group)  # 0: the instance that writes checkpoints
         self.overlap_grad_reduce = pcfg.overlap_grad_reduce
         self.overlap_param_gather = pcfg.overlap_param_gather and self.stage in (1, 2)
         self.grad_dtype = grad_dtype or (torch.bfloat16 if pcfg.grad_reduce_in_bf16 else torch.float32)
@@ -293,6 +304,8 @@ class GradientSync:
             if b.handle is not None:
                 b.handle.wait()
                 b.handle = None
+            if self.replica_group is not None:  # the same shard of the other instances
+                comm.all_reduce(b.grad_shard_view(), self.replica_group)
             if self.stage >= 2:
                 self._free_grad(b)
         self._inflight = pending
