@@ -20,15 +20,14 @@ def resolve(argv=None) -> tuple:
     """Parse and validate; returns (config, tokenizer). Raises ConfigError on bad input."""
     from megatron_lite.checkpoint.manager import checkpoint_model_config, inherit_global_batch_size
     from megatron_lite.config import ModelConfig
-    from megatron_lite.data import build_tokenizer
+    from megatron_lite.data.tokenizers import tokenizer_from_config
     from megatron_lite.data.builder import check_data_paths, parse_split
 
     from models.zoo import zoo
 
     cfg: Config = parse_args(argv, zoo())
     d = cfg.data
-    tokenizer = build_tokenizer(d.tokenizer_type, tokenizer_model=d.tokenizer_model, vocab_file=d.vocab_file,
-                                merge_file=d.merge_file, vocab_size=d.vocab_size)
+    tokenizer = tokenizer_from_config(d)
     saved_model = checkpoint_model_config(cfg.training)
     if saved_model is not None:  # --use-checkpoint-args: the checkpoint's shape, not the model flags
         cfg.model = ModelConfig(**saved_model)

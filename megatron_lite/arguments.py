@@ -3,8 +3,11 @@
 Every field of the config dataclasses (config.py) is a flag named after it (`--num-layers` for
 `num_layers`), with the field's doc as its help and the field's default as its default: the
 dataclasses are the only source of defaults. A named `--model` (models/zoo.py) fills what the
-command line leaves out; explicit flags always win. Without `--model` the built-in default run
-(the zoo's DEFAULT_RUN preset) is used. Flags of Megatron-LM that are not fields are listed below,
+command line leaves out; explicit flags always win. Without `--model`, a command line that gives
+no model shape (--num-layers, --hidden-size, --num-attention-heads) runs the built-in default
+(the zoo's DEFAULT_RUN preset); one that does gets the dataclass defaults, which are Megatron-LM's
+where they change the numbers (dropout 0.1, linear LR decay, ...), so its launch scripts train as
+they do there. Flags of Megatron-LM that are not fields are listed below,
 each with what it does here.
 """
 from __future__ import annotations
@@ -26,24 +29,39 @@ SECTIONS = (("model", ModelConfig), ("moe", MoEConfig), ("parallel", ParallelCon
 COMPAT_NOOP_FLAGS = [
     "--use-mcore-models", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
     "--no-gradient-accumulation-fusion", "--accumulate-allreduce-grads-in-fp32", "--attention-softmax-in-fp32",
-    "--no-async-tensor-model-parallel-allreduce", "--use-rotary-position-embeddings", "--no-rope-fusion",
+    "--no-async-tensor-model-parallel-allreduce", "--no-rope-fusion",
     "--bias-swiglu-fusion", "--no-bias-swiglu-fusion", "--no-create-attention-mask-in-dataloader",
     # logging extras and allocator/IO hints: what they control is either always on here or moot
     "--log-throughput", "--log-params-norm", "--log-num-zeros-in-grad", "--log-timers-to-tensorboard",
     "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard", "--log-world-size-to-tensorboard",
     "--log-loss-scale-to-tensorboard", "--log-learning-rate-to-tensorboard", "--log-batch-size-to-tensorboard",
-    "--manual-gc", "--cross-entropy-loss-fusion", "--use-cpu-initialization", "--no-mmap-bin-files",
+    "--cross-entropy-loss-fusion", "--use-cpu-initialization", "--no-mmap-bin-files",
     "--no-persist-layer-norm", "--overlap-p2p-communication",
+    # torch.profiler is what --profile uses anyway; FSDP buffer placement knobs (memory only)
+    "--use-pytorch-profiler", "--fsdp-double-buffer", "--fsdp-manual-registration",
+    # parameters are initialized layout-independently from their global names, wherever built
+    "--init-model-with-meta-device",
 ]
 COMPAT_VALUE_FLAGS = ["--distributed-backend", "--timing-log-level", "--distributed-timeout-minutes",
                       "--num-dataset-builder-threads", "--data-impl", "--tensorboard-log-interval", "--ckpt-format",
-                      "--manual-gc-interval", "--tensorboard-queue-size"]
+                      "--tensorboard-queue-size"]
 # Megatron-LM flags that would change training here but are not implemented: refused with one
 # line rather than silently ignored.
-UNSUPPORTED_FLAGS = {"--rampup-batch-size": "batch-size ramp-up", "--train-samples": "sample-based training length",
-                     "--lr-warmup-samples": "sample-based warmup", "--lr-decay-samples": "sample-based decay",
-                     "--lr-warmup-init": "a non-zero warmup start",
-                     "--tp-comm-overlap": "Transformer Engine's userbuffers"}
+UNSUPPORTED_FLAGS = {"--tp-comm-overlap": "Transformer Engine's userbuffers"}
+# Flags that need a package or a device megatron-lite does not use: one line naming what is missing.
+NEEDS_PACKAGE_FLAGS = {
+    "--fp8-format": "FP8 GEMMs need Transformer Engine on Hopper/Blackwell GPUs",
+    "--fp8-recipe": "FP8 GEMMs need Transformer Engine on Hopper/Blackwell GPUs",
+    "--fp8-amax-history-len": "FP8 GEMMs need Transformer Engine on Hopper/Blackwell GPUs",
+    "--fp8-amax-compute-algo": "FP8 GEMMs need Transformer Engine on Hopper/Blackwell GPUs",
+    "--fp8-param-gather": "FP8 parameters need Transformer Engine on Hopper/Blackwell GPUs",
+    "--fp4-format": "FP4 GEMMs need Transformer Engine on Blackwell GPUs",
+    "--use-nccl-ub": "NCCL user-buffer registration needs NCCL (GPUs) and Megatron-FSDP's buffers",
+    "--cuda-graph-impl": "CUDA graphs need CUDA and Transformer Engine's graph capture",
+    "--cuda-graph-scope": "CUDA graphs need CUDA and Transformer Engine's graph capture",
+    "--enable-cuda-graph": "CUDA graphs need CUDA and Transformer Engine's graph capture",
+}
+SHARDING_STRATEGIES = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -117,10 +135,18 @@ def build_parser(zoo: Zoo) -> argparse.ArgumentParser:
                    default=argparse.SUPPRESS, help="= --rope-scaling-type llama3 (Llama-3.1)")
     par.add_argument("--use-distributed-optimizer", action="store_true", help="= --zero-stage 1")
     par.add_argument("--use-torch-fsdp2", action="store_true", help="= --zero-stage 3 (parameters sharded over DP)")
+    par.add_argument("--use-megatron-fsdp", action="store_true",
+                     help="= --zero-stage of --data-parallel-sharding-strategy")
+    par.add_argument("--data-parallel-sharding-strategy", choices=list(SHARDING_STRATEGIES), default=None,
+                     help="with --use-megatron-fsdp: no_shard, optim, optim_grads, optim_grads_params = ZeRO 0-3")
+    m.add_argument("--use-rotary-position-embeddings", action="store_const", const="rope",
+                   dest="position_embedding_type", default=argparse.SUPPRESS, help="= --position-embedding-type rope")
+    m.add_argument("--no-position-embedding", action="store_true",
+                   help="deprecated Megatron switch: accepted with --position-embedding-type rope (a no-op there)")
     par.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
                      help="local; transformer_engine needs Transformer Engine, which megatron-lite does not use yet")
     t.add_argument("--optimizer", choices=["adam"], default="adam", help="AdamW (decoupled weight decay)")
-    for flag in UNSUPPORTED_FLAGS:
+    for flag in list(UNSUPPORTED_FLAGS) + list(NEEDS_PACKAGE_FLAGS):
         p.add_argument(flag, nargs="*", default=None, help=argparse.SUPPRESS)
     compat = p.add_argument_group("accepted for compatibility with Megatron-LM launch scripts (no effect)")
     for flag in COMPAT_NOOP_FLAGS:
@@ -158,6 +184,9 @@ def _model_config(args: argparse.Namespace, preset: dict) -> ModelConfig:
     return ModelConfig(**{**preset, **given})
 
 
+# Flags that give a model's shape: with any of them (and no --model) no preset applies.
+SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads")
+
 # Fields that decide which Hugging Face family can represent a model (see models/hf_families.py).
 ARCHITECTURE_FIELDS = ("normalization", "position_embedding_type", "swiglu", "activation", "add_bias_linear",
                        "add_qkv_bias", "qk_layernorm", "window_size", "moe", "untie_embeddings_and_output_weights",
@@ -178,8 +207,13 @@ def _parallel_config(args: argparse.Namespace, model: ModelConfig) -> ParallelCo
         given["virtual_pipeline_model_parallel_size"] = per_pp // per_chunk
     if (given.get("virtual_pipeline_model_parallel_size") or 1) <= 1:
         given.pop("virtual_pipeline_model_parallel_size", None)
+    if args.data_parallel_sharding_strategy is not None and not args.use_megatron_fsdp:
+        raise ConfigError("--data-parallel-sharding-strategy applies to --use-megatron-fsdp: add it (or give "
+                          "--zero-stage 0-3 directly)")
     if "zero_stage" not in given:
-        if args.use_torch_fsdp2:
+        if args.use_megatron_fsdp:
+            given["zero_stage"] = SHARDING_STRATEGIES[args.data_parallel_sharding_strategy or "no_shard"]
+        elif args.use_torch_fsdp2:
             given["zero_stage"] = 3
         elif args.use_distributed_optimizer:
             given["zero_stage"] = 1
@@ -191,20 +225,35 @@ def config_from_args(args: argparse.Namespace, zoo: Zoo) -> Config:
     for flag, what in UNSUPPORTED_FLAGS.items():
         if getattr(args, flag.lstrip("-").replace("-", "_")) is not None:
             raise ConfigError(f"{flag} ({what}) is not supported by megatron-lite; remove it from the command line")
+    for flag, what in NEEDS_PACKAGE_FLAGS.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None and value != ["none"]:
+            raise ConfigError(f"{flag}: {what}, which megatron-lite does not use; remove the flag (bf16 is the "
+                              f"fastest precision here)" if flag.startswith(("--fp8", "--fp4"))
+                              else f"{flag}: {what}, which megatron-lite does not use; remove the flag")
     if args.transformer_impl == "transformer_engine":
         raise ConfigError("--transformer-impl transformer_engine: megatron-lite's layers are its own (local); "
                           "drop the flag or use --transformer-impl local")
-    named = zoo.model_config(args.model or zoo.default_run["model"])
+    # Without --model, the built-in default run applies only to a command line that names no model
+    # shape: a launch script that gives the shape gets Megatron-LM's defaults for everything else.
+    default_run = args.model is None and not any(hasattr(args, k) for k in SHAPE_FIELDS)
+    named = zoo.model_config(args.model or zoo.default_run["model"]) if args.model or default_run else {}
     seq_length = named.pop("seq_length", None)
     model = _model_config(args, named)
+    if args.no_position_embedding and model.position_embedding_type != "rope":
+        raise ConfigError("--no-position-embedding is deprecated (Megatron-LM accepts it only with rope); use "
+                          "--position-embedding-type rope or none")
     training = _given(args, TrainingConfig)
     if seq_length is not None:
         training.setdefault("seq_length", seq_length)
-    if args.model is None:
+    if default_run:
         training = {**_run_preset(zoo.default_run, training), **training}
     data = _given(args, DataConfig)
-    if "tokenizer_type" not in data and data.get("mock_data") and data.get("vocab_size"):
-        data["tokenizer_type"] = "NullTokenizer"
+    if "tokenizer_type" not in data:
+        if data.get("mock_data") and data.get("vocab_size"):
+            data["tokenizer_type"] = "NullTokenizer"
+        elif data.get("vocab_file"):  # Megatron-LM's pretrain_gpt.py default, with its files
+            data["tokenizer_type"] = "GPT2BPETokenizer"
     return Config(model=model, parallel=_parallel_config(args, model), training=TrainingConfig(**training),
                   data=DataConfig(**data))
 
@@ -214,4 +263,4 @@ def parse_args(argv: Optional[List[str]], zoo: Zoo) -> Config:
 
 
 __all__ = ["Zoo", "build_parser", "config_from_args", "parse_args", "COMPAT_NOOP_FLAGS", "COMPAT_VALUE_FLAGS",
-           "UNSUPPORTED_FLAGS"]
+           "NEEDS_PACKAGE_FLAGS", "UNSUPPORTED_FLAGS"]

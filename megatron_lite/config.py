@@ -195,6 +195,8 @@ class ParallelConfig:
     overlap_grad_reduce: bool = arg(False, "reduce gradient buckets while backward goes on", store="true")
     overlap_param_gather: bool = arg(False, "all-gather updated parameters during the next forward", store="true")
     grad_reduce_in_bf16: bool = arg(False, "reduce gradients in bf16", store="true")
+    num_distributed_optimizer_instances: int = arg(1, "shard the distributed optimizer inside this many groups of "
+                                                      "DP ranks (gradients summed across them)")
     cp_comm_type: List[str] = arg(help="context-parallel attention, one value or one per layer: p2p (ring), a2a "
                                        "(Ulysses), all_gather (allgather), a2a+p2p (with "
                                        "--hierarchical-context-parallel-sizes)", factory=lambda: ["p2p"], nargs="+")
@@ -280,6 +282,14 @@ class ParallelConfig:
         _require(not (self.overlap_param_gather and self.zero_stage == 0),
                  "--overlap-param-gather needs the distributed optimizer: --zero-stage 1, 2 or 3 "
                  "(or --use-distributed-optimizer)")
+        n = self.num_distributed_optimizer_instances
+        if n != 1:
+            dp_cp = world_size // (tp * pp)
+            _require(n >= 1 and self.zero_stage >= 1,
+                     f"--num-distributed-optimizer-instances ({n}) needs the distributed optimizer "
+                     f"(--use-distributed-optimizer or --zero-stage >= 1) and must be >= 1")
+            _require(dp_cp % n == 0, f"--num-distributed-optimizer-instances ({n}) must divide the data-parallel "
+                                     f"x context-parallel ranks ({dp_cp})")
         self._validate_context_parallel(model, seq_length)
         self._validate_experts(world_size, model)
 
@@ -307,9 +317,10 @@ class DataConfig:
     split: str = arg("969,30,1", "train,valid,test weights")
     data_cache_path: Optional[str] = arg(None, "where index caches go (default: next to the data)")
     mock_data: bool = arg(False, "random tokens (with --vocab-size: NullTokenizer)", store="true")
-    tokenizer_type: str = arg("ByteTokenizer", "ByteTokenizer (NullTokenizer with --mock-data --vocab-size), "
-                                               "NullTokenizer, SentencePieceTokenizer (alias GPTSentencePieceTokenizer, "
-                                               "Llama2Tokenizer), HuggingFaceTokenizer, GPT2BPETokenizer")
+    tokenizer_type: str = arg("ByteTokenizer", "ByteTokenizer (NullTokenizer with --mock-data --vocab-size, "
+                                               "GPT2BPETokenizer with --vocab-file), NullTokenizer, "
+                                               "SentencePieceTokenizer (alias GPTSentencePieceTokenizer, "
+                                               "Llama2Tokenizer), HuggingFaceTokenizer, GPT2BPETokenizer, TikTokenizer")
     tokenizer_model: Optional[str] = arg(None, "tokenizer model file or directory")
     vocab_file: Optional[str] = arg(None, "GPT-2 BPE vocabulary")
     merge_file: Optional[str] = arg(None, "GPT-2 BPE merges")
@@ -318,6 +329,11 @@ class DataConfig:
     reset_attention_mask: bool = arg(False, "tokens attend only within their document", store="true")
     eod_mask_loss: bool = arg(False, "no loss on end-of-document tokens", store="true")
     num_workers: int = arg(0, "data-loader worker processes")
+    tiktoken_pattern: Optional[str] = arg(None, "TikTokenizer split pattern: v1 or v2")
+    tiktoken_num_special_tokens: int = arg(1000, "TikTokenizer: ids reserved for special tokens")
+    tiktoken_special_tokens: Optional[List[str]] = arg(None, "TikTokenizer: the named special tokens", nargs="+")
+    legacy_tokenizer: bool = arg(False, "TikTokenizer: Megatron-LM's legacy tokenizer (no special-token parsing)",
+                                 store="true")
 
 
 @dataclass
@@ -325,14 +341,36 @@ class TrainingConfig:
     micro_batch_size: int = arg(8, "samples per micro-batch and DP rank")
     global_batch_size: Optional[int] = arg(None, "samples per step; None: micro_batch_size x DP")
     seq_length: int = arg(128, "tokens per sample (a named --model sets its own)")
-    train_iters: int = arg(300, "training steps")
+    train_iters: Optional[int] = arg(None, "training steps (or --train-samples)")
+    train_samples: Optional[int] = arg(None, "training length in samples; the LR schedule counts samples either way")
+    rampup_batch_size: Optional[List[int]] = arg(None, "START INCR SAMPLES: the global batch grows from START by INCR "
+                                                       "over SAMPLES samples (with --train-samples)", nargs=3)
+    decrease_batch_size_if_needed: bool = arg(False, "round each global batch down to a multiple of micro-batch x DP",
+                                              store="true")
     lr: float = arg(1e-3, "peak learning rate")
     min_lr: float = arg(0.0, "learning rate at the end of the decay")
-    lr_warmup_iters: int = arg(0, "linear warmup steps from 0")
-    lr_warmup_fraction: Optional[float] = arg(None, "warmup as a fraction of the decay steps")
+    lr_warmup_init: float = arg(0.0, "learning rate the warmup starts from")
+    lr_warmup_iters: int = arg(0, "linear warmup steps")
+    lr_warmup_samples: int = arg(0, "linear warmup samples (training by samples)")
+    lr_warmup_fraction: Optional[float] = arg(None, "warmup as a fraction of the decay length")
     lr_decay_iters: Optional[int] = arg(None, "decay steps; None: train_iters")
-    lr_decay_style: str = arg("cosine", "decay after warmup", choices=["cosine", "linear", "constant"])
+    lr_decay_samples: Optional[int] = arg(None, "decay samples; None: train_samples")
+    lr_decay_style: str = arg("linear", "decay after warmup",
+                              choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
+    lr_wsd_decay_style: str = arg("exponential", "WSD: shape of the final anneal",
+                                  choices=["exponential", "linear", "cosine", "minus_sqrt"])
+    lr_wsd_decay_iters: Optional[int] = arg(None, "WSD: steps of the final anneal (training by iterations)")
+    lr_wsd_decay_samples: Optional[int] = arg(None, "WSD: samples of the final anneal (training by samples)")
+    decoupled_lr: Optional[float] = arg(None, "separate peak LR of the word embedding and output layer")
+    decoupled_min_lr: Optional[float] = arg(None, "separate final LR of the word embedding and output layer")
     weight_decay: float = arg(0.01, "decoupled weight decay (not on biases and norms)")
+    start_weight_decay: Optional[float] = arg(None, "weight decay at the start (with --weight-decay-incr-style)")
+    end_weight_decay: Optional[float] = arg(None, "weight decay at the end (with --weight-decay-incr-style)")
+    weight_decay_incr_style: str = arg("constant", "weight decay schedule over training",
+                                       choices=["constant", "linear", "cosine"])
+    calculate_per_token_loss: bool = arg(False, "loss = mean over every loss-bearing token of the global batch; "
+                                                "default (Megatron's): mean of the micro-batches' token means",
+                                         store="true")
     adam_beta1: float = arg(0.9, "Adam beta1")
     adam_beta2: float = arg(0.999, "Adam beta2")
     adam_eps: float = arg(1e-8, "Adam epsilon")
@@ -379,31 +417,93 @@ class TrainingConfig:
     exit_interval: Optional[int] = arg(None, "save and exit at an iteration multiple of this")
     check_for_nan_in_loss_and_grad: bool = arg(True, "stop on a non-finite loss, gradient or fp16 parameter",
                                                flag="--no-check-for-nan-in-loss-and-grad", store="false")
+    use_precision_aware_optimizer: bool = arg(False, "keep main params, gradients and Adam states in the dtypes "
+                                                     "below (distributed optimizer)", store="true")
+    main_params_dtype: str = arg("fp32", "main (master) parameters", choices=["fp32", "fp16"])
+    main_grads_dtype: str = arg("fp32", "gradient buffers", choices=["fp32", "bf16"])
+    exp_avg_dtype: str = arg("fp32", "Adam first moment", choices=["fp32", "fp16", "bf16", "fp8"])
+    exp_avg_sq_dtype: str = arg("fp32", "Adam second moment", choices=["fp32", "fp16", "bf16", "fp8"])
+    profile: bool = arg(False, "trace steps profile_step_start+1 .. profile_step_end with torch.profiler",
+                        store="true")
+    profile_step_start: int = arg(10, "steps done when the trace starts")
+    profile_step_end: int = arg(12, "steps done when the trace stops")
+    profile_ranks: List[int] = arg(help="ranks that trace (none given: every rank)", factory=lambda: [0], nargs="*")
+    record_memory_history: bool = arg(False, "CUDA allocator history, dumped by the last rank", store="true")
+    memory_snapshot_path: str = arg("snapshot.pickle", "where --record-memory-history dumps its snapshot")
+    empty_unused_memory_level: int = arg(0, "empty the CUDA cache after forward-backward (1) and the optimizer (2)",
+                                         choices=[0, 1, 2])
+    manual_gc: bool = arg(False, "disable Python's automatic GC; collect every --manual-gc-interval steps",
+                          store="true")
+    manual_gc_interval: int = arg(0, "steps between collections with --manual-gc (0: only at the start)")
+    logging_level: Optional[int] = arg(None, "Python logging level (20 = INFO)")
 
-    def validate(self, dp: int) -> None:
+    def finalize(self, dp: int) -> None:
+        """The default global batch, and the iterations of a run given by --train-samples."""
+        if self.global_batch_size is None and dp >= 1:
+            self.global_batch_size = self.micro_batch_size * dp
+        if self.train_samples is not None:
+            _require(self.train_iters is None, "--train-iters and --train-samples are exclusive; choose one")
+            self.train_iters = self.batch_schedule(dp).train_iters(self.train_samples)
+        else:
+            # With --train-iters a ramp-up (which Megatron-LM refuses) grows the batch by the samples
+            # consumed as it does by samples; the schedule's lengths are iterations x the full batch.
+            _require(self.train_iters is not None, "give the training length: --train-iters N or --train-samples N")
+
+    def batch_schedule(self, dp: int):
+        """The global batch and micro-batches of every step (training/microbatches.py)."""
+        from .training.microbatches import BatchSchedule
+
+        return BatchSchedule(self.global_batch_size, self.micro_batch_size, dp, self.rampup_batch_size,
+                             self.decrease_batch_size_if_needed)
+
+    def param_scheduler(self):
+        """The LR / weight-decay schedule, counting samples (optim/lr_scheduler.py)."""
+        from .optim.lr_scheduler import SCHEDULE_FLAGS, build_param_scheduler
+
+        kw = {k: getattr(self, k) for k in SCHEDULE_FLAGS}
+        if self.train_samples is not None:
+            kw["train_iters"] = None  # derived by finalize(): the schedule reads the samples
+        return build_param_scheduler(**kw)
+
+    def optimizer_precision(self):
+        from .optim.precision import OptimizerPrecision
+
+        return OptimizerPrecision.from_flags(
+            use_precision_aware_optimizer=self.use_precision_aware_optimizer, main_params_dtype=self.main_params_dtype,
+            main_grads_dtype=self.main_grads_dtype, exp_avg_dtype=self.exp_avg_dtype,
+            exp_avg_sq_dtype=self.exp_avg_sq_dtype, distributed_optimizer=True)
+
+    def validate(self, dp: int, zero_stage: int = 1) -> None:
         _require(self.micro_batch_size >= 1, f"micro_batch_size ({self.micro_batch_size}) must be >= 1")
         _require(self.global_batch_size is not None, "global_batch_size is unset: call Config.finalize first")
-        _require(self.global_batch_size % (self.micro_batch_size * dp) == 0,
-                 f"global_batch_size ({self.global_batch_size}) must be divisible by micro_batch_size "
-                 f"({self.micro_batch_size}) x data-parallel size ({dp}) = {self.micro_batch_size * dp}")
-        _require(self.train_iters >= 0, f"train_iters ({self.train_iters}) must be >= 0")
-        _require(self.seq_length >= 1, f"seq_length ({self.seq_length}) must be >= 1")
         _require(self.global_batch_size >= 1, f"global_batch_size ({self.global_batch_size}) must be >= 1")
+        _require(self.train_iters is not None and self.train_iters >= 0,
+                 f"train_iters ({self.train_iters}) must be >= 0")
+        _require(self.train_samples is None or self.train_samples >= 0,
+                 f"train_samples ({self.train_samples}) must be >= 0")
+        self.batch_schedule(dp).microbatch_counts(self.train_iters)
+        _require(self.seq_length >= 1, f"seq_length ({self.seq_length}) must be >= 1")
         _require(self.eval_iters >= 0, f"eval_iters ({self.eval_iters}) must be >= 0")
         _require(0 <= self.seed < 2 ** 32, f"seed ({self.seed}) must lie in [0, 2**32)")
         _require(self.loss_scale is None or self.loss_scale > 0, f"loss_scale ({self.loss_scale}) must be positive")
-        _require(not (self.lr_warmup_iters and self.lr_warmup_fraction is not None),
-                 "--lr-warmup-iters and --lr-warmup-fraction are exclusive; choose one")
         _require(self.lr >= 0 and self.min_lr >= 0 and self.min_lr <= self.lr,
                  f"need 0 <= min_lr ({self.min_lr}) <= lr ({self.lr})")
         _require(not (self.bf16 and self.fp16), "--bf16 and --fp16 are exclusive; choose one")
-        _require(self.lr_decay_style in ("cosine", "linear", "constant"),
-                 f"lr_decay_style ({self.lr_decay_style}) must be cosine, linear or constant")
+        self._validate_optimizer()
+        self.param_scheduler()  # the schedule's own checks (modes, warmup < decay, WSD length, ...)
+        if self.use_precision_aware_optimizer:
+            _require(zero_stage >= 1, "--use-precision-aware-optimizer needs the distributed optimizer "
+                                      "(--use-distributed-optimizer or --zero-stage >= 1)")
+        self.optimizer_precision()
+        if self.profile:
+            _require(0 <= self.profile_step_start < self.profile_step_end,
+                     f"--profile-step-start ({self.profile_step_start}) must be >= 0 and below --profile-step-end "
+                     f"({self.profile_step_end})")
+        _require(self.manual_gc_interval >= 0, f"--manual-gc-interval ({self.manual_gc_interval}) must be >= 0")
         _require(self.recompute_granularity in (None, "full", "selective"),
                  f"recompute_granularity ({self.recompute_granularity}) must be full or selective")
         _require(self.device in (None, "cpu", "cuda"), f"device ({self.device}) must be cpu or cuda")
         _require(self.log_interval >= 1, f"log_interval ({self.log_interval}) must be >= 1")
-        self._validate_optimizer()
         _require(self.eval_interval >= 1, f"eval_interval ({self.eval_interval}) must be >= 1")
         self._validate_checkpointing()
 
@@ -423,8 +523,8 @@ class TrainingConfig:
         _require(self.recompute_num_layers >= 1, f"--recompute-num-layers ({self.recompute_num_layers}) must be >= 1")
 
     def _validate_checkpointing(self) -> None:
-        for flag, value in (("--save-interval", self.save_interval), ("--async-save", self.async_save),
-                            ("--keep-last", self.keep_last)):
+        # (--save-interval alone saves nothing, as in Megatron-LM, whose model configs carry one)
+        for flag, value in (("--async-save", self.async_save), ("--keep-last", self.keep_last)):
             _require(not value or self.save, f"{flag} needs --save DIR (where checkpoints go)")
         for flag, value in (("--save-interval", self.save_interval), ("--keep-last", self.keep_last),
                             ("--exit-interval", self.exit_interval)):
@@ -441,6 +541,7 @@ class TrainingConfig:
                      f"{flag} {path} exists and is not a directory")
 
     def num_microbatches(self, dp: int) -> int:
+        """Micro-batches of a step at the full global batch (evaluation, and after any ramp-up)."""
         return self.global_batch_size // (self.micro_batch_size * dp)
 
 
@@ -454,18 +555,19 @@ class Config:
     def finalize(self, world_size: int) -> "Config":
         """Fill what depends on the world size (the default global batch: micro-batch x DP).
         The one step that derives values; validate() only checks."""
-        t, dp = self.training, self.parallel.data_parallel_size(world_size)
-        if t.global_batch_size is None and dp >= 1:
-            t.global_batch_size = t.micro_batch_size * dp
+        self.training.finalize(self.parallel.data_parallel_size(world_size))
         return self
 
     def validate(self, world_size: int) -> None:
         self.model.validate(self.training.seq_length)
         self.parallel.validate(world_size, self.model, self.training.seq_length)
         dp = self.parallel.data_parallel_size(world_size)
-        self.training.validate(dp)
+        self.training.validate(dp, self.parallel.zero_stage)
         _require(self.data.num_workers >= 0, f"num_workers ({self.data.num_workers}) must be >= 0")
-        self._validate_pipeline(self.training.num_microbatches(dp))
+        t = self.training
+        for m in t.batch_schedule(dp).microbatch_counts(t.train_iters):
+            self._validate_pipeline(m)
+        self._validate_pipeline(t.num_microbatches(dp))  # evaluation
 
     def _validate_pipeline(self, num_microbatches: int) -> None:
         from .parallel.pipeline.partition import stage_layer_ranges

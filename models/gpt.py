@@ -43,7 +43,7 @@ def moe_mlp(cfg: C.ModelConfig, ctx: BuildContext, layer_number: int) -> MoELaye
     scale = ctx.aux_loss_scale if ctx.aux_loss_scale is not None else AuxLossScale()  # 1.0 outside training
     return MoELayer(cfg.moe, cfg.hidden_size, ctx.dims, layer_number=layer_number, aux_loss_scale=scale,
                     tracker=ctx.moe_tracker, sequence_parallel=ctx.sequence_parallel, swiglu=cfg.swiglu,
-                    activation=cfg.activation, dtype=ctx.params_dtype)
+                    activation=cfg.activation, dtype=ctx.params_dtype, recompute_tracker=ctx.tracker)
 
 
 def gpt_layer_spec(cfg: C.ModelConfig, ctx: BuildContext, layer_number: int) -> TransformerLayerSpec:

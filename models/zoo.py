@@ -146,8 +146,10 @@ MODELS: Dict[str, dict] = {
 # The built-in default run (`torchrun pretrain_gpt.py` with no --model): the model above, and its
 # schedule. A preset value is dropped when the command line gives one of the flags it depends on.
 DEFAULT_RUN = {"model": "gpt2-small-cpu",
-               "training": {"min_lr": 1e-4, "lr_warmup_iters": 20},
-               "unless": {"min_lr": ("lr",), "lr_warmup_iters": ("train_iters", "lr_warmup_fraction")}}
+               "training": {"train_iters": 300, "min_lr": 1e-4, "lr_warmup_iters": 20, "lr_decay_style": "cosine"},
+               "unless": {"train_iters": ("train_samples",), "min_lr": ("lr",),
+                          "lr_warmup_iters": ("train_iters", "train_samples", "lr_warmup_fraction",
+                                              "lr_warmup_samples")}}
 
 
 def get_model_config(name: str) -> dict:

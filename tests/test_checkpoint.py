@@ -261,7 +261,7 @@ def test_incomplete_checkpoint_is_refused(small_checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--save-interval", "5"], "--save-interval needs --save DIR"),
+    (["--keep-last", "2"], "--keep-last needs --save DIR"),
     (["--async-save"], "--async-save needs --save DIR"),
     (["--finetune"], "--finetune needs --load DIR"),
     (["--finetune", "--load", "/nonexistent/ckpt"], "--load directory /nonexistent/ckpt does not exist"),

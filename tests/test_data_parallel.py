@@ -49,12 +49,12 @@ def _launch_timing(rank, world, stage, overlap):
     dims, cfg, chunks, optimizer, sync, _ = setup(1, stage, ddp_bucket_size=3000, overlap_grad_reduce=overlap)
     seen = []
 
-    def recording(chunks_, batches, forward_step, scale, forward_only=False):
+    def recording(chunks_, batches, forward_step, loss_weight, forward_only=False):
         totals = LossTotals(torch.device("cpu"))
         for batch in batches:  # one micro-batch at a time, noting what was launched after each
             output, loss_func = forward_step(batch, chunks_[0])
             loss_sum, tokens, logs = loss_func(output)
-            (loss_sum * scale).backward()
+            loss_weight(loss_sum, tokens).backward()
             totals.add(loss_sum, tokens, logs)
             seen.append([b.launched for b in sync.buckets])
         return totals
@@ -137,7 +137,7 @@ def test_config_rules():
 
 # --- end to end ------------------------------------------------------------------------------
 CLI = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-       "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "5", "--device", "cpu",
+       "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "5", "--device", "cpu", "--attention-dropout", "0", "--hidden-dropout", "0",
        "--log-comm-volume"]
 
 
@@ -161,7 +161,7 @@ def test_cli_zero3_on_4_ranks_and_zero1_with_tp2_on_8_ranks(tmp_path):
 
 
 PP_ARGV = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-           "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "4", "--device", "cpu",
+           "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "4", "--device", "cpu", "--attention-dropout", "0", "--hidden-dropout", "0",
            "--lr", "3e-3", "--eval-iters", "0", "--disable-bias-linear"]  # no key bias: see test_zero.MODEL
 ZERO_OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "5000"]
 

@@ -140,3 +140,105 @@ def test_not_a_sentencepiece_model(tmp_path):
     bad.write_bytes(b"not a model")
     with pytest.raises(ConfigError, match="bad.model: not a SentencePiece model"):
         build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(bad))
+
+
+# --- TikTokenizer: Megatron-LM's vocabulary file, special ids, patterns -------------------------
+import base64
+
+from megatron_lite.data.tokenizers import TIKTOKEN_PATTERNS
+
+MERGES = [b"th", b"he", b"the", b" the", b"or", b"ld", b"wor", b"world", b" world", b"ll", b"llo", b"hello",
+          b"in", b"ing", b"Wor", b"World", b"aB"]
+NUM_SPECIAL = 10
+
+
+@pytest.fixture(scope="module")
+def tiktoken_file(tmp_path_factory):
+    """A vocabulary in Megatron's (NeMo's) format: the 256 bytes, then merges, rank = position."""
+    tokens = [bytes([i]) for i in range(256)] + MERGES
+    entries = [{"rank": i, "token_bytes": base64.b64encode(t).decode(), "token_str": t.decode("utf-8", "replace")}
+               for i, t in enumerate(tokens)]
+    path = tmp_path_factory.mktemp("tiktoken") / "vocab.json"
+    path.write_text(json.dumps(entries))
+    return str(path)
+
+
+def reference_tiktoken(text, pattern, vocab_size):
+    """tiktoken's byte-pair encoding, written out: split with the pattern, then per piece merge the
+    adjacent pair of lowest rank until none is in the vocabulary; ids shifted past the specials."""
+    ranks = {t: i for i, t in enumerate([bytes([i]) for i in range(256)] + MERGES) if i < vocab_size - NUM_SPECIAL}
+    ids = []
+    for piece in regex.findall(TIKTOKEN_PATTERNS[pattern], text):
+        parts = [bytes([b]) for b in piece.encode("utf-8")]
+        while len(parts) > 1:
+            best = min(range(len(parts) - 1), key=lambda i: ranks.get(parts[i] + parts[i + 1], float("inf")))
+            if parts[best] + parts[best + 1] not in ranks:
+                break
+            parts[best:best + 2] = [parts[best] + parts[best + 1]]
+        ids += [ranks[p] + NUM_SPECIAL for p in parts]
+    return ids
+
+
+def tiktok(path, **kw):
+    kw.setdefault("vocab_size", NUM_SPECIAL + 256 + len(MERGES))
+    return build_tokenizer("TikTokenizer", tokenizer_model=path, tiktoken_num_special_tokens=NUM_SPECIAL, **kw)
+
+
+def test_tiktoken_special_ids_as_megatron_assigns_them(tiktoken_file):
+    tok = tiktok(tiktoken_file)
+    assert tok.special_tokens == ["<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>",
+                                  "<SPECIAL_7>", "<SPECIAL_8>", "<SPECIAL_9>"]
+    assert (tok.unk, tok.bos, tok.eod, tok.vocab_size) == (0, 1, 2, 283)
+    legacy = tiktok(tiktoken_file, tiktoken_pattern="v1", legacy_tokenizer=True)
+    assert legacy.special_tokens[3:] == [f"<SPECIAL_{i}>" for i in range(3, 10)] and legacy.eod == 2
+    custom = tiktok(tiktoken_file, tiktoken_special_tokens=["<s>", "</s>", "<unk>", "<mask>", "<pad>", "<cls>",
+                                                            "<sep>", "<|im_start|>"])
+    assert (custom.bos, custom.eod, custom.unk) == (0, 1, 2) and custom.special_tokens[7] == "<|im_start|>"
+
+
+def test_tiktoken_ids_by_hand_and_against_the_reference(tiktoken_file):
+    tok = tiktok(tiktoken_file)
+    # "hello" -> he, ll, llo, hello (rank 256 + 11); " world" -> or, ld, wor, world, " world" (256 + 8)
+    assert tok.tokenize("hello world") == [NUM_SPECIAL + 256 + 11, NUM_SPECIAL + 256 + 8]
+    for pattern in ("v1", "v2"):
+        tok = tiktok(tiktoken_file, tiktoken_pattern=pattern)
+        for text in TEXTS + ["the weather in the world", "HelloWorld thing", "x = 12345;\n\n  y"]:
+            assert tok.tokenize(text) == reference_tiktoken(text, pattern, tok.vocab_size), (pattern, text)
+            assert tok.detokenize(tok.tokenize(text)) == text
+    # v1 keeps a run of letters in one piece, so "aB" merges; v2 splits before the capital
+    a_b = NUM_SPECIAL + 256 + MERGES.index(b"aB")
+    assert tiktok(tiktoken_file, tiktoken_pattern="v1").tokenize("aB") == [a_b]
+    assert tiktok(tiktoken_file, tiktoken_pattern="v2").tokenize("aB") == [NUM_SPECIAL + ord("a"), NUM_SPECIAL + ord("B")]
+
+
+def test_tiktoken_special_token_text_and_eod(tiktoken_file):
+    core, legacy = tiktok(tiktoken_file), tiktok(tiktoken_file, tiktoken_pattern="v2", legacy_tokenizer=True)
+    assert core.tokenize("the</s>") == core.tokenize("the") + [core.eod]  # Megatron-Core: allowed_special="all"
+    assert core.eod not in legacy.tokenize("the</s>")  # legacy: encode_ordinary
+    assert legacy.detokenize(legacy.tokenize("the</s>")) == "the</s>"
+    assert core.detokenize(core.tokenize("hello") + [core.eod]) == "hello</s>"
+
+
+def test_tiktoken_vocab_size_cuts_the_file(tiktoken_file):
+    tok = tiktok(tiktoken_file, vocab_size=NUM_SPECIAL + 256 + 2)  # only "th" and "he" remain
+    ids = tok.tokenize("the hello")
+    assert max(ids) < tok.vocab_size and ids == reference_tiktoken("the hello", "v2", tok.vocab_size)
+    assert tok.detokenize(ids) == "the hello"
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(tiktoken_special_tokens=["<s>", "</s>"]), "must include"),
+    (dict(tiktoken_pattern="v3"), "v1 or v2"),
+    (dict(vocab_size=NUM_SPECIAL + 1000), "has 273 tokens"),
+    (dict(tiktoken_special_tokens=["<unk>", "<unk>"]), "unique"),
+])
+def test_bad_tiktoken_flags(tiktoken_file, kw, match):
+    with pytest.raises(ConfigError, match=match):
+        tiktok(tiktoken_file, **kw)
+
+
+def test_bad_tiktoken_file(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"rank": 0, "token_bytes": base64.b64encode(b"a").decode(), "token_str": "a"}]))
+    with pytest.raises(ConfigError, match="single byte"):
+        tiktok(str(bad))

@@ -30,7 +30,7 @@ import convert_checkpoint as tool  # noqa: E402
 
 SEQ, BATCH, SEED = 16, 4, 1234
 RUN = ["--mock-data", "--vocab-size", str(VOCAB - 1), "--seq-length", str(SEQ), "--micro-batch-size", "2",
-       "--global-batch-size", str(BATCH), "--train-iters", "1", "--eval-iters", "0", "--device", "cpu",
+       "--global-batch-size", str(BATCH), "--train-iters", "1", "--eval-iters", "0", "--device", "cpu", "--attention-dropout", "0", "--hidden-dropout", "0",
        "--use-checkpoint-args", "--seed", str(SEED)]  # NullTokenizer: VOCAB - 1 ids + its end of document
 LAYOUTS = {"tp1": ([], 1), "tp2pp2": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 4),
            "ep2": (["--expert-model-parallel-size", "2"], 2)}

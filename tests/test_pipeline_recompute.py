@@ -8,7 +8,7 @@ from megatron_lite.testing import assert_same_run, run_distributed
 from training_utils import LLAMA_SWITCHES, merged_params, records_of, train_and_gather
 
 BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "3", "--device", "cpu",
+        "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "3", "--device", "cpu", "--attention-dropout", "0", "--hidden-dropout", "0",
         "--lr", "3e-3", "--eval-iters", "0"]
 SCHEDULES = {"gpipe": ["--pipeline-schedule", "gpipe"], "1f1b": ["--pipeline-schedule", "1f1b"],
              "zb-h1": ["--pipeline-schedule", "zb-h1"],

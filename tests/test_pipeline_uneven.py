@@ -8,7 +8,7 @@ from megatron_lite.testing import assert_same_run, run_distributed
 from training_utils import LLAMA_SWITCHES, merged_params, records_of, train_and_gather
 
 BASE = ["--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "1",
-        "--global-batch-size", "8", "--train-iters", "5", "--device", "cpu", "--lr", "3e-3",
+        "--global-batch-size", "8", "--train-iters", "5", "--device", "cpu", "--attention-dropout", "0", "--hidden-dropout", "0", "--lr", "3e-3",
         "--eval-iters", "1", "--eval-interval", "5"]
 
 

@@ -22,7 +22,7 @@ def test_tp_layouts_reproduce_single_process_losses(family):
 
 def test_cli_tp2_sequence_parallel_matches_tp1(tmp_path):
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "5", "--device", "cpu"]
+            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "5", "--device", "cpu", "--attention-dropout", "0", "--hidden-dropout", "0"]
     torchrun(1, base, tmp_path / "tp1.jsonl")
     proc = torchrun(2, base + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], tmp_path / "tp2.jsonl")
     assert re.search(r"iteration\s+5/5 \|.*lm loss: [0-9.E+-]+ \|.*tokens/s: \d+", proc.stdout), proc.stdout

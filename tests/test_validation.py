@@ -8,7 +8,8 @@ import pytest
 import pretrain_gpt
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-        "--micro-batch-size", "2", "--device", "cpu"]
+        "--micro-batch-size", "2", "--train-iters", "5", "--device", "cpu", "--attention-dropout", "0",
+        "--hidden-dropout", "0"]
 
 CASES = [
     # (world size, extra flags, fragments the message must contain)
@@ -56,7 +57,14 @@ CASES = [
     (1, ["--eval-iters", "-1"], ["eval_iters (-1)"]),
     (1, ["--split", "0,100,0"], ["--split 0,100,0", "no training data"]),
     (1, ["--lr-warmup-iters", "5", "--lr-warmup-fraction", "0.1"], ["exclusive"]),
-    (1, ["--rampup-batch-size", "16", "16", "1000"], ["--rampup-batch-size", "not supported"]),
+    (1, ["--rampup-batch-size", "16", "16", "1000"], ["--rampup-batch-size START (16)", "--global-batch-size (2)"]),
+    (1, ["--fp8-format", "hybrid"], ["--fp8-format", "Transformer Engine"]),
+    (2, ["--num-distributed-optimizer-instances", "2"], ["--num-distributed-optimizer-instances (2)",
+                                                          "distributed optimizer"]),
+    (4, ["--num-distributed-optimizer-instances", "3", "--use-distributed-optimizer"],
+     ["--num-distributed-optimizer-instances (3)", "must divide", "(4)"]),
+    (1, ["--use-precision-aware-optimizer"], ["--use-precision-aware-optimizer", "distributed optimizer"]),
+    (1, ["--profile", "--profile-step-start", "3", "--profile-step-end", "3"], ["--profile-step-start (3)"]),
     (1, ["--no-such-flag"], ["unrecognized arguments: --no-such-flag"]),
     (1, ["--lr-decay-style", "exponential"], ["--lr-decay-style", "exponential"]),
     (1, ["--tokenizer-type", "FancyTokenizer"], ["FancyTokenizer"]),

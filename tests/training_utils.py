@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "5", "--device", "cpu",
-        "--lr", "3e-3", "--eval-iters", "0"]  # on the built-in corpus (Python sources, byte tokenizer)
+        "--lr", "3e-3", "--eval-iters", "0", "--attention-dropout", "0", "--hidden-dropout", "0"]  # on the built-in corpus (Python sources, byte tokenizer)
 LLAMA_SWITCHES = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
                   "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--group-query-attention",
                   "--num-query-groups", "2"]

@@ -34,7 +34,7 @@ FREE_FIELDS = {"attention_dropout", "hidden_dropout", "init_method_std", "attent
                "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_aux_loss_coeff", "moe_z_loss_coeff",
                "moe_router_bias_update_rate", "moe_input_jitter_eps", "moe_router_load_balancing_type",
                "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
-               "moe_router_dtype"}
+               "moe_router_dtype", "moe_layer_recompute"}
 
 
 def config_diffs(saved: dict, current: dict, prefix: str = "") -> List[str]:
@@ -71,7 +71,7 @@ def _source_keys(kind: str, name: str, load_optim: bool, dtype: torch.dtype) -> 
 def fill_tensors(trainer, reader: CheckpointReader, load_optim: bool) -> None:
     """Every rank: its shard of every bucket's params and optimizer state, from the checkpoint.
     Local (no collective): the caller all-gathers the parameters once every rank succeeded."""
-    for bucket, sources in bucket_sources(trainer.optimizer):
+    for bucket, sources in bucket_sources(trainer.optimizer, for_loading=True):
         lo, hi = fill_range(bucket)
         for region in regions(bucket, lo, hi, trainer.dims, writers_only=False):
             runs = region.runs()
@@ -86,18 +86,28 @@ def fill_tensors(trainer, reader: CheckpointReader, load_optim: bool) -> None:
                                           f"needs {list(region.spec.stored_shape)}")
                 for run in runs:
                     reader.read_into(key, run.full, run.view(flat, region.start - base))
+    trainer.optimizer.commit_loaded_state()  # low-precision states: store what was filled in fp32
 
 
 def _same_layout(saved: dict, dims) -> bool:
     return all(saved.get(k) == getattr(dims, k) for k in ("tp", "pp", "dp", "cp"))
 
 
-def _schedule_notes(saved: dict, ours: dict) -> List[str]:
-    """The LR schedule is a function of the iteration and the flags: this run's flags win (e.g. a
-    longer --train-iters stretches the decay, as intended); say so when they changed."""
-    changed = [f"{k} {saved[k]} -> {v}" for k, v in ours.items()
-               if k in saved and k != "num_steps" and saved[k] != v]
+def _schedule_notes(saved: dict, scheduler) -> List[str]:
+    """The LR schedule is a function of the samples consumed and the flags: this run's flags win
+    (e.g. a longer --train-samples stretches the decay, as intended); say so when they changed."""
+    changed = scheduler.changes_from(saved) if saved.get("step_unit") == scheduler.step_unit else []
     return [f"LR schedule from this run's flags ({', '.join(changed)})"] if changed else []
+
+
+def _schedule_position(meta: dict, scheduler) -> float:
+    """Where the LR schedule stands: the samples of the successful updates. A checkpoint of an
+    older megatron-lite counted updates: times its global batch (it had no ramp-up)."""
+    saved = meta["lr_scheduler"]
+    if saved.get("step_unit") == scheduler.step_unit:
+        return saved["num_steps"]
+    updates = saved.get("num_steps", meta["iteration"])
+    return updates * meta["config"]["training"]["global_batch_size"]
 
 
 class Loaded:
@@ -154,11 +164,11 @@ def load_checkpoint(trainer, path: str, *, load_optim: bool = True, load_rng: bo
     if not finetune:
         trainer.iteration = meta["iteration"]
         # Updates made so far (fewer than iterations when fp16 skipped some): where the LR schedule is.
-        trainer.lr_schedule.num_steps = meta["lr_scheduler"].get("num_steps", meta["iteration"])
+        trainer.lr_schedule.num_steps = _schedule_position(meta, trainer.lr_schedule)
         trainer.consumed_samples = meta["consumed_samples"]
         trainer.consumed_valid_samples = meta.get("consumed_valid_samples", 0)
     if load_optim:
-        notes += _schedule_notes(meta["lr_scheduler"], trainer.lr_schedule.state_dict())
+        notes += _schedule_notes(meta["lr_scheduler"], trainer.lr_schedule)
         if not trainer.optimizer.load_scalar_state(meta["optimizer"]):
             notes.append(f"loss scaler not restored ({meta['optimizer']['loss_scaler']} in the checkpoint)")
     if world_rank() == 0:

@@ -13,8 +13,9 @@ pipeline stage's copy of a tied embedding reads the embedding's name).
 Writers (each stored element written exactly once):
 - model parallelism: the rank that counts a parameter in the gradient norm (`counts_in_norm`):
   TP rank 0 for replicated params, one of each group of TP replicas, the embedding's stage;
-- data parallelism: at ZeRO 1-3 each DP rank writes its own shard; at ZeRO 0 the replicas split
-  each bucket evenly, so the writing is balanced over DP ranks too.
+- data parallelism: at ZeRO 1-3 each DP rank writes its own shard (with distributed-optimizer
+  instances, the ranks of the first instance); at ZeRO 0 the replicas split each bucket evenly, so
+  the writing is balanced over DP ranks too.
 Readers fill their whole shard of each bucket (the whole bucket at ZeRO 0).
 """
 from __future__ import annotations
@@ -67,8 +68,11 @@ def even_part(n: int, parts: int, index: int) -> Tuple[int, int]:
 
 
 def write_range(bucket: Bucket) -> Tuple[int, int]:
-    """Bucket positions this rank writes: its ZeRO shard, or (unsharded) its even share of the
-    bucket among the data-parallel ranks holding it."""
+    """Bucket positions this rank writes: its ZeRO shard (nothing outside the first
+    distributed-optimizer instance, which holds the same shards), or (unsharded) its even share of
+    the bucket among the data-parallel ranks holding it."""
+    if bucket.replica_rank:
+        return bucket.shard_lo, bucket.shard_lo
     if bucket.shard_numel < bucket.numel:
         return bucket.shard_lo, bucket.shard_lo + bucket.shard_numel
     return even_part(bucket.numel, bucket.group_size, bucket.group_rank)
@@ -78,10 +82,11 @@ def fill_range(bucket: Bucket) -> Tuple[int, int]:
     return bucket.shard_lo, bucket.shard_lo + bucket.shard_numel
 
 
-def bucket_sources(optimizer) -> Iterator[Tuple[Bucket, Dict[str, Tuple[torch.Tensor, int]]]]:
+def bucket_sources(optimizer, for_loading: bool = False) -> Iterator[Tuple[Bucket, Dict[str, Tuple[torch.Tensor, int]]]]:
     """Per bucket: stored kind ('model' or an optimizer state) -> (flat tensor, bucket position of
-    its element 0)."""
-    for bucket, states in optimizer.shard_tensors():
+    its element 0). Optimizer states are fp32 (copies of low-precision ones: `for_loading` keeps
+    them for the optimizer's commit_loaded_state())."""
+    for bucket, states in optimizer.shard_tensors(for_loading):
         if bucket.param_data is not None:
             sources = {MODEL: (bucket.param_data, 0)}
         else:  # ZeRO-3: the shard is all there is

@@ -55,8 +55,9 @@ def _as_float(text: str) -> Optional[float]:
 
 
 def parse_split(split: str) -> List[float]:
-    """"969,30,1" (or "969/30/1", missing parts = 0) -> normalised train/valid/test fractions."""
-    parts = [p for p in str(split).replace("/", ",").split(",") if p.strip()]
+    """"969,30,1" (or "969/30/1", missing parts = 0) -> normalised train/valid/test fractions.
+    Quotes around it (what a shell array hands over from `--split '99,1,0'`) are ignored."""
+    parts = [p for p in str(split).strip("'\" ").replace("/", ",").split(",") if p.strip()]
     try:
         values = [float(p) for p in parts]
     except ValueError:

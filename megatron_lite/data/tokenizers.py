@@ -3,13 +3,15 @@
 Every tokenizer has `.name`, `.vocab_size` (the true vocabulary, unpadded), `.eod`,
 `.tokenize(text) -> list[int]`, `.detokenize(ids) -> str`, `.fingerprint` (identifies the exact
 vocabulary, for cache keys) and `.tokenize_array(text) -> np.ndarray` (the preprocessing fast path).
-Heavy libraries (sentencepiece, tokenizers, transformers) are imported only when asked for.
+Heavy libraries (sentencepiece, tokenizers, transformers, tiktoken) are imported only when asked for.
 """
 from __future__ import annotations
 
+import base64
 import hashlib
+import json
 import os
-from typing import Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
 
@@ -213,6 +215,106 @@ class _TokenizersFile:
         return self._tok.decode(ids)
 
 
+# Megatron-LM's TikToken split patterns (--tiktoken-pattern v1 | v2).
+TIKTOKEN_PATTERNS = {
+    "v1": r"[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+",
+    "v2": r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+          r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+# Special tokens that must be among the first ids: Megatron-Core's TikTokenTokenizer (what
+# pretrain_gpt.py builds by default) and the legacy CustomTikTokenizer (--legacy-tokenizer).
+TIKTOKEN_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>")
+TIKTOKEN_LEGACY_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+
+
+def load_tiktoken_ranks(path: str, max_vocab: int) -> Dict[bytes, int]:
+    """A tiktoken vocabulary file as Megatron-LM reads it: a JSON list whose element i is
+    {"rank": i, "token_bytes": base64, "token_str": ...}, the first 256 being the single bytes;
+    only its first `max_vocab` entries are kept. Returns token bytes -> rank."""
+    if not path.endswith(".json"):
+        raise ConfigError(f"--tokenizer-model {path}: a TikToken vocabulary is a .json file")
+    with open(path, "r", encoding="utf-8") as f:
+        try:
+            vocab = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--tokenizer-model {path}: not JSON ({e})")
+    if not isinstance(vocab, list):
+        raise ConfigError(f"--tokenizer-model {path}: expected a JSON list of tokens, got {type(vocab).__name__}")
+    ranks: Dict[bytes, int] = {}
+    for i, entry in enumerate(vocab[:max_vocab]):
+        if not isinstance(entry, dict) or entry.keys() != {"rank", "token_bytes", "token_str"} or entry["rank"] != i:
+            raise ConfigError(f"--tokenizer-model {path}: entry {i} must be {{'rank': {i}, 'token_bytes': ..., "
+                              f"'token_str': ...}}, got {entry!r}")
+        token = base64.b64decode(entry["token_bytes"])
+        if i < 256 and token != bytes([i]):
+            raise ConfigError(f"--tokenizer-model {path}: entry {i} must be the single byte {bytes([i])!r}")
+        if token in ranks:
+            raise ConfigError(f"--tokenizer-model {path}: entry {i} repeats the token {token!r}")
+        ranks[token] = i
+    return ranks
+
+
+class TikTokenizer(_Tokenizer):
+    """Megatron-LM's TikTokenizer: ids 0 .. num_special_tokens-1 are the special tokens (the given
+    list, then <SPECIAL_i> fillers), the vocabulary file's ranks follow shifted by
+    num_special_tokens, and the file is cut to vocab_size - num_special_tokens entries. eod is
+    "</s>" (id 2 with the default lists).
+
+    By default as Megatron-Core's TikTokenTokenizer (pretrain_gpt.py's default path): pattern v2
+    unless given, seven required special tokens, and special-token text in the input encodes to
+    its id. `legacy=True` is the --legacy-tokenizer CustomTikTokenizer: three required special
+    tokens, and text is always encoded as plain text (encode_ordinary)."""
+    name = "TikTokenizer"
+
+    def __init__(self, path: Optional[str], pattern: Optional[str] = None, vocab_size: Optional[int] = None,
+                 num_special_tokens: int = 1000, special_tokens: Optional[Sequence[str]] = None,
+                 legacy: bool = False):
+        path = _need_file(path, "--tokenizer-model", self.name)
+        import tiktoken
+        pattern = pattern or "v2"
+        if pattern not in TIKTOKEN_PATTERNS:
+            raise ConfigError(f"--tiktoken-pattern {pattern}: choose v1 or v2")
+        self.vocab_size = int(vocab_size) if vocab_size else 2 ** 17  # Megatron's default, 131072
+        specials = _tiktoken_specials(special_tokens, num_special_tokens, self.vocab_size, legacy)
+        inner = self.vocab_size - num_special_tokens
+        ranks = load_tiktoken_ranks(path, inner)
+        if len(ranks) < inner:
+            raise ConfigError(f"--tokenizer-model {path} has {len(ranks)} tokens; a vocabulary of {self.vocab_size} "
+                              f"with {num_special_tokens} special tokens needs {inner}: lower --vocab-size to "
+                              f"{len(ranks) + num_special_tokens} or --tiktoken-num-special-tokens")
+        self._enc = tiktoken.Encoding(name=f"megatron-lite:{os.path.basename(path)}", pat_str=TIKTOKEN_PATTERNS[pattern],
+                                      mergeable_ranks={t: r + num_special_tokens for t, r in ranks.items()},
+                                      special_tokens={t: i for i, t in enumerate(specials)})
+        self.special_tokens, self.num_special_tokens, self.legacy = specials, num_special_tokens, legacy
+        self.unk, self.bos, self.eod = specials.index("<unk>"), specials.index("<s>"), specials.index("</s>")
+        self.fingerprint = (f"{self.name}:{_file_digest(path)}:{pattern}:{self.vocab_size}:"
+                            + hashlib.sha256("\0".join(specials).encode()).hexdigest()[:16] + (":legacy" if legacy else ""))
+
+    def tokenize(self, text: str) -> List[int]:
+        if self.legacy:
+            return self._enc.encode_ordinary(text)
+        return self._enc.encode(text, allowed_special="all")
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._enc.decode([int(i) for i in ids])
+
+
+def _tiktoken_specials(given: Optional[Sequence[str]], num: int, vocab_size: int, legacy: bool) -> List[str]:
+    """The special tokens of ids 0 .. num-1, checked as Megatron checks them."""
+    required = TIKTOKEN_LEGACY_SPECIAL_TOKENS if legacy else TIKTOKEN_SPECIAL_TOKENS
+    specials = list(required if given is None else given)
+    if len(set(specials)) != len(specials):
+        raise ConfigError(f"--tiktoken-special-tokens must be unique: {specials}")
+    if not len(specials) <= num < vocab_size:
+        raise ConfigError(f"need {len(specials)} special tokens <= --tiktoken-num-special-tokens ({num}) < "
+                          f"--vocab-size ({vocab_size})")
+    missing = [t for t in required if t not in specials]
+    if missing:
+        raise ConfigError(f"--tiktoken-special-tokens must include {list(required)}; missing {missing}")
+    return specials + [f"<SPECIAL_{i}>" for i in range(len(specials), num)]
+
+
 _ALIASES = {
     "ByteTokenizer": "ByteTokenizer",
     "NullTokenizer": "NullTokenizer",
@@ -221,11 +323,16 @@ _ALIASES = {
     "Llama2Tokenizer": "SentencePieceTokenizer",
     "HuggingFaceTokenizer": "HuggingFaceTokenizer",
     "GPT2BPETokenizer": "GPT2BPETokenizer",
+    "TikTokenizer": "TikTokenizer",
 }
+
+# DataConfig fields read for --tokenizer-type TikTokenizer (when the config has them).
+TIKTOKEN_FIELDS = ("tiktoken_pattern", "tiktoken_num_special_tokens", "tiktoken_special_tokens", "legacy_tokenizer")
 
 
 def build_tokenizer(tokenizer_type: str, *, tokenizer_model=None, vocab_file=None, merge_file=None,
-                    vocab_size=None):
+                    vocab_size=None, tiktoken_pattern=None, tiktoken_num_special_tokens=1000,
+                    tiktoken_special_tokens=None, legacy_tokenizer=False):
     """Build the tokenizer Megatron-LM would build for `--tokenizer-type`."""
     kind = _ALIASES.get(tokenizer_type or "ByteTokenizer")
     if kind is None:
@@ -238,4 +345,15 @@ def build_tokenizer(tokenizer_type: str, *, tokenizer_model=None, vocab_file=Non
         return SentencePieceTokenizer(tokenizer_model)
     if kind == "GPT2BPETokenizer":
         return GPT2BPETokenizer(vocab_file, merge_file)
+    if kind == "TikTokenizer":
+        return TikTokenizer(tokenizer_model, tiktoken_pattern, vocab_size, tiktoken_num_special_tokens,
+                            tiktoken_special_tokens, legacy=legacy_tokenizer)
     return HuggingFaceTokenizer(tokenizer_model)
+
+
+def tokenizer_from_config(data_config):
+    """build_tokenizer() from a `DataConfig`."""
+    tiktoken_args = {k: getattr(data_config, k) for k in TIKTOKEN_FIELDS if hasattr(data_config, k)}
+    return build_tokenizer(data_config.tokenizer_type, tokenizer_model=data_config.tokenizer_model,
+                           vocab_file=data_config.vocab_file, merge_file=data_config.merge_file,
+                           vocab_size=data_config.vocab_size, **tiktoken_args)

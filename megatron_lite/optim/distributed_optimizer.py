@@ -10,11 +10,17 @@ A step: unscale (fp16) -> skip everywhere if any rank found inf/NaN (the scale b
 grad norm of the whole model (model-parallel ranks count each distinct element once, see
 `sharding.counts_in_norm`; sharded stages also sum over DP, each shard counted once) -> clip ->
 AdamW -> copy back -> param all-gather.
+
+Parameter groups: the step takes one LR, or one per group (--decoupled-lr: the word embedding and
+the output layer form DECOUPLED_GROUP); a shard is updated in one piece whenever its groups share
+this step's LR, else run by run. Precision (--use-precision-aware-optimizer, see precision.py):
+main params, m and v may be kept in bf16 / fp16 / fp8; each parameter's part of the shard is then
+updated in fp32 and stored again.
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -23,10 +29,12 @@ from ..config import TrainingConfig
 from ..errors import NonFiniteError
 from ..parallel import comm
 from ..parallel.data_parallel import Bucket, GradientSync
-from ..parallel.sharding import counts_in_norm
-from ..parallel.state import ParallelDims
+from ..parallel.sharding import counts_in_norm, spec_of
+from ..parallel.state import ParallelDims, group_size
 from .adam import adamw_
 from .loss_scaler import ConstantLossScaler, DynamicLossScaler
+from .lr_scheduler import DECOUPLED_GROUP, DEFAULT_GROUP
+from .precision import OptimizerPrecision, StateStorage
 
 _NORM_SLICE = 1 << 18  # elements per float64 slice of the gradient norm
 
@@ -46,37 +54,172 @@ def _merge(ranges: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
     return out
 
 
-class _ShardState:
-    """Optimizer state of one bucket's shard: fp32 main params, Adam m and v, and which ranges
-    of the shard are weight-decayed and counted in the grad norm."""
+LR = Union[float, Mapping[str, float]]  # one LR, or one per parameter group (OptimizerParamScheduler.lrs())
+# Parameters of the decoupled-LR group (--decoupled-lr): Megatron's is_embedding_or_output_parameter.
+EMBEDDING_OR_OUTPUT = ("embedding.word_embeddings.weight", "output_layer.weight")
 
-    def __init__(self, bucket: Bucket, dims: ParallelDims):
+
+def lr_group(name: str, param) -> str:
+    """The LR group of a parameter: the word embedding and the output layer (also the last stage's
+    copy of a tied embedding) are DECOUPLED_GROUP; learned position embeddings are not."""
+    if getattr(param, "is_embedding_or_output_parameter", False) or \
+            any(name == n or name.endswith("." + n) for n in EMBEDDING_OR_OUTPUT):
+        return DECOUPLED_GROUP
+    return DEFAULT_GROUP
+
+
+def _within(ranges: List[Tuple[int, int]], lo: int, hi: int) -> List[Tuple[int, int]]:
+    """`ranges` clipped to [lo, hi), relative to lo."""
+    return [(max(a, lo) - lo, min(b, hi) - lo) for a, b in ranges if max(a, lo) < min(b, hi)]
+
+
+def _group_runs(groups: List[str], segments: List[Tuple[int, int]], numel: int) -> List[Tuple[str, int, int]]:
+    """(group, lo, hi) runs covering [0, numel): consecutive segments of one group merged, the
+    bucket's padding at the end given to the last run."""
+    runs: List[List] = []
+    for g, (lo, hi) in zip(groups, segments):
+        if runs and runs[-1][0] == g:
+            runs[-1][2] = hi
+        else:
+            runs.append([g, lo, hi])
+    if not runs:
+        return [(DEFAULT_GROUP, 0, numel)]
+    runs[0][1], runs[-1][2] = 0, numel
+    return [tuple(r) for r in runs]
+
+
+def _stored_numel(param) -> int:
+    """Leading flat elements of this rank's piece of `param` that checkpoints hold: all but the
+    padding rows past the true vocabulary (vocabulary-parallel weights split along dim 0)."""
+    spec = spec_of(param)
+    if spec.stored_rows is None:
+        return param.numel()
+    rows = spec.local_shape[0]
+    split = spec.split("tp")
+    first = split.index * rows if split is not None and split.dim == 0 else 0
+    return max(0, min(rows, spec.stored_rows - first)) * (param.numel() // rows)
+
+
+def _split_padding(bucket: Bucket) -> List[Tuple[int, int, int]]:
+    """The shard's (param index, lo, hi) segments, each cut where its vocabulary padding begins:
+    padding is not checkpointed, so it must not share a low-precision scale with stored values."""
+    out = []
+    for i, lo, hi in bucket.shard_segments():
+        cut = _stored_numel(bucket.params[i]) + bucket.offsets[i][0] - bucket.shard_lo
+        out += [(i, lo, cut), (i, cut, hi)] if lo < cut < hi else [(i, lo, hi)]
+    return out
+
+
+class _ShardState:
+    """Optimizer state of one bucket's shard: main params, Adam m and v (fp32 tensors, or
+    low-precision `StateStorage`), and which ranges of the shard are weight-decayed, counted in
+    the grad norm, and in which LR group."""
+
+    def __init__(self, bucket: Bucket, dims: ParallelDims, precision: OptimizerPrecision):
         self.bucket = bucket
         shard = bucket.param_shard_view()
-        self.main = shard if shard.dtype == torch.float32 else shard.detach().float()
-        self.exp_avg = torch.zeros_like(self.main)
-        self.exp_avg_sq = torch.zeros_like(self.main)
-        segments = bucket.shard_segments()
-        self.decay = _merge([(lo, hi) for i, lo, hi in segments
-                             if not no_weight_decay(bucket.names[i], len(bucket.shapes[i]))])
+        segments = _split_padding(bucket)
+        self.segments = [(lo, hi) for _, lo, hi in segments]
+        self.segment_decays = [not no_weight_decay(bucket.names[i], len(bucket.shapes[i])) for i, _, _ in segments]
+        self.segment_groups = [lr_group(bucket.names[i], bucket.params[i]) for i, _, _ in segments]
+        self.decay = _merge([seg for seg, d in zip(self.segments, self.segment_decays) if d])
         self.norm = _merge([(lo, hi) for i, lo, hi in segments if counts_in_norm(bucket.params[i], dims)])
-        # Summed over the whole world: a shard (ZeRO 1-3) is this rank's alone; an unsharded bucket
-        # is held alike by every rank of its data-parallel group, each counting its share.
-        self.norm_weight = 1.0 if bucket.shard_numel < bucket.numel else 1.0 / bucket.group_size
+        # Summed over the whole world: a shard (ZeRO 1-3) is this rank's alone, up to its copies in
+        # the other distributed-optimizer instances; an unsharded bucket is held alike by every
+        # rank of its data-parallel group, each counting its share.
+        sharded = bucket.shard_numel < bucket.numel
+        self.norm_weight = (1.0 if sharded else 1.0 / bucket.group_size) / group_size(bucket.replica_group)
+        self.lr_runs = _group_runs(self.segment_groups, self.segments, shard.numel())
+        self.groups = {g for g, _, _ in self.lr_runs}
+        self.main = self._new_main(shard, precision.main_params)
+        zeros = torch.zeros(shard.numel(), dtype=torch.float32, device=shard.device)
+        self.exp_avg = self._new_state(zeros, precision.exp_avg)
+        self.exp_avg_sq = self._new_state(zeros, precision.exp_avg_sq)
+        # all three plain fp32 tensors: one update over whole runs (else per parameter segment)
+        self.plain = all(isinstance(t, torch.Tensor) for t in (self.main, self.exp_avg, self.exp_avg_sq))
+        self.staged = None  # fp32 copies of low-precision states being filled from a checkpoint
+
+    def _new_main(self, shard: torch.Tensor, dtype: torch.dtype):
+        if shard.dtype == torch.float32:
+            return shard  # fp32 params are their own main params
+        if dtype == torch.float32:
+            return shard.detach().float()
+        return StateStorage(shard, dtype, self.segments)
+
+    def _new_state(self, zeros: torch.Tensor, dtype: torch.dtype):
+        return zeros.clone() if dtype == torch.float32 else StateStorage(zeros, dtype, self.segments)
 
     @property
     def owns_main(self) -> bool:
-        """True when the main params are a separate fp32 copy (low-precision params)."""
-        return self.main.data_ptr() != self.bucket.param_shard_view().data_ptr()
+        """True when the main params are a separate copy of low-precision params."""
+        return not isinstance(self.main, torch.Tensor) or \
+            self.main.data_ptr() != self.bucket.param_shard_view().data_ptr()
+
+    def lr_runs_for(self, lr_of) -> List[Tuple[str, int, int]]:
+        """The runs to update separately: one run over the whole shard when every group of it has
+        the same LR this step (always, without --decoupled-lr)."""
+        if len({lr_of(g) for g in self.groups}) == 1:
+            return [(self.lr_runs[0][0], 0, self.lr_runs[-1][2])]
+        return self.lr_runs
+
+    def adam_step(self, grad: torch.Tensor, lr_of, weight_decay: float, **adam) -> None:
+        """AdamW on the shard from its fp32 gradient; the params follow their main params."""
+        if self.plain:
+            for group, lo, hi in self.lr_runs_for(lr_of):
+                adamw_(self.main[lo:hi], grad[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], lr=lr_of(group),
+                       weight_decay=weight_decay, decay_ranges=_within(self.decay, lo, hi), **adam)
+            if self.owns_main:
+                self.bucket.param_shard_view().copy_(self.main)
+            return
+        param = self.bucket.param_shard_view()
+        for k, (lo, hi) in enumerate(self.segments):  # low precision: each parameter's part in fp32
+            main, m, v = (_read(t, k, lo, hi) for t in (self.main, self.exp_avg, self.exp_avg_sq))
+            adamw_(main, grad[lo:hi], m, v, lr=lr_of(self.segment_groups[k]), weight_decay=weight_decay,
+                   decay_ranges=[(0, hi - lo)] if self.segment_decays[k] else [], **adam)
+            for t, x in ((self.main, main), (self.exp_avg, m), (self.exp_avg_sq, v)):
+                _write(t, k, x)
+            if self.owns_main:
+                param[lo:hi].copy_(main)
 
     def tensors(self) -> Dict[str, torch.Tensor]:
-        return {"main": self.main, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        """fp32 'main', 'exp_avg', 'exp_avg_sq': the states themselves, or fp32 copies of low-precision ones."""
+        return {"main": _as_fp32(self.main), "exp_avg": _as_fp32(self.exp_avg), "exp_avg_sq": _as_fp32(self.exp_avg_sq)}
+
+    def load(self, values: Dict[str, torch.Tensor]) -> None:
+        """Set the states from fp32 tensors (e.g. those tensors() gave, filled)."""
+        for name in ("main", "exp_avg", "exp_avg_sq"):
+            t = getattr(self, name)
+            if name not in values or values[name] is t:
+                continue
+            if isinstance(t, StateStorage):
+                t.write_all(values[name])
+            else:
+                t.copy_(values[name])
+
+    @property
+    def nbytes(self) -> int:
+        states = [self.exp_avg, self.exp_avg_sq] + ([self.main] if self.owns_main else [])
+        return sum(t.nbytes if isinstance(t, StateStorage) else t.numel() * t.element_size() for t in states)
+
+
+def _read(t, k: int, lo: int, hi: int) -> torch.Tensor:
+    return t.read(k) if isinstance(t, StateStorage) else t[lo:hi]
+
+
+def _write(t, k: int, x: torch.Tensor) -> None:
+    if isinstance(t, StateStorage):
+        t.write(k, x)  # a plain tensor was updated in place
+
+
+def _as_fp32(t) -> torch.Tensor:
+    return t.read_all() if isinstance(t, StateStorage) else t
 
 
 class DistributedOptimizer:
-    def __init__(self, grad_sync: GradientSync, tcfg: TrainingConfig):
+    def __init__(self, grad_sync: GradientSync, tcfg: TrainingConfig, precision: Optional[OptimizerPrecision] = None):
         self.sync, self.tcfg, self.dims = grad_sync, tcfg, grad_sync.dims
-        self.shards = [_ShardState(b, self.dims) for b in grad_sync.buckets]
+        self.precision = precision or OptimizerPrecision()
+        self.shards = [_ShardState(b, self.dims, self.precision) for b in grad_sync.buckets]
         if tcfg.fp16 and tcfg.loss_scale is not None:
             self.scaler = ConstantLossScaler(tcfg.loss_scale)
         elif tcfg.fp16:
@@ -124,11 +267,15 @@ class DistributedOptimizer:
         return math.sqrt(sq[0].item()), bool(sq[1].item())
 
     @torch.no_grad()
-    def step(self, lr: float, loss_is_finite: bool = True, grad_scale: float = 1.0) -> Dict[str, float]:
+    def step(self, lr: LR, loss_is_finite: bool = True, grad_scale: float = 1.0,
+             weight_decay: Optional[float] = None) -> Dict[str, float]:
         """One update from the reduced gradients (call after GradientSync.finish()).
-        `loss_is_finite`: this rank's view of the step's loss (ranks without a loss: True);
-        `grad_scale`: what the reduced gradients are multiplied by first (1 / global token count:
-        the schedules backpropagate loss sums), in the same pass as the loss-scale unscaling.
+        `lr`: one LR, or a mapping group -> LR (`OptimizerParamScheduler.lrs()`; a group missing
+        from it takes DEFAULT_GROUP's). `loss_is_finite`: this rank's view of the step's loss
+        (ranks without a loss: True). `grad_scale`: what the reduced gradients are multiplied by
+        first (1 / global token count: the schedules backpropagate loss sums), in the same pass as
+        the loss-scale unscaling. `weight_decay`: this step's (a weight-decay schedule); None:
+        --weight-decay.
 
         With check_for_nan_in_loss_and_grad, a non-finite loss or gradient norm (fp16: a non-finite
         loss; its gradient overflows are the loss scaler's to skip) or an fp16 parameter that
@@ -162,11 +309,10 @@ class DistributedOptimizer:
                 g.mul_(coeff)
         self.num_updates += 1
         t = self.tcfg
+        lr_of = (lambda g: lr) if not isinstance(lr, Mapping) else (lambda g: lr.get(g, lr[DEFAULT_GROUP]))
+        wd = t.weight_decay if weight_decay is None else weight_decay
         for s, g in zip(self.shards, grads):
-            adamw_(s.main, g, s.exp_avg, s.exp_avg_sq, step=self.num_updates, lr=lr, beta1=t.adam_beta1,
-                   beta2=t.adam_beta2, eps=t.adam_eps, weight_decay=t.weight_decay, decay_ranges=s.decay)
-            if s.owns_main:
-                s.bucket.param_shard_view().copy_(s.main)
+            s.adam_step(g, lr_of, wd, step=self.num_updates, beta1=t.adam_beta1, beta2=t.adam_beta2, eps=t.adam_eps)
         if check and self.tcfg.fp16 and self._found_inf([s.bucket.param_shard_view() for s in self.shards], False)[0]:
             raise NonFiniteError("fp16 parameters overflow (|w| > 65504) when cast from their fp32 main params: the "
                                  "model diverged; lower --lr, or train with --bf16")
@@ -180,21 +326,29 @@ class DistributedOptimizer:
     def memory_bytes(self) -> Dict[str, int]:
         """Bytes this rank holds across steps: params, grads, optimizer state (main params, m, v)."""
         out = self.sync.memory_bytes()
-        state = 0
-        for s in self.shards:
-            for name, t in s.tensors().items():
-                if name != "main" or s.owns_main:
-                    state += t.numel() * t.element_size()
-        out["optimizer_state_bytes"] = state
+        out["optimizer_state_bytes"] = sum(s.nbytes for s in self.shards)
         return out
 
     # --- accessors for checkpoints -------------------------------------------------------------
-    def shard_tensors(self) -> List[Tuple[Bucket, Dict[str, torch.Tensor]]]:
+    def shard_tensors(self, for_loading: bool = False) -> List[Tuple[Bucket, Dict[str, torch.Tensor]]]:
         """Per bucket, this rank's optimizer tensors over its shard (positions shard_lo onwards of
-        the bucket), to read or fill in place: 'exp_avg', 'exp_avg_sq', and 'main' when the fp32
-        main params are a separate copy of low-precision params (else they are the params)."""
-        return [(s.bucket, {k: v for k, v in s.tensors().items() if k != "main" or s.owns_main})
-                for s in self.shards]
+        the bucket), in fp32: 'exp_avg', 'exp_avg_sq', and 'main' when the main params are a
+        separate copy of low-precision params (else they are the params). Read them, or fill them
+        in place: states kept in low precision come as fp32 copies, which `for_loading` keeps
+        until `commit_loaded_state()` stores them."""
+        out = []
+        for s in self.shards:
+            tensors = {k: v for k, v in s.tensors().items() if k != "main" or s.owns_main}
+            s.staged = tensors if for_loading and not s.plain else None
+            out.append((s.bucket, tensors))
+        return out
+
+    def commit_loaded_state(self) -> None:
+        """After filling shard_tensors(for_loading=True): store the filled low-precision states."""
+        for s in self.shards:
+            if s.staged is not None:
+                s.load(s.staged)
+                s.staged = None
 
     def scalar_state(self) -> dict:
         return {"num_updates": self.num_updates, "loss_scaler": type(self.scaler).__name__,

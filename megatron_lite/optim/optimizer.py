@@ -2,27 +2,45 @@
 storage) first, then the DistributedOptimizer over that sync's shards."""
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from ..config import ParallelConfig, TrainingConfig
+from ..errors import ConfigError
 from ..parallel.data_parallel import GradientSync
-from ..parallel.state import ParallelDims
-from .distributed_optimizer import DistributedOptimizer, no_weight_decay
+from ..parallel.state import ParallelDims, partial_dp_groups
+from .distributed_optimizer import DistributedOptimizer, lr_group, no_weight_decay
+from .precision import OptimizerPrecision
 
-__all__ = ["build_optimizer", "DistributedOptimizer", "no_weight_decay"]
+__all__ = ["build_optimizer", "DistributedOptimizer", "OptimizerPrecision", "lr_group", "no_weight_decay"]
 
 
-def build_optimizer(chunks: List[nn.Module], dims: ParallelDims, tcfg: TrainingConfig,
-                    pcfg: ParallelConfig) -> Tuple[DistributedOptimizer, GradientSync]:
+def build_optimizer(chunks: List[nn.Module], dims: ParallelDims, tcfg: TrainingConfig, pcfg: ParallelConfig,
+                    precision: Optional[OptimizerPrecision] = None,
+                    num_distributed_optimizer_instances: int = 1) -> Tuple[DistributedOptimizer, GradientSync]:
     """(optimizer, grad_sync) for this rank's model chunks. Build it before the first forward:
     at ZeRO-3 it shards the parameters, gathering and freeing each chunk's `sharding_units()`
-    (when the model has them) together."""
+    (when the model has them) together. `precision`: --use-precision-aware-optimizer's dtypes
+    (main_grads is the gradient buffers' dtype). `num_distributed_optimizer_instances`: shard the
+    optimizer inside that many groups of DP ranks (collective: builds their process groups)."""
+    precision = precision or OptimizerPrecision()
+    dp_groups = None
+    if num_distributed_optimizer_instances > 1:
+        if pcfg.zero_stage < 1:
+            raise ConfigError("--num-distributed-optimizer-instances needs the distributed optimizer "
+                              "(--use-distributed-optimizer or --zero-stage >= 1)")
+        try:
+            dp_groups = partial_dp_groups(dims, num_distributed_optimizer_instances)
+        except ValueError as e:
+            raise ConfigError(f"--num-distributed-optimizer-instances: {e}") from e
+    grad_dtype = torch.bfloat16 if pcfg.grad_reduce_in_bf16 else torch.float32
+    if precision.main_grads != torch.float32:
+        grad_dtype = precision.main_grads
     units = [c.sharding_units() if hasattr(c, "sharding_units") else [] for c in chunks]
     grad_sync = GradientSync(chunks, dims, zero_stage=pcfg.zero_stage, bucket_size=pcfg.ddp_bucket_size,
                              overlap_grad_reduce=pcfg.overlap_grad_reduce,
-                             overlap_param_gather=pcfg.overlap_param_gather,
-                             grad_dtype=torch.bfloat16 if pcfg.grad_reduce_in_bf16 else torch.float32, units=units)
-    return DistributedOptimizer(grad_sync, tcfg), grad_sync
+                             overlap_param_gather=pcfg.overlap_param_gather, grad_dtype=grad_dtype, units=units,
+                             dp_groups=dp_groups)
+    return DistributedOptimizer(grad_sync, tcfg, precision), grad_sync

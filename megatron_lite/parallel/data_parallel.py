@@ -31,6 +31,12 @@ buckets holding the pipeline-tied embedding, whose cross-stage sum must wait for
 and waits. Just before its DP reduction a bucket's model-parallel partial sums (sequence-parallel
 norms, replicated K/V, tied embedding) are summed by `finalize_model_grads`: sums commute, and in
 this order they act on full gradients, which ZeRO shards are not.
+
+Distributed-optimizer instances (--num-distributed-optimizer-instances N): `dp_groups` = (shard
+group, replica group) splits the DP ranks into N instances. Buckets are sharded over an instance
+(the shard group) and reduce-scattered there; each reduced shard is then summed over the replica
+group (the ranks holding the same shard in the other instances), so every instance ends with the
+global gradient, as one ZeRO run over all DP ranks would. Params are gathered inside an instance.
 """
 from __future__ import annotations
 
@@ -59,12 +65,15 @@ class Bucket:
     """Parameters whose gradients are reduced by one collective, and this rank's shard of them."""
 
     def __init__(self, index: int, params: List[nn.Parameter], names: List[str], group, sharded: bool,
-                 grad_dtype: torch.dtype):
+                 grad_dtype: torch.dtype, replica_group=None):
         """`group`: the data-parallel ranks holding the same parameters (DP x CP, or the
         expert-data-parallel group for experts), over which the gradients are reduced and, when
-        `sharded` (ZeRO 1-3), the shards are cut."""
+        `sharded` (ZeRO 1-3), the shards are cut. `replica_group` (distributed-optimizer
+        instances): the ranks holding the same shard in the other instances, over which each
+        reduced shard is summed; replica rank 0 writes it to checkpoints."""
         self.index, self.params, self.names = index, params, names
         self.group, self.group_size, self.group_rank = group, group_size(group), group_rank(group)
+        self.replica_group, self.replica_rank = replica_group, group_rank(replica_group)
         shards = self.group_size if sharded else 1
         shard_rank = self.group_rank if sharded else 0
         self.shapes = [tuple(p.shape) for p in params]
@@ -164,13 +173,20 @@ class GradientSync:
     def __init__(self, chunks: List[nn.Module], dims: ParallelDims, *, zero_stage: int = 0,
                  bucket_size: Optional[int] = None, overlap_grad_reduce: bool = False,
                  overlap_param_gather: bool = False, grad_dtype: torch.dtype = torch.float32,
-                 units: Optional[List[List[nn.Module]]] = None):
+                 units: Optional[List[List[nn.Module]]] = None, dp_groups: Optional[Tuple[object, object]] = None):
         """`units` (ZeRO-3): per chunk, the modules whose parameters are gathered and freed
-        together (a model's transformer layers); the rest of a chunk is one more unit."""
+        together (a model's transformer layers); the rest of a chunk is one more unit.
+        `dp_groups` (distributed-optimizer instances): (shard group, replica group) of the dense
+        parameters, instead of sharding over all DP x CP ranks."""
         from .zero3 import ShardedParams, unit_params  # zero3 builds on Bucket: import late
 
         self.dims, self.stage = dims, zero_stage
-        self.group = dims.dp_cp_group
+        # The group dense buckets are sharded and reduced over, and (distributed-optimizer
+        # instances only) the group each reduced shard is then summed over (None: one member).
+        self.group, self.replica_group = (dims.dp_cp_group, None) if dp_groups is None else dp_groups
+        if self.replica_group is not None and self.stage == 0:
+            raise ValueError("distributed-optimizer instances need a sharded optimizer (ZeRO stage >= 1)")
+        self.replica_rank = group_rank(self.replica_group)  # 0: the instance that writes checkpoints
         self.dp, self.dp_rank = group_size(self.group), group_rank(self.group)
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather and self.stage in (1, 2)
@@ -192,9 +208,10 @@ class GradientSync:
             for g in groups:  # expert weights apart: they are reduced over the expert-data-parallel group
                 for ps in ([p for p in g if not _is_expert(p)], [p for p in g if _is_expert(p)]):
                     if ps:
-                        group = dims.group("edp") if _is_expert(ps[0]) else self.group
-                        self.buckets.append(Bucket(len(self.buckets), ps, [names[p] for p in ps], group,
-                                                   self.stage >= 1, self.grad_dtype))
+                        expert = _is_expert(ps[0])
+                        self.buckets.append(Bucket(len(self.buckets), ps, [names[p] for p in ps],
+                                                   dims.group("edp") if expert else self.group, self.stage >= 1,
+                                                   self.grad_dtype, None if expert else self.replica_group))
         self.params = [p for b in self.buckets for p in b.params]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.arrivals = {p: 0 for p in self.params}
@@ -308,6 +325,8 @@ class GradientSync:
             if b.handle is not None:
                 b.handle.wait()
                 b.handle = None
+            if b.replica_group is not None:  # the same shard of the other instances
+                comm.all_reduce(b.grad_shard_view(), b.replica_group, counter=self.dims.comm_counter)
             if self.stage >= 2:
                 self._free_grad(b)
         self._inflight = pending

@@ -269,6 +269,30 @@ class ParallelDims:
         return dims.build_groups()
 
 
+def partial_dp_groups(dims: ParallelDims, instances: int):
+    """(shard group, replica group) of this rank for --num-distributed-optimizer-instances: the
+    DP x CP ranks of each model slice cut into `instances` blocks of consecutive ranks (an
+    instance, over which the optimizer is sharded), and the ranks at the same place in every
+    block (which hold the same shard). Collective the first time (built once per `instances`)."""
+    key = f"dp_cp_partial{instances}"
+    if key + "_shard" in dims.group_ranks:
+        return dims.groups[key + "_shard"], dims.groups[key + "_replica"]
+    lists = dims._rank_lists()["dp_cp"]
+    size = len(lists[0])
+    if instances < 1 or size % instances:
+        raise ValueError(f"{instances} distributed-optimizer instances must divide the {size} data-parallel ranks")
+    per = size // instances
+    kinds = {"_shard": [ranks[i:i + per] for ranks in lists for i in range(0, size, per)],
+             "_replica": [ranks[j::per] for ranks in lists for j in range(per)]}
+    for suffix, groups in kinds.items():
+        for ranks in groups:
+            # new_group is collective over the whole world, even for non-members.
+            g = dist.new_group(ranks) if len(ranks) > 1 and dist.is_initialized() else None
+            if dims.rank in ranks:
+                dims.groups[key + suffix], dims.group_ranks[key + suffix] = g, ranks
+    return dims.groups[key + "_shard"], dims.groups[key + "_replica"]
+
+
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 

@@ -1,6 +1,8 @@
 """The pretraining loop: build everything from a validated Config, then train, evaluate, log."""
 from __future__ import annotations
 
+import gc
+import logging
 import os
 import resource
 import sys
@@ -14,12 +16,13 @@ import torch.distributed as dist
 from ..checkpoint.manager import Checkpointing
 from ..config import Config
 from ..errors import NonFiniteError, agree_on_errors
-from ..optim.lr_scheduler import LRScheduler
+from ..optim.lr_scheduler import DEFAULT_GROUP
 from ..parallel import comm
 from ..parallel.random import RNGStatesTracker, model_parallel_seed
 from ..parallel.state import ParallelDims
 from .flops import device_peak_tflops, flops_per_token
 from .metrics import MetricsLogger
+from .profiling import StepProfiler, default_trace_dir, empty_unused_memory
 from ..parallel.context_parallel import split_batch_for_cp
 from ..parallel.pipeline.executor import PipelineExecutor, activation_shape
 from ..parallel.pipeline.schedules import ZERO_BUBBLE, default_schedule
@@ -97,12 +100,11 @@ class Trainer:
                            cp_comm_type=[c.replace("allgather", "all_gather") for c in p.cp_comm_type],
                            aux_loss_scale=self.aux_loss_scale, moe_tracker=self.moe_tracker)
         self.chunks = model_provider(cfg, ctx)
-        self.optimizer, self.grad_sync = build_optimizer(self.chunks, dims, t, p)
-        warmup = t.lr_warmup_iters
-        if t.lr_warmup_fraction is not None:
-            warmup = int(t.lr_warmup_fraction * (t.lr_decay_iters or t.train_iters))
-        self.lr_schedule = LRScheduler(t.lr, t.min_lr, warmup, t.lr_decay_iters or t.train_iters, t.lr_decay_style)
-        self.num_microbatches = t.num_microbatches(dims.dp)
+        self.optimizer, self.grad_sync = build_optimizer(self.chunks, dims, t, p, t.optimizer_precision(),
+                                                         p.num_distributed_optimizer_instances)
+        self.lr_schedule = t.param_scheduler()  # counts samples, as Megatron-LM's
+        self.batch_schedule = t.batch_schedule(dims.dp)  # the global batch of each step (ramp-up)
+        self.num_microbatches = t.num_microbatches(dims.dp)  # at the full global batch: evaluation
         self.forward_backward = forward_backward_no_pipelining
         if dims.pp > 1:
             executor = PipelineExecutor(
@@ -112,15 +114,15 @@ class Trainer:
             self.forward_backward = pipelined_forward_backward(executor)
 
         evals = t.train_iters // t.eval_interval + 1
-        num_samples = (t.train_iters * t.global_batch_size, evals * t.eval_iters * t.global_batch_size,
-                       t.eval_iters * t.global_batch_size)
+        train_samples = t.train_samples if t.train_samples is not None else t.train_iters * t.global_batch_size
+        num_samples = (train_samples, evals * t.eval_iters * t.global_batch_size, t.eval_iters * t.global_batch_size)
         train_ds, valid_ds, _ = agree_on_errors(lambda: datasets_provider(cfg, tokenizer, num_samples), device)
         self.iteration, self.consumed_samples, self.consumed_valid_samples = 0, 0, 0
         self.checkpointing = Checkpointing(cfg, device)
         loaded = self.checkpointing.load_at_start(self)  # sets the iteration and consumed samples
         self.train_loader = build_pretraining_data_loader(train_ds, self.consumed_samples, t.micro_batch_size,
-                                                          t.global_batch_size, dims.dp_rank, dims.dp,
-                                                          cfg.data.num_workers)
+                                                          self.batch_schedule.running_global_batch_size,
+                                                          dims.dp_rank, dims.dp, cfg.data.num_workers)
         self.train_iter = iter(self.train_loader)
         self.valid_iter = None
         if valid_ds is not None and t.eval_iters > 0:
@@ -134,10 +136,18 @@ class Trainer:
         self.logger = MetricsLogger(t, self.logs_here, cfg.to_dict(), append=self.iteration > 0)
         self.flops_per_token = flops_per_token(m, t.seq_length)  # active parameters of an MoE model
         self.peak_tflops = device_peak_tflops(device)
+        self.profiler = StepProfiler(dims.rank, profile=t.profile, step_start=t.profile_step_start,
+                                     step_end=t.profile_step_end, ranks=t.profile_ranks,
+                                     trace_dir=default_trace_dir(t.tensorboard_dir),
+                                     record_memory_history=t.record_memory_history,
+                                     memory_snapshot_path=t.memory_snapshot_path, snapshot_interval=t.log_interval,
+                                     is_last_rank=dims.rank == dims.world_size - 1, device=device)
+        if t.logging_level is not None:  # --logging-level: Python logging (libraries' messages)
+            logging.getLogger().setLevel(t.logging_level)
 
-    def _next_batches(self, it) -> List[Dict[str, torch.Tensor]]:
+    def _next_batches(self, it, num_microbatches: int) -> List[Dict[str, torch.Tensor]]:
         """This rank's micro-batches: under context parallelism, its zigzag chunks of each sample."""
-        batches = [move_batch(next(it), self.device) for _ in range(self.num_microbatches)]
+        batches = [move_batch(next(it), self.device) for _ in range(num_microbatches)]
         if self.dims.cp > 1:
             batches = [split_batch_for_cp(b, self.dims.cp, self.dims.cp_rank)[0] for b in batches]
         return batches
@@ -145,8 +155,9 @@ class Trainer:
     def evaluate(self) -> Optional[float]:
         losses = []
         for _ in range(self.cfg.training.eval_iters):
-            loss = eval_step(self.chunks, self._next_batches(self.valid_iter), self.dims, self.forward_step,
-                             self.forward_backward)
+            loss = eval_step(self.chunks, self._next_batches(self.valid_iter, self.num_microbatches), self.dims,
+                             self.forward_step, self.forward_backward)
+            empty_unused_memory(self.cfg.training.empty_unused_memory_level, "eval_step")
             losses.append(loss)
         return None if losses[0] is None else sum(losses) / len(losses)
 
@@ -161,49 +172,83 @@ class Trainer:
             + describe_attention(self.cfg.model.attention_backend, self.device, params_dtype(self.cfg), dims.cp,
                                  self.cfg.parallel.cp_comm_type))
         self.logger.info("> memory on this rank: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in mem.items()))
-        tokens_per_step = t.global_batch_size * t.seq_length
-        while self.iteration < t.train_iters:
-            self.checkpointing.poll()  # commit a background save every rank has finished
-            self.iteration += 1
-            lr = self.lr_schedule.lr()
-            if dims.comm_counter is not None:
-                dims.comm_counter.reset()  # count this step's traffic only
-            start = time.perf_counter()
-            batches = self._next_batches(self.train_iter)
-            if self.aux_loss_scale is not None:
-                # An auxiliary loss per micro-batch weighs like the micro-batch's tokens in the per-token
-                # mean: backward runs on loss sums / tokens_per_step (see train_step's normalizer).
-                self.aux_loss_scale.set(self.optimizer.loss_scale * t.micro_batch_size * t.seq_length
-                                        / tokens_per_step)
-                self.moe_tracker.clear()
-            try:
-                out = train_step(self.chunks, batches, dims, self.optimizer, self.grad_sync, lr, self.forward_step,
-                                 self.forward_backward, loss_normalizer=float(tokens_per_step))
-            except NonFiniteError as e:  # raised on every rank at once: stop before any save
-                self._stop_on_nonfinite(e)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-            step_time = time.perf_counter() - start
-            if out["update_successful"]:
-                self.lr_schedule.step()
-                if self.moe_tracker is not None:
-                    update_expert_bias(routers_of(self.chunks), dims)  # aux-loss-free balancing, if on
-            self.consumed_samples += t.global_batch_size
-            moe = self.moe_tracker.reduce(dims) if self.moe_tracker is not None else None  # collective
-            rec = self._record(out, lr, step_time, tokens_per_step, mem if self.iteration == 1 else None, moe)
-            if self.valid_iter is not None and (self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters):
-                rec["val_lm_loss"] = self.evaluate()
-                self.consumed_valid_samples += t.eval_iters * t.global_batch_size
-                if self.logs_here:
-                    self.logger.info(f"> validation at iteration {self.iteration} | lm loss: {rec['val_lm_loss']:.6E}")
-            history.append(rec)
-            self.logger.log(rec, console=self.iteration % t.log_interval == 0 or self.iteration in (1, t.train_iters))
-            if self.checkpointing.after_iteration(self):  # saves when due; True: an exit condition fired
-                break
+        printed = len(self.profiler.notes)
+        for note in self.profiler.notes:
+            self.logger.info(f"> {note}")
+        if t.manual_gc:  # Megatron's --manual-gc: no automatic collections (and their stalls) mid-step
+            gc.disable()
+            gc.collect()
+        first = self.iteration == 0  # a fresh run's first record holds this rank's memory
+        try:
+            while self.iteration < t.train_iters:
+                rec = self._train_iteration(mem if first else None)
+                first = False
+                history.append(rec)
+                self.logger.log(rec, console=self.iteration % t.log_interval == 0
+                                or self.iteration in (1, t.train_iters))
+                if t.manual_gc and t.manual_gc_interval and self.iteration % t.manual_gc_interval == 0:
+                    gc.collect()
+                if self.checkpointing.after_iteration(self):  # saves when due; True: an exit condition fired
+                    break
+        finally:
+            if t.manual_gc:
+                gc.enable()
+        self.profiler.close()
+        for note in self.profiler.notes[printed:]:  # each tracing rank says where its trace is
+            print(f"> rank {dims.rank}: {note}", flush=True)
         self.checkpointing.at_end(self)
         self.grad_sync.wait_param_gather()  # --overlap-param-gather: the last step's params
         self.logger.close()
         return history
+
+    def _train_iteration(self, mem: Optional[dict]) -> dict:
+        """One step at the global batch the samples consumed so far call for, and its record."""
+        t, dims = self.cfg.training, self.dims
+        self.checkpointing.poll()  # commit a background save every rank has finished
+        self.iteration += 1
+        self.profiler.on_step_start(self.iteration)
+        gbs = self.batch_schedule.running_global_batch_size(self.consumed_samples)
+        num_microbatches = gbs // (t.micro_batch_size * dims.dp)
+        tokens_per_step = gbs * t.seq_length
+        lrs, weight_decay = self.lr_schedule.lrs(), self.lr_schedule.weight_decay()
+        if dims.comm_counter is not None:
+            dims.comm_counter.reset()  # count this step's traffic only
+        start = time.perf_counter()
+        batches = self._next_batches(self.train_iter, num_microbatches)
+        if self.aux_loss_scale is not None:
+            # An auxiliary loss per micro-batch weighs like the micro-batch in the main loss: by its
+            # tokens in the per-token mean (backward runs on loss sums / tokens_per_step, see
+            # train_step's normalizer), or 1 / M in the mean of micro-batch means.
+            weight = (t.micro_batch_size * t.seq_length / tokens_per_step if t.calculate_per_token_loss
+                      else 1.0 / num_microbatches)
+            self.aux_loss_scale.set(self.optimizer.loss_scale * weight)
+            self.moe_tracker.clear()
+        level = t.empty_unused_memory_level
+        try:
+            out = train_step(self.chunks, batches, dims, self.optimizer, self.grad_sync, lrs, self.forward_step,
+                             self.forward_backward, loss_normalizer=float(tokens_per_step),
+                             per_token_loss=t.calculate_per_token_loss, weight_decay=weight_decay,
+                             after_backward=lambda: empty_unused_memory(level, "forward_backward"))
+        except NonFiniteError as e:  # raised on every rank at once: stop before any save
+            self._stop_on_nonfinite(e)
+        empty_unused_memory(level, "optimizer")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        step_time = time.perf_counter() - start
+        if out["update_successful"]:
+            self.lr_schedule.step(gbs)  # the schedule advances by the samples of the update
+            if self.moe_tracker is not None:
+                update_expert_bias(routers_of(self.chunks), dims)  # aux-loss-free balancing, if on
+        self.consumed_samples += gbs
+        self.profiler.on_step_end(self.iteration)
+        moe = self.moe_tracker.reduce(dims) if self.moe_tracker is not None else None  # collective
+        rec = self._record(out, lrs[DEFAULT_GROUP], step_time, tokens_per_step, gbs, mem, moe)
+        if self.valid_iter is not None and (self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters):
+            rec["val_lm_loss"] = self.evaluate()
+            self.consumed_valid_samples += t.eval_iters * t.global_batch_size
+            if self.logs_here:
+                self.logger.info(f"> validation at iteration {self.iteration} | lm loss: {rec['val_lm_loss']:.6E}")
+        return rec
 
     def _stop_on_nonfinite(self, error: NonFiniteError) -> None:
         """Finish a background save of an earlier (finite) iteration, then stop with one line."""
@@ -223,13 +268,13 @@ class Trainer:
     def _expert_layout(self) -> str:
         return f" ep={self.dims.ep} etp={self.dims.etp}" if self.cfg.model.moe is not None else ""
 
-    def _record(self, out: dict, lr: float, step_time: float, tokens: int, mem: Optional[dict],
-                moe: Optional[dict] = None) -> dict:
+    def _record(self, out: dict, lr: float, step_time: float, tokens: int, global_batch_size: int,
+                mem: Optional[dict], moe: Optional[dict] = None) -> dict:
         tokens_per_sec = tokens / step_time
         tflops = self.flops_per_token * tokens_per_sec / self.dims.world_size / 1e12
         rec = {"iteration": self.iteration, "lm_loss": out["lm_loss"], "grad_norm": out["grad_norm"], "lr": lr,
                "tokens_per_sec": tokens_per_sec, "step_time_s": step_time, "tflops_per_gpu": tflops,
-               "consumed_samples": self.consumed_samples, "global_batch_size": self.cfg.training.global_batch_size,
+               "consumed_samples": self.consumed_samples, "global_batch_size": global_batch_size,
                "skipped": not out["update_successful"]}
         if self.cfg.training.fp16:
             rec["loss_scale"] = out["loss_scale"]

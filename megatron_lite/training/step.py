@@ -6,14 +6,19 @@ is no pipeline, the executor of parallel/pipeline otherwise):
     forward_step(batch, model_chunk) -> (output, loss_func)
     loss_func(output) -> (loss_sum, token_count, logs)        # on the last pipeline stage only
 
-Schedules backpropagate `loss_sum * scale` and know no batch keys and no loss formula. The loss of
-a step is the mean over every loss-bearing token of the global batch: `scale` holds the fp16 loss
-scale over a constant normalizer (about the global token count, for the magnitude of a mean), and
-after the data-parallel reduction the optimizer multiplies the gradients by normalizer / (global
-token count), so they are exactly those of the single-process run whatever the layout. Extra losses (MoE auxiliary
-losses) add their gradient where they are computed and need nothing from the schedules. `logs`
-(name -> (sum, count)) are summed like the loss over micro-batches and data-parallel ranks and
-reported as sum / count.
+Schedules backpropagate `loss_weight(loss_sum, tokens)` and know no batch keys and no loss
+formula. The loss of a step is one of Megatron-LM's two (`loss_weights`), exact whatever the layout:
+- per token (--calculate-per-token-loss): the mean over every loss-bearing token of the global
+  batch. The weight is the fp16 loss scale over a constant normalizer (about the global token
+  count, for the magnitude of a mean); after the data-parallel reduction the optimizer multiplies
+  the gradients by normalizer / (global token count).
+- per micro-batch (Megatron's default): the mean over the step's micro-batches of each one's token
+  mean. The weight is loss_scale / (M x the micro-batch's tokens), its tokens counted over the
+  context-parallel ranks sharing the micro-batch (so CP does not change the mean, unlike
+  Megatron-LM's per-shard means); the optimizer divides the summed gradients by DP.
+Extra losses (MoE auxiliary losses) add their gradient where they are computed and need nothing
+from the schedules. `logs` (name -> (sum, count)) are summed like the loss over micro-batches and
+data-parallel ranks and reported as sum / count; so is the logged loss, in both modes (as Megatron).
 """
 from __future__ import annotations
 
@@ -46,8 +51,28 @@ class LossTotals:
             self.logs[name] = self.logs.get(name, 0) + pair.to(self.tokens.device)
 
 
+LossWeight = Callable[[torch.Tensor, object], torch.Tensor]  # (loss_sum, tokens) -> what backward runs on
+
+
+def loss_weights(per_token: bool, num_microbatches: int, loss_scale: float, normalizer: float,
+                 dims: ParallelDims) -> Tuple[LossWeight, Callable[[float], float]]:
+    """(the micro-batch loss to backpropagate, the factor of the reduced gradients given the global
+    token count) of either loss mode (module docstring)."""
+    if per_token:
+        weight = loss_scale / normalizer
+        return (lambda loss_sum, tokens: loss_sum * weight), (lambda global_tokens: normalizer / global_tokens)
+    weight = loss_scale / num_microbatches
+
+    def per_microbatch(loss_sum, tokens):
+        n = torch.as_tensor(tokens, dtype=torch.float32, device=loss_sum.device).detach().clone()
+        comm.all_reduce(n, dims.cp_group, counter=dims.comm_counter)  # the micro-batch's tokens on every CP rank
+        return loss_sum * (weight / n.clamp_min(1.0))
+
+    return per_microbatch, (lambda global_tokens: 1.0 / dims.dp)
+
+
 def forward_backward_no_pipelining(chunks: List[nn.Module], batches: List[Batch], forward_step: ForwardStep,
-                                   loss_scale: float, forward_only: bool = False) -> LossTotals:
+                                   loss_weight: LossWeight, forward_only: bool = False) -> LossTotals:
     """All micro-batches through the one model chunk."""
     model = chunks[0]
     totals = LossTotals(next(model.parameters()).device)
@@ -56,7 +81,7 @@ def forward_backward_no_pipelining(chunks: List[nn.Module], batches: List[Batch]
             output, loss_func = forward_step(batch, model)
             loss_sum, tokens, logs = loss_func(output)
         if not forward_only:
-            (loss_sum * loss_scale).backward()
+            loss_weight(loss_sum, tokens).backward()
         totals.add(loss_sum, tokens, logs)
     return totals
 
@@ -64,9 +89,9 @@ def forward_backward_no_pipelining(chunks: List[nn.Module], batches: List[Batch]
 def pipelined_forward_backward(executor) -> Callable:
     """A forward_backward for train_step / eval_step that runs a PipelineExecutor's schedule."""
 
-    def forward_backward(chunks, batches, forward_step, loss_scale, forward_only=False):
+    def forward_backward(chunks, batches, forward_step, loss_weight, forward_only=False):
         totals = LossTotals(executor.device)
-        return executor.run(batches, forward_step, loss_scale, totals, forward_only)
+        return executor.run(batches, forward_step, loss_weight, totals, forward_only)
 
     forward_backward.executor = executor
     return forward_backward
@@ -98,20 +123,27 @@ def move_batch(batch: Batch, device) -> Batch:
 
 
 def train_step(chunks: List[nn.Module], batches: List[Batch], dims: ParallelDims, optimizer, grad_sync,
-               lr: float, forward_step: ForwardStep, forward_backward: Callable = forward_backward_no_pipelining,
-               loss_normalizer: float = 1.0) -> Dict[str, Optional[float]]:
-    """`loss_normalizer`: a constant the same on every rank, about the global token count (the
-    trainer passes global batch x sequence length): the backward runs on loss_sum / normalizer,
-    at the magnitude of a mean (fp16's range), and the optimizer corrects by normalizer / tokens."""
+               lr, forward_step: ForwardStep, forward_backward: Callable = forward_backward_no_pipelining,
+               loss_normalizer: float = 1.0, per_token_loss: bool = True, weight_decay: Optional[float] = None,
+               after_backward: Optional[Callable[[], None]] = None) -> Dict[str, Optional[float]]:
+    """`lr`: one LR or a mapping LR group -> LR; `weight_decay`: this step's (None: the config's).
+    `per_token_loss`: which loss (module docstring). `loss_normalizer`: per-token mode's constant,
+    the same on every rank, about the global token count (the trainer passes global batch x
+    sequence length): the backward runs on loss_sum / normalizer, at the magnitude of a mean
+    (fp16's range), and the optimizer corrects by normalizer / tokens. `after_backward`: called
+    between the gradient reduction and the optimizer (--empty-unused-memory-level)."""
     for c in chunks:
         c.train()
     grad_sync.start_step(len(batches))  # DP reductions start once every micro-batch's grads are in
-    totals = forward_backward(chunks, batches, forward_step, optimizer.loss_scale / loss_normalizer)
+    loss_weight, grad_factor = loss_weights(per_token_loss, len(batches), optimizer.loss_scale, loss_normalizer, dims)
+    totals = forward_backward(chunks, batches, forward_step, loss_weight)
     grad_sync.finish()
+    if after_backward is not None:
+        after_backward()
     loss_sum, tokens, logs = finalize_losses(totals, dims)
     lm_loss = loss_sum / tokens if dims.is_last_stage else None
     out = optimizer.step(lr, loss_is_finite=lm_loss is None or math.isfinite(lm_loss),
-                         grad_scale=loss_normalizer / tokens)
+                         grad_scale=grad_factor(tokens), weight_decay=weight_decay)
     out["lm_loss"] = lm_loss
     out["logs"] = logs
     return out
@@ -122,6 +154,6 @@ def eval_step(chunks: List[nn.Module], batches: List[Batch], dims: ParallelDims,
               forward_backward: Callable = forward_backward_no_pipelining) -> Optional[float]:
     for c in chunks:
         c.eval()
-    totals = forward_backward(chunks, batches, forward_step, 1.0, forward_only=True)
+    totals = forward_backward(chunks, batches, forward_step, lambda loss_sum, tokens: loss_sum, forward_only=True)
     loss_sum, tokens, _ = finalize_losses(totals, dims)
     return loss_sum / tokens if dims.is_last_stage else None

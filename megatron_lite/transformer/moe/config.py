@@ -66,6 +66,8 @@ class MoEConfig:
                                        store="true")
     moe_layer_freq: Union[int, str, List[int]] = arg(1, "every N-th layer is MoE, or one 0/1 per layer such as "
                                                         "'([0]*1+[1]*3)*2'")
+    moe_layer_recompute: bool = arg(False, "recompute each MoE layer in backward instead of keeping its "
+                                           "activations", store="true")
 
     def with_defaults(self, ffn_hidden_size: int) -> "MoEConfig":
         """A copy with Megatron's defaults filled in from the dense model (moe_ffn_hidden_size)."""

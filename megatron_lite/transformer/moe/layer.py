@@ -36,6 +36,7 @@ import torch.nn as nn
 
 from ...errors import ConfigError
 from ...parallel import comm
+from ...parallel.random import RNGStatesTracker, recompute
 from ...parallel.state import ParallelDims
 from .config import MoEConfig
 from .dispatcher import build_dispatcher
@@ -49,7 +50,8 @@ class MoELayer(nn.Module):
     def __init__(self, cfg: MoEConfig, hidden_size: int, dims: ParallelDims, *, layer_number: int,
                  aux_loss_scale: AuxLossScale, tracker: Optional[MoEMetricsTracker] = None,
                  sequence_parallel: bool = False, swiglu: bool = True, activation: str = "gelu",
-                 dtype=torch.float32):
+                 dtype=torch.float32, recompute_tracker: Optional[RNGStatesTracker] = None):
+        """`recompute_tracker`: the RNG streams a --moe-layer-recompute replay restores."""
         super().__init__()
         cfg.validate(ep=dims.ep, etp=dims.etp)
         self.cfg, self.dims, self.sequence_parallel = cfg, dims, sequence_parallel
@@ -62,8 +64,16 @@ class MoELayer(nn.Module):
                                                   sequence_parallel, swiglu, activation, cfg.moe_shared_expert_gate,
                                                   dtype)
         self.dispatcher = build_dispatcher(cfg.moe_token_dispatcher_type, cfg.num_experts, dims)
+        self.recompute_tracker = recompute_tracker if cfg.moe_layer_recompute else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute_tracker is not None and self.training and torch.is_grad_enabled():
+            # --moe-layer-recompute: nothing of the layer is kept but its input; backward replays it
+            # (the router's statistics and the expert-bias counts record only the first pass).
+            return recompute(self._forward, self.recompute_tracker, x)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         local = self._own_tokens(x)
         s, b, h = local.shape
         tokens = local.reshape(s * b, h)
