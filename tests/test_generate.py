@@ -93,11 +93,12 @@ def our_model(cfg, state, tp: int = 1):
 
 
 # --- generation against HF and against recomputation --------------------------------------------
-def _recomputation_gap(model) -> float:
-    """Greedy-decode PROMPTS as one left-padded batch; at every step, the largest difference
-    between the cached logits of each sequence and a full forward of that sequence alone."""
-    session = DecodingSession(model, PROMPTS, NEW)
-    logits, seqs, gap = session.prefill(), [list(p) for p in PROMPTS], 0.0
+def _recomputation_gap(model, prompts=PROMPTS) -> float:
+    """Greedy-decode `prompts` as one batch (left-padded when their lengths differ); at every
+    step, the largest difference between the cached logits of each sequence and a full forward
+    of that sequence alone."""
+    session = DecodingSession(model, prompts, NEW)
+    logits, seqs, gap = session.prefill(), [list(p) for p in prompts], 0.0
     for _ in range(NEW):
         with torch.no_grad():
             full = torch.stack([model(torch.tensor([s]))[0, -1] for s in seqs])
@@ -116,7 +117,9 @@ def _generation_worker(rank, world, cfg, state):
     sampling = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=5)
     sampled = [generate(model, PROMPTS, 16, sampling) for _ in range(2)]
     other_seed = generate(model, PROMPTS, 16, SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=6))
-    return dict(batched=batched, single=single, gap=_recomputation_gap(model), sampled=sampled, other_seed=other_seed)
+    # Unequal lengths: the padding mask at every step; equal ones: no mask (the decoding fast path).
+    gap = max(_recomputation_gap(model), _recomputation_gap(model, [PROMPTS[0], PROMPTS[0][::-1]]))
+    return dict(batched=batched, single=single, gap=gap, sampled=sampled, other_seed=other_seed)
 
 
 @functools.lru_cache(maxsize=None)
@@ -184,6 +187,23 @@ def test_generation_stops_after_the_end_of_document_token():
     for got, expected in zip(out, hf_tokens):
         stop = expected.index(eod) + 1 if eod in expected else NEW
         assert got.tokens == expected[:stop] and len(got.logprobs) == stop
+
+
+def test_moe_model_decodes_exactly_at_tp1():
+    """An MoE model (top-2 of 4 experts in every layer) through the cache; TP > 1 is refused."""
+    from megatron_lite.config import ModelConfig
+    from megatron_lite.inference import inference_context
+    from megatron_lite.inference.generation import check_generation_layout
+
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=VOCAB,
+                      normalization="RMSNorm", swiglu=True, position_embedding_type="rope", add_bias_linear=False,
+                      attention_dropout=0.0, hidden_dropout=0.0, init_method_std=0.1,
+                      moe=dict(num_experts=4, moe_router_topk=2))
+    dims = ParallelDims().build_groups()
+    model = build_model(cfg, inference_context(cfg, dims), seed=3)[0]
+    assert _recomputation_gap(model) < 1e-5
+    with pytest.raises(ConfigError, match="MoE model runs at TP 1"):
+        check_generation_layout(cfg, tp=2)
 
 
 def test_generation_errors_are_clear():

@@ -117,10 +117,10 @@ def tokenize(tokenizer, text: str) -> List[int]:
 
 def check_layout(args, model_cfg, world_size: int) -> None:
     from megatron_lite.config import ParallelConfig
+    from megatron_lite.inference.generation import check_generation_layout
 
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if pp != 1:
-        raise ConfigError(f"--pipeline-model-parallel-size {pp}: generation runs tensor parallelism only; use 1")
+    tp = args.tensor_model_parallel_size
+    check_generation_layout(model_cfg, tp, args.pipeline_model_parallel_size)
     if world_size != tp:
         raise ConfigError(f"{world_size} ranks but --tensor-model-parallel-size {tp}: generation runs on "
                           f"tensor-parallel ranks only (start as many ranks as the TP size)")
@@ -223,13 +223,13 @@ def build_and_load(setup: Setup, device):
     import torch
 
     from megatron_lite.checkpoint.model_only import load_model_weights
+    from megatron_lite.inference import inference_context
     from megatron_lite.parallel.state import ParallelDims
-    from megatron_lite.transformer.spec import BuildContext
     from models.gpt import build_model
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[setup.precision]
     dims = ParallelDims.from_world(tp=setup.args.tensor_model_parallel_size)
-    model = build_model(setup.cfg.model, BuildContext(dims, params_dtype=dtype, device=device))[0]
+    model = build_model(setup.cfg.model, inference_context(setup.cfg.model, dims, dtype, device))[0]
     load_model_weights([model], setup.cfg.model, setup.args.load, setup.args.ckpt_step, device=device)
     return model
 

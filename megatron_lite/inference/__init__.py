@@ -8,9 +8,9 @@ The model takes the cache as `model(tokens, position_ids, packed=..., kv_cache=c
 SelfAttention writes its new K/V into the cache and attends over everything cached
 (kv_cache.py); `DecodingSession` drives prefill and decode steps for a left-padded batch.
 """
-from .generation import Completion, DecodingSession, PromptBatch, generate
+from .generation import Completion, DecodingSession, PromptBatch, generate, inference_context
 from .kv_cache import KVCache
 from .sampling import SamplingParams, filter_logits, sample
 
 __all__ = ["Completion", "DecodingSession", "KVCache", "PromptBatch", "SamplingParams", "filter_logits", "generate",
-           "sample"]
+           "inference_context", "sample"]

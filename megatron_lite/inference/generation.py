@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from ..errors import ConfigError
 from ..transformer.core_attention import PackedSeq
+from ..transformer.spec import BuildContext
 from .kv_cache import KVCache
 from .sampling import SamplingParams, sample
 
@@ -82,13 +83,36 @@ class DecodingSession:
         return self._forward(tokens.unsqueeze(1))
 
 
+def inference_context(cfg, dims, params_dtype=torch.float32, device=None) -> BuildContext:
+    """How to build a model for generation: no sequence parallelism, no recomputation; an MoE
+    model gets the aux-loss scale and statistics tracker its layers need (unused here)."""
+    from ..transformer.moe import AuxLossScale, MoEMetricsTracker
+
+    moe = getattr(cfg, "moe", None)
+    extra = {}
+    if moe is not None and moe.num_experts:
+        extra = dict(aux_loss_scale=AuxLossScale(0.0), moe_tracker=MoEMetricsTracker(cfg.num_layers, moe.num_experts,
+                                                                                     device))
+    return BuildContext(dims, params_dtype=params_dtype, device=device, **extra)
+
+
+def check_generation_layout(cfg, tp: int, pp: int = 1, cp: int = 1) -> None:
+    """What generation supports: tensor parallelism only (an MoE model at TP 1: its layers split
+    the tokens over TP ranks, and a decoding step has one token per sequence)."""
+    if pp > 1:
+        raise ConfigError(f"--pipeline-model-parallel-size {pp}: generation runs tensor parallelism only; use 1")
+    if cp > 1:
+        raise ConfigError(f"--context-parallel-size {cp}: generation runs tensor parallelism only; use 1")
+    moe = getattr(cfg, "moe", None)
+    if moe is not None and moe.num_experts and tp > 1:
+        raise ConfigError(f"--tensor-model-parallel-size {tp}: generation from an MoE model runs at TP 1 for now")
+
+
 def check_generation_model(model: nn.Module) -> None:
     dims = model.dims
-    if dims.pp > 1 or not (model.pre_process and model.post_process):
-        raise ConfigError(f"generation runs the whole model on each tensor-parallel rank: "
-                          f"pipeline_model_parallel_size ({dims.pp}) must be 1")
-    if dims.cp > 1:
-        raise ConfigError(f"generation does not support context parallelism (context_parallel_size {dims.cp})")
+    check_generation_layout(model.cfg, dims.tp, dims.pp, dims.cp)
+    if not (model.pre_process and model.post_process):
+        raise ConfigError("generation needs the whole model in one chunk (embedding to output layer)")
     if model.sequence_parallel:
         raise ConfigError("generation needs a model built without --sequence-parallel")
 
