@@ -10,7 +10,7 @@ produce the same tokens as ours with the cache, so that all compute the same thi
 interleaved (ours, no cache, HF, ours, ...) against machine noise; medians are reported. Where
 CUDA is available, a Llama-3.2-1B-shaped model is also measured in bf16 (unless --no-gpu).
 Throughput is new tokens per second over the whole call (prefill included: it is what a caller
-waits for); "decode" excludes our prefill (the steps that feed one token each).
+waits for); "decode" excludes our prefill (timed apart), i.e. the steps that feed one token each.
 """
 from __future__ import annotations
 
@@ -27,12 +27,13 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 import torch  # noqa: E402
 
 from megatron_lite.config import ModelConfig  # noqa: E402
-from megatron_lite.inference import DecodingSession, inference_context  # noqa: E402
+from megatron_lite.inference import DecodingSession, generate, inference_context  # noqa: E402
 from megatron_lite.parallel.state import ParallelDims  # noqa: E402
 from models import zoo  # noqa: E402
 from models.gpt import build_model  # noqa: E402
 from models.hf_conversion import gather_full_state_dict, megatron_lite_to_hf, model_config_to_hf_config  # noqa: E402
 
+OURS = "ours (KV cache)"
 # Llama-3.2-1B's shape (its llama3 RoPE scaling changes no cost and is left out here).
 LLAMA_1B = dict(num_layers=16, hidden_size=2048, num_attention_heads=32, num_query_groups=8, kv_channels=64,
                 ffn_hidden_size=8192, vocab_size=128256, max_position_embeddings=131072, normalization="RMSNorm",
@@ -45,22 +46,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def ours_cached(model, prompts: torch.Tensor, n: int) -> torch.Tensor:
+    """`generate` itself: the tools' path, per-step host sync for the stopping test included."""
+    completions = generate(model, prompts.tolist(), n)
+    return torch.tensor([c.tokens for c in completions], device=prompts.device)
+
+
 @torch.no_grad()
-def ours_cached(model, prompts: torch.Tensor, n: int):
-    """(tokens [b, n], seconds of the prefill)."""
-    device = prompts.device
+def prefill_seconds(model, prompts: torch.Tensor, n: int) -> float:
     start = time.perf_counter()
-    session = DecodingSession(model, prompts.tolist(), n)
-    logits = session.prefill()
-    _sync(device)
-    prefill = time.perf_counter() - start
-    out = []
-    for step in range(n):
-        tokens = logits.argmax(-1)
-        out.append(tokens)
-        if step < n - 1:
-            logits = session.step(tokens)
-    return torch.stack(out, 1), prefill
+    DecodingSession(model, prompts.tolist(), n).prefill()
+    _sync(prompts.device)
+    return time.perf_counter() - start
 
 
 @torch.no_grad()
@@ -69,14 +66,14 @@ def ours_uncached(model, prompts: torch.Tensor, n: int):
     for _ in range(n):
         tokens = model(seq)[:, -1].argmax(-1)
         seq = torch.cat([seq, tokens[:, None]], 1)
-    return seq[:, prompts.shape[1]:], 0.0
+    return seq[:, prompts.shape[1]:]
 
 
 @torch.no_grad()
 def hf_generate(hf, prompts: torch.Tensor, n: int):
     out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n, min_new_tokens=n,
                       do_sample=False, pad_token_id=0)
-    return out[:, prompts.shape[1]:], 0.0
+    return out[:, prompts.shape[1]:]
 
 
 def build_pair(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, with_hf: bool):
@@ -95,15 +92,16 @@ def build_pair(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, with_
     return model, hf.to(device)
 
 
-def run_side_by_side(sides: Dict[str, Callable], prompts, n: int, repeats: int, device) -> Dict[str, dict]:
+def run_side_by_side(sides: Dict[str, Callable], prefill: Callable, prompts, n: int, repeats: int,
+                     device) -> Dict[str, dict]:
     reference = None
     times: Dict[str, List[float]] = {k: [] for k in sides}
-    prefill: List[float] = []
+    prefills: List[float] = []
     for i in range(repeats + 1):  # the first round warms up
         for name, fn in sides.items():
             _sync(device)
             start = time.perf_counter()
-            tokens, pre = fn(prompts, n)
+            tokens = fn(prompts, n)
             _sync(device)
             dt = time.perf_counter() - start
             if reference is None:
@@ -113,29 +111,26 @@ def run_side_by_side(sides: Dict[str, Callable], prompts, n: int, repeats: int, 
                       f"({(tokens != reference).float().mean().item():.0%} differ)")
             if i > 0:
                 times[name].append(dt)
-                if name == "ours (KV cache)":
-                    prefill.append(pre)
+        if i > 0:
+            prefills.append(prefill(prompts, n))
     b = prompts.shape[0]
-    out = {}
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        out[name] = {"seconds": med, "tokens_per_s": b * n / med}
-    cached = out["ours (KV cache)"]
-    pre = statistics.median(prefill)
-    cached["decode_tokens_per_s"] = b * (n - 1) / (cached["seconds"] - pre)
+    out = {name: {"seconds": statistics.median(ts), "tokens_per_s": b * n / statistics.median(ts)}
+           for name, ts in times.items()}
+    cached, pre = out[OURS], statistics.median(prefills)
     cached["prefill_s"] = pre
+    cached["decode_tokens_per_s"] = b * (n - 1) / (cached["seconds"] - pre)
     return out
 
 
 def report(title: str, results: Dict[str, dict]) -> None:
     print(f"\n{title}")
-    print("| side | s per call | new tokens/s | vs ours (KV cache) |")
+    print(f"| side | s per call | new tokens/s | vs {OURS} |")
     print("|---|---|---|---|")
-    base = results["ours (KV cache)"]["tokens_per_s"]
+    base = results[OURS]["tokens_per_s"]
     for name, r in results.items():
         print(f"| {name} | {r['seconds']:.3f} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.2f}x |")
-    c = results["ours (KV cache)"]
-    print(f"ours (KV cache): prefill {c['prefill_s'] * 1e3:.1f} ms, then decode {c['decode_tokens_per_s']:.1f} tokens/s")
+    c = results[OURS]
+    print(f"{OURS}: prefill {c['prefill_s'] * 1e3:.1f} ms, then decode {c['decode_tokens_per_s']:.1f} tokens/s")
 
 
 def bench(cfg: ModelConfig, device, dtype, args, title: str) -> None:
@@ -143,12 +138,13 @@ def bench(cfg: ModelConfig, device, dtype, args, title: str) -> None:
     model, hf = build_pair(cfg, device, dtype, with_hf)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, cfg.vocab_size, (args.batch_size, args.prompt_length), generator=g).to(device)
-    sides = {"ours (KV cache)": lambda p, n: ours_cached(model, p, n)}
+    sides = {OURS: lambda p, n: ours_cached(model, p, n)}
     if not args.no_uncached:
         sides["ours (no cache: full recomputation)"] = lambda p, n: ours_uncached(model, p, n)
     if with_hf:
         sides["HF generate (its KV cache)"] = lambda p, n: hf_generate(hf, p, n)
-    results = run_side_by_side(sides, prompts, args.new_tokens, args.repeats, device)
+    results = run_side_by_side(sides, lambda p, n: prefill_seconds(model, p, n), prompts, args.new_tokens,
+                               args.repeats, device)
     report(f"{title}: {cfg.num_parameters() / 1e6:.1f}M parameters, {str(dtype).replace('torch.', '')}, "
            f"batch {args.batch_size}, prompt {args.prompt_length} + {args.new_tokens} new tokens, {device}", results)
 
