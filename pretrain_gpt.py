@@ -18,7 +18,8 @@ from megatron_lite.errors import ConfigError
 
 def resolve(argv=None) -> tuple:
     """Parse and validate; returns (config, tokenizer). Raises ConfigError on bad input."""
-    from megatron_lite.checkpoint.manager import inherit_global_batch_size
+    from megatron_lite.checkpoint.manager import checkpoint_model_config, inherit_global_batch_size
+    from megatron_lite.config import ModelConfig
     from megatron_lite.data import build_tokenizer
     from megatron_lite.data.builder import check_data_paths, parse_split
 
@@ -28,6 +29,9 @@ def resolve(argv=None) -> tuple:
     d = cfg.data
     tokenizer = build_tokenizer(d.tokenizer_type, tokenizer_model=d.tokenizer_model, vocab_file=d.vocab_file,
                                 merge_file=d.merge_file, vocab_size=d.vocab_size)
+    saved_model = checkpoint_model_config(cfg.training)
+    if saved_model is not None:  # --use-checkpoint-args: the checkpoint's shape, not the model flags
+        cfg.model = ModelConfig(**saved_model)
     cfg.model.vocab_size = tokenizer.vocab_size
     inherited = inherit_global_batch_size(cfg.training)
     if inherited is not None and int(os.environ.get("RANK", "0")) == 0:

@@ -42,7 +42,7 @@ COMPAT_VALUE_FLAGS = ["--distributed-backend", "--timing-log-level", "--distribu
 # line rather than silently ignored.
 UNSUPPORTED_FLAGS = {"--rampup-batch-size": "batch-size ramp-up", "--train-samples": "sample-based training length",
                      "--lr-warmup-samples": "sample-based warmup", "--lr-decay-samples": "sample-based decay",
-                     "--lr-warmup-init": "a non-zero warmup start", "--use-checkpoint-args": "model shape from a checkpoint",
+                     "--lr-warmup-init": "a non-zero warmup start",
                      "--tp-comm-overlap": "Transformer Engine's userbuffers"}
 
 
@@ -113,6 +113,8 @@ def build_parser(zoo: Zoo) -> argparse.ArgumentParser:
                    default=argparse.SUPPRESS, help="= --activation gelu_tanh")
     m.add_argument("--use-flash-attn", action="store_const", const="flash", dest="attention_backend",
                    default=argparse.SUPPRESS, help="= --attention-backend flash")
+    m.add_argument("--use-rope-scaling", action="store_const", const="llama3", dest="rope_scaling_type",
+                   default=argparse.SUPPRESS, help="= --rope-scaling-type llama3 (Llama-3.1)")
     par.add_argument("--use-distributed-optimizer", action="store_true", help="= --zero-stage 1")
     par.add_argument("--use-torch-fsdp2", action="store_true", help="= --zero-stage 3 (parameters sharded over DP)")
     par.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
@@ -135,7 +137,8 @@ def _given(args: argparse.Namespace, cls) -> Dict[str, object]:
 
 def _model_config(args: argparse.Namespace, preset: dict) -> ModelConfig:
     given = _given(args, ModelConfig)
-    moe = {**(preset.pop("moe", None) or {}), **_given(args, MoEConfig)}
+    preset_moe = preset.pop("moe", None)
+    moe = {**(preset_moe or {}), **_given(args, MoEConfig)}
     if moe.get("num_experts"):
         given["moe"] = moe
     elif moe:
@@ -148,7 +151,18 @@ def _model_config(args: argparse.Namespace, preset: dict) -> ModelConfig:
                 preset.pop(k, None)
         if "num_attention_heads" in given and "num_query_groups" not in given:
             preset.pop("num_query_groups", None)
+    before = dict(preset, moe=preset_moe)
+    if "family" not in given and any(k in given and given[k] != before.get(k, _DEFAULT_MODEL[k])
+                                     for k in ARCHITECTURE_FIELDS):
+        preset.pop("family", None)  # the flags made another architecture: conversion infers it
     return ModelConfig(**{**preset, **given})
+
+
+# Fields that decide which Hugging Face family can represent a model (see models/hf_families.py).
+ARCHITECTURE_FIELDS = ("normalization", "position_embedding_type", "swiglu", "activation", "add_bias_linear",
+                       "add_qkv_bias", "qk_layernorm", "window_size", "moe", "untie_embeddings_and_output_weights",
+                       "rotary_percent", "apply_layernorm_1p")
+_DEFAULT_MODEL = {f.name: f.default for f in fields(ModelConfig) if f.name in ARCHITECTURE_FIELDS}
 
 
 def _parallel_config(args: argparse.Namespace, model: ModelConfig) -> ParallelConfig:

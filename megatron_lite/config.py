@@ -38,12 +38,22 @@ class ModelConfig:
     position_embedding_type: str = arg("learned_absolute", "position embedding",
                                        choices=["learned_absolute", "rope", "none"])
     rotary_base: float = arg(10000.0, "RoPE base (theta)")
+    rotary_percent: float = arg(1.0, "fraction of each head's channels that RoPE rotates (the first ones)")
+    rope_scaling_type: Optional[str] = arg(None, "RoPE frequency scaling: llama3 (Llama-3.1; --use-rope-scaling)",
+                                           choices=["llama3"])
+    rope_scaling_factor: float = arg(8.0, "Llama-3.1 scaling factor")
+    rope_scaling_low_freq_factor: float = arg(1.0, "Llama-3.1 low-frequency factor", flag=None)
+    rope_scaling_high_freq_factor: float = arg(4.0, "Llama-3.1 high-frequency factor", flag=None)
+    rope_scaling_original_max_position: int = arg(8192, "Llama-3.1 original context length", flag=None)
     swiglu: bool = arg(False, "SwiGLU MLP (Llama) instead of GELU", store="true")
     activation: str = arg("gelu", "MLP activation without SwiGLU (--openai-gelu: gelu_tanh)",
                           choices=["gelu", "gelu_tanh"])
     add_bias_linear: bool = arg(True, "biases in every linear layer (--disable-bias-linear: none)",
                                 flag="--disable-bias-linear", store="false")
     add_qkv_bias: bool = arg(False, "Q/K/V biases even without linear biases (Qwen)", store="true")
+    qk_layernorm: bool = arg(False, "a norm over each head's channels on Q and K, before RoPE (Qwen3)", store="true")
+    apply_layernorm_1p: bool = arg(False, "zero-centred norm weights: applied as (1 + w), w initialized to 0",
+                                   store="true")
     untie_embeddings_and_output_weights: bool = arg(False, "separate output layer instead of the tied embedding",
                                                     store="true")
     attention_dropout: float = arg(0.1, "dropout of the attention probabilities")
@@ -52,8 +62,10 @@ class ModelConfig:
     attention_backend: str = arg("auto", "core attention: sdpa (auto, fused), local (unfused: pure PyTorch), "
                                          "flash (flash-attn on CUDA when installed, else sdpa)",
                                  choices=["auto", "sdpa", "local", "flash", "fused", "unfused"])
-    window_size: Optional[int] = arg(None, "sliding-window attention: keys less than this many tokens back",
-                                     flag=None)
+    window_size: Optional[int] = arg(None, "sliding-window attention: a query sees the keys less than this many "
+                                           "tokens back (Mistral)")
+    family: Optional[str] = arg(None, "the Hugging Face family this config belongs to (gpt2, llama, mistral, qwen2, "
+                                      "qwen3, mixtral, qwen2_moe, qwen3_moe); None: infer when converting", flag=None)
     moe: Optional[MoEConfig] = arg(None, "mixture of experts (the --num-experts / --moe-* flags); None: dense",
                                    flag=None)
 
@@ -109,6 +121,8 @@ class ModelConfig:
         if bias:
             attn += h
         mlp = h * f * (3 if self.swiglu else 2) + ((f * (2 if self.swiglu else 1) + h) if bias else 0)
+        if self.qk_layernorm:
+            attn += 2 * d * (2 if self.normalization == "LayerNorm" else 1)
         moe = self.moe_layers()
         total = self.num_layers * (attn + 2 * norm) + norm + (self.num_layers - sum(moe)) * mlp
         if any(moe):
@@ -154,6 +168,10 @@ class ModelConfig:
         _require(0.0 <= self.attention_dropout < 1 and 0.0 <= self.hidden_dropout < 1,
                  "dropout probabilities must lie in [0, 1)")
         _require(self.vocab_size > 0, f"vocab_size ({self.vocab_size}) must be positive")
+        _require(0 < self.rotary_percent <= 1, f"rotary_percent ({self.rotary_percent}) must lie in (0, 1]")
+        _require(self.window_size is None or self.window_size >= 1,
+                 f"window_size ({self.window_size}) must be >= 1 (or unset: full causal attention)")
+        _require(self.rope_scaling_factor > 0, f"rope_scaling_factor ({self.rope_scaling_factor}) must be positive")
 
 
 @dataclass
@@ -349,6 +367,10 @@ class TrainingConfig:
     finetune: bool = arg(False, "load only the weights from --load; iteration and consumed samples start at 0",
                          store="true")
     no_load_optim: bool = arg(False, "do not load optimizer state or LR schedule", store="true")
+    pretrained_checkpoint: Optional[str] = arg(None, "weights to start from when --save / --load hold no checkpoint "
+                                                     "(iteration 0, fresh optimizer)")
+    use_checkpoint_args: bool = arg(False, "take the model's shape from the checkpoint (--load, else "
+                                           "--pretrained-checkpoint) instead of the model flags", store="true")
     no_load_rng: bool = arg(False, "do not load RNG states", store="true")
     verify_checkpoint: bool = arg(True, "check the checkpoint's checksums on load", flag="--no-verify-checkpoint",
                                   store="false")

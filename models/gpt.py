@@ -30,9 +30,9 @@ from megatron_lite.transformer.attention import SelfAttention
 from megatron_lite.transformer.block import TransformerLayer
 from megatron_lite.transformer.core_attention import ContextParallelAttention, PackedSeq, core_attention_class
 from megatron_lite.transformer.mlp import MLP
-from megatron_lite.transformer.moe import MoELayer
+from megatron_lite.transformer.moe import AuxLossScale, MoELayer
 from megatron_lite.transformer.norm import build_norm
-from megatron_lite.transformer.rope import rope_cos_sin
+from megatron_lite.transformer.rope import rope_cos_sin, rope_inv_freq
 from megatron_lite.transformer.spec import BuildContext, TransformerLayerSpec
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
@@ -40,8 +40,8 @@ WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
 def moe_mlp(cfg: C.ModelConfig, ctx: BuildContext, layer_number: int) -> MoELayer:
     """The MLP slot of an MoE layer (experts over EP), built from the model's MoE config."""
-    assert ctx.aux_loss_scale is not None, "an MoE model needs BuildContext.aux_loss_scale"
-    return MoELayer(cfg.moe, cfg.hidden_size, ctx.dims, layer_number=layer_number, aux_loss_scale=ctx.aux_loss_scale,
+    scale = ctx.aux_loss_scale if ctx.aux_loss_scale is not None else AuxLossScale()  # 1.0 outside training
+    return MoELayer(cfg.moe, cfg.hidden_size, ctx.dims, layer_number=layer_number, aux_loss_scale=scale,
                     tracker=ctx.moe_tracker, sequence_parallel=ctx.sequence_parallel, swiglu=cfg.swiglu,
                     activation=cfg.activation, dtype=ctx.params_dtype)
 
@@ -66,6 +66,7 @@ class GPTModel(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.sequence_parallel, self.tracker = ctx.sequence_parallel, ctx.tracker
         self.input_tensor: Optional[torch.Tensor] = None  # a later pipeline stage's input (set_input_tensor)
+        self.inv_freq = rope_inv_freq(cfg) if cfg.position_embedding_type == "rope" else None
         self.padded_vocab = cfg.padded_vocab_size(dims.tp)
         start, end = layer_range or (0, cfg.num_layers)
         dt, tied = ctx.params_dtype, not cfg.untie_embeddings_and_output_weights
@@ -179,7 +180,7 @@ class GPTModel(nn.Module):
         x = self._embed(tokens, position_ids) if self.pre_process else self.input_tensor
         rope = None
         if self.cfg.position_embedding_type == "rope":
-            rope = rope_cos_sin(position_ids, self.cfg.kv_channels, self.cfg.rotary_base, x.dtype)
+            rope = rope_cos_sin(position_ids, self.inv_freq, x.dtype)
         x = self._run_layers(x, rope, packed, kv_cache)
         if not self.post_process:
             return x

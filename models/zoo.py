@@ -8,15 +8,31 @@ from typing import Dict
 
 from megatron_lite.errors import ConfigError
 
-_GPT2 = dict(normalization="LayerNorm", position_embedding_type="learned_absolute", swiglu=False,
+_GPT2 = dict(family="gpt2", normalization="LayerNorm", position_embedding_type="learned_absolute", swiglu=False,
              activation="gelu_tanh", add_bias_linear=True, untie_embeddings_and_output_weights=False,
              vocab_size=50257, max_position_embeddings=1024, seq_length=1024, norm_epsilon=1e-5)
-_LLAMA = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True, add_bias_linear=False,
+_LLAMA = dict(family="llama", normalization="RMSNorm", position_embedding_type="rope", swiglu=True, add_bias_linear=False,
               untie_embeddings_and_output_weights=True, attention_dropout=0.0, hidden_dropout=0.0)
 _LLAMA2 = dict(_LLAMA, vocab_size=32000, max_position_embeddings=4096, seq_length=4096, norm_epsilon=1e-5,
                rotary_base=10000.0)
 _LLAMA3 = dict(_LLAMA, vocab_size=128256, max_position_embeddings=8192, seq_length=8192, norm_epsilon=1e-5,
                rotary_base=500000.0)
+# Llama 3.1 / 3.2: 128k context through Llama-3.1 RoPE frequency scaling.
+_LLAMA31 = dict(_LLAMA3, max_position_embeddings=131072, rope_scaling_type="llama3", rope_scaling_factor=8.0,
+                rope_scaling_low_freq_factor=1.0, rope_scaling_high_freq_factor=4.0,
+                rope_scaling_original_max_position=8192)
+_LLAMA32 = dict(_LLAMA31, rope_scaling_factor=32.0, untie_embeddings_and_output_weights=False)
+_MISTRAL = dict(_LLAMA, family="mistral", vocab_size=32000, max_position_embeddings=32768, seq_length=4096,
+                norm_epsilon=1e-5, rotary_base=10000.0, num_query_groups=8)
+# Qwen2.5: Q/K/V biases, RMSNorm eps 1e-6, theta 1e6; the small ones tie their embeddings.
+_QWEN25 = dict(_LLAMA, family="qwen2", add_qkv_bias=True, vocab_size=152064, max_position_embeddings=32768,
+               seq_length=4096, norm_epsilon=1e-6, rotary_base=1000000.0)
+_QWEN25_SMALL = dict(_QWEN25, vocab_size=151936, untie_embeddings_and_output_weights=False)
+# Qwen3: per-head RMSNorm on Q and K, 128-channel heads, no biases.
+_QWEN3 = dict(_LLAMA, family="qwen3", qk_layernorm=True, kv_channels=128, vocab_size=151936,
+              max_position_embeddings=40960, seq_length=4096, norm_epsilon=1e-6, rotary_base=1000000.0)
+_QWEN3_SMALL = dict(_QWEN3, untie_embeddings_and_output_weights=False)
+_MIXTRAL = dict(_MISTRAL, family="mixtral", rotary_base=1000000.0)
 
 
 def _shape(layers, hidden, heads, **kw):
@@ -45,6 +61,85 @@ MODELS: Dict[str, dict] = {
     "llama2-70b": dict(_LLAMA2, **_shape(80, 8192, 64), num_query_groups=8, ffn_hidden_size=28672),
     "llama3-8b": dict(_LLAMA3, **_shape(32, 4096, 32), num_query_groups=8, ffn_hidden_size=14336),
     "llama3-70b": dict(_LLAMA3, **_shape(80, 8192, 64), num_query_groups=8, ffn_hidden_size=28672),
+    "llama3.1-8b": dict(_LLAMA31, **_shape(32, 4096, 32), num_query_groups=8, ffn_hidden_size=14336),
+    "llama3.1-70b": dict(_LLAMA31, **_shape(80, 8192, 64), num_query_groups=8, ffn_hidden_size=28672),
+    "llama3.1-405b": dict(_LLAMA31, **_shape(126, 16384, 128), num_query_groups=8, ffn_hidden_size=53248),
+    "llama3.2-1b": dict(_LLAMA32, **_shape(16, 2048, 32), num_query_groups=8, ffn_hidden_size=8192),
+    "llama3.2-3b": dict(_LLAMA32, **_shape(28, 3072, 24), num_query_groups=8, ffn_hidden_size=8192),
+    # Mistral 7B: v0.1 attends through a 4096-token sliding window; v0.3 has full attention.
+    "mistral-7b": dict(_MISTRAL, **_shape(32, 4096, 32), ffn_hidden_size=14336, window_size=4096),
+    "mistral-7b-v0.3": dict(_MISTRAL, **_shape(32, 4096, 32), ffn_hidden_size=14336, vocab_size=32768,
+                            rotary_base=1000000.0),
+    # Qwen2.5.
+    "qwen2.5-0.5b": dict(_QWEN25_SMALL, **_shape(24, 896, 14), num_query_groups=2, ffn_hidden_size=4864),
+    "qwen2.5-1.5b": dict(_QWEN25_SMALL, **_shape(28, 1536, 12), num_query_groups=2, ffn_hidden_size=8960),
+    "qwen2.5-3b": dict(_QWEN25_SMALL, **_shape(36, 2048, 16), num_query_groups=2, ffn_hidden_size=11008),
+    "qwen2.5-7b": dict(_QWEN25, **_shape(28, 3584, 28), num_query_groups=4, ffn_hidden_size=18944),
+    "qwen2.5-14b": dict(_QWEN25, **_shape(48, 5120, 40), num_query_groups=8, ffn_hidden_size=13824),
+    "qwen2.5-32b": dict(_QWEN25, **_shape(64, 5120, 40), num_query_groups=8, ffn_hidden_size=27648),
+    "qwen2.5-72b": dict(_QWEN25, **_shape(80, 8192, 64), num_query_groups=8, ffn_hidden_size=29568),
+    # Qwen3 dense.
+    "qwen3-0.6b": dict(_QWEN3_SMALL, **_shape(28, 1024, 16), num_query_groups=8, ffn_hidden_size=3072),
+    "qwen3-1.7b": dict(_QWEN3_SMALL, **_shape(28, 2048, 16), num_query_groups=8, ffn_hidden_size=6144),
+    "qwen3-4b": dict(_QWEN3_SMALL, **_shape(36, 2560, 32), num_query_groups=8, ffn_hidden_size=9728),
+    "qwen3-8b": dict(_QWEN3, **_shape(36, 4096, 32), num_query_groups=8, ffn_hidden_size=12288),
+    "qwen3-14b": dict(_QWEN3, **_shape(40, 5120, 40), num_query_groups=8, ffn_hidden_size=17408),
+    "qwen3-32b": dict(_QWEN3, **_shape(64, 5120, 64), num_query_groups=8, ffn_hidden_size=25600),
+    # Mixture of experts. Tiny ones first (tests, laptops), then published shapes.
+    "mixtral-tiny": dict(_MIXTRAL, **_shape(2, 64, 4), num_query_groups=2, ffn_hidden_size=128, vocab_size=257,
+                         max_position_embeddings=256, seq_length=128,
+                         moe=dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01)),
+    "qwen2-moe-tiny": dict(_QWEN25, family="qwen2_moe", **_shape(2, 64, 4), num_query_groups=2, ffn_hidden_size=128,
+                           vocab_size=257, max_position_embeddings=256, seq_length=128,
+                           moe=dict(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32,
+                                    moe_shared_expert_intermediate_size=64, moe_shared_expert_gate=True,
+                                    moe_router_pre_softmax=True, moe_aux_loss_coeff=0.001)),
+    # DeepSeek-V3's routing (sigmoid scores, group-limited top-k, aux-loss-free expert bias, a
+    # shared expert, a dense first layer) on ordinary GQA attention: megatron-lite has no MLA.
+    "deepseek-v3-routing-tiny": dict(_LLAMA, family=None, **_shape(3, 64, 4), num_query_groups=2, ffn_hidden_size=192,
+                                     vocab_size=257, max_position_embeddings=256, seq_length=128,
+                                     moe=dict(num_experts=16, moe_router_topk=4, moe_ffn_hidden_size=32,
+                                              moe_router_score_function="sigmoid", moe_router_num_groups=4,
+                                              moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5,
+                                              moe_router_enable_expert_bias=True,
+                                              moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-4,
+                                              moe_shared_expert_intermediate_size=32, moe_layer_freq=[0, 1, 1])),
+    # OLMoE-1B-7B's shapes. OLMoE normalizes Q and K over all heads at once; megatron-lite's
+    # --qk-layernorm normalizes each head (Megatron-Core's kind), so it has no HF conversion.
+    "olmoe-1b-7b": dict(_LLAMA, family=None, **_shape(16, 2048, 16), qk_layernorm=True, ffn_hidden_size=1024,
+                        vocab_size=50304, max_position_embeddings=4096, seq_length=4096, rotary_base=10000.0,
+                        moe=dict(num_experts=64, moe_router_topk=8, moe_router_pre_softmax=True,
+                                 moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)),
+    # DeepSeek-V3's MoE (671B total, 37B active with MLA) on standard multi-head attention with
+    # 128-channel heads: 3 dense layers, then 256 routed experts (top-8 of 8 groups, 4 groups per
+    # token, sigmoid scores, expert bias) and one shared expert per layer.
+    "deepseek-v3-shaped": dict(_LLAMA, family=None, **_shape(61, 7168, 128), kv_channels=128, ffn_hidden_size=18432,
+                               vocab_size=129280, max_position_embeddings=163840, seq_length=4096, norm_epsilon=1e-6,
+                               moe=dict(num_experts=256, moe_router_topk=8, moe_ffn_hidden_size=2048,
+                                        moe_router_score_function="sigmoid", moe_router_num_groups=8,
+                                        moe_router_group_topk=4, moe_router_topk_scaling_factor=2.5,
+                                        moe_router_enable_expert_bias=True, moe_router_dtype="fp32",
+                                        moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-4,
+                                        moe_shared_expert_intermediate_size=2048,
+                                        moe_layer_freq=[0] * 3 + [1] * 58)),
+    "mixtral-8x7b": dict(_MIXTRAL, **_shape(32, 4096, 32), ffn_hidden_size=14336,
+                         moe=dict(num_experts=8, moe_router_topk=2, moe_aux_loss_coeff=0.02)),
+    "mixtral-8x22b": dict(_MIXTRAL, **_shape(56, 6144, 48), ffn_hidden_size=16384, vocab_size=32768,
+                          max_position_embeddings=65536,
+                          moe=dict(num_experts=8, moe_router_topk=2, moe_aux_loss_coeff=0.001)),
+    "qwen1.5-moe-a2.7b": dict(_QWEN25, family="qwen2_moe", **_shape(24, 2048, 16), num_query_groups=16,
+                              ffn_hidden_size=5632, vocab_size=151936, max_position_embeddings=8192,
+                              moe=dict(num_experts=60, moe_router_topk=4, moe_ffn_hidden_size=1408,
+                                       moe_shared_expert_intermediate_size=5632, moe_shared_expert_gate=True,
+                                       moe_router_pre_softmax=True, moe_aux_loss_coeff=0.001)),
+    "qwen3-30b-a3b": dict(_QWEN3, family="qwen3_moe", **_shape(48, 2048, 32), num_query_groups=4,
+                          ffn_hidden_size=6144,
+                          moe=dict(num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768,
+                                   moe_aux_loss_coeff=0.001)),
+    "qwen3-235b-a22b": dict(_QWEN3, family="qwen3_moe", **_shape(94, 4096, 64), num_query_groups=4,
+                            ffn_hidden_size=12288,
+                            moe=dict(num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=1536,
+                                     moe_aux_loss_coeff=0.001)),
 }
 
 

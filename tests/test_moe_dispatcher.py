@@ -93,3 +93,36 @@ def test_all_tokens_on_one_expert_land_on_its_rank():
     counts = run_distributed(_one_expert_counts, 4)
     # Expert E - 1 = 7 lives on EP rank 3 as its local expert 1; it gets all 4 x 12 tokens.
     assert counts == [[0, 0], [0, 0], [0, 0], [0, 4 * T]]
+
+
+def _counted(rank, world, kind):
+    from megatron_lite.parallel.comm import CommCounter
+
+    dims = ParallelDims.from_world(ep=world)
+    dims.comm_counter = CommCounter()
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(rank)).requires_grad_(True)
+    routing = _routing("random", rank)
+    dispatcher = build_dispatcher(kind, E, dims)
+    rows, counts, state = dispatcher.dispatch(x, routing)
+    dispatcher.combine(rows, state).sum().backward()
+    return dict(dims.comm_counter.bytes)
+
+
+@pytest.mark.parametrize("kind", ["alltoall", "allgather"])
+def test_dispatch_bytes_are_counted(kind):
+    """--log-comm-volume sees the MoE exchanges (the counter counts each collective's whole input
+    buffer). alltoall: dispatch sends this rank's T x k routed rows (H fp32), combine sends back
+    the rows it received, backward the same with the roles swapped, plus the per-expert counts
+    (int64); over the EP group every routed row is counted four times. allgather: tokens,
+    probabilities and the routing map (int32) gathered, the output reduce-scattered; backward
+    reduce-scatters the token and probability gradients and gathers the output gradient."""
+    ep, k = 2, 2
+    got = run_distributed(_counted, ep, kind)
+    if kind == "alltoall":
+        assert all(set(c) == {"all_to_all"} for c in got)
+        assert sum(c["all_to_all"] for c in got) == ep * (4 * T * k * H * 4 + E * 8)
+    else:
+        full = ep * T  # the gathered rows
+        for counted in got:
+            assert counted == {"all_gather": 2 * full * H * 4 + 2 * full * E * 4,
+                               "reduce_scatter": 2 * full * H * 4 + full * E * 4}

@@ -6,7 +6,6 @@ closed forms and HF's load_balancing_loss_func, the injected gradient, capacity 
 hand computations, and aux-loss-free expert-bias updates."""
 import pytest
 import torch
-import torch.nn.functional as F
 
 from megatron_lite.parallel.random import RNGStatesTracker, recompute
 from megatron_lite.parallel.state import ParallelDims

@@ -1,22 +1,22 @@
 #!/usr/bin/env python
-"""Convert checkpoints between Hugging Face and megatron-lite.
+"""Convert checkpoints between Hugging Face, megatron-lite training checkpoints and layouts.
 
-    python tools/convert_checkpoint.py hf-to-ml --hf-dir gpt2-local/ --out ml-ckpt/
-    python tools/convert_checkpoint.py ml-to-hf --ml-dir ml-ckpt/ --out hf-out/ [--family llama]
-    python tools/convert_checkpoint.py consolidate --load ckpts/ --out ml-ckpt/ [--iteration N]
-    python tools/convert_checkpoint.py reshard --load ckpts/ --out ckpts-tp4/ --tensor-model-parallel-size 4
+    python tools/convert_checkpoint.py hf-to-ml --hf-dir llama-hf/ --out ckpt/ --tensor-model-parallel-size 2
+    python tools/convert_checkpoint.py ml-to-hf --load ckpt/ --out llama-hf2/ [--tokenizer-model llama-hf/]
+    python tools/convert_checkpoint.py consolidate --load ckpt/ --out full/ [--iteration N]
+    python tools/convert_checkpoint.py reshard --load ckpt/ --out ckpt-tp4/ --tensor-model-parallel-size 4
 
-A megatron-lite "full" checkpoint is a directory with `model.safetensors` (unsharded weights,
-true vocabulary, layout-independent names) and `config.json` (our ModelConfig fields); it loads
-at any TP size through models.hf_conversion.load_full_state_dict_into_model. HF directories are
-what `save_pretrained` writes and `from_pretrained` reads (GPT2LMHeadModel, LlamaForCausalLM).
-A training checkpoint (`--save` of pretrain_gpt.py, megatron_lite/checkpoint) loads at any layout
-as it is; `consolidate` turns it into a full checkpoint (for ml-to-hf), `reshard` rewrites its
-files as the ranks of another TP x PP x DP layout would have written them.
+`hf-to-ml` writes a weights-only training checkpoint (what `pretrain_gpt.py --save` writes, at
+iteration 0, without optimizer state) at the given TP / PP / EP layout, streaming tensor by tensor
+from (sharded) safetensors, so peak memory stays near one tensor; `pretrain_gpt.py --load ckpt/
+--use-checkpoint-args` trains from it at any layout. `ml-to-hf` writes a save_pretrained directory
+(config.json, generation_config.json, sharded model*.safetensors with an index, the tokenizer) from
+any training checkpoint (any layout, any precision) or a full checkpoint (`--ml-dir`: the
+`model.safetensors` + `config.json` that `consolidate` writes). Families: models/hf_families.py.
 
-Weights are read with safetensors, or torch.load(weights_only=True) for `.bin` files: nothing
-is unpickled. Errors (missing directory, unsupported architecture, ...) print one line and
-exit with status 2. New subcommands: add a `_add_<name>` parser builder and list it in PARSERS.
+Weights are read with safetensors, or torch.load(weights_only=True) for `.bin` files: nothing is
+unpickled. Errors print one line and exit with status 2. New subcommands: add a `_add_<name>`
+parser builder and list it in PARSERS.
 """
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ import argparse
 import dataclasses
 import json
 import os
+import pickle
 import sys
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
@@ -35,8 +36,9 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from megatron_lite.config import ModelConfig  # noqa: E402
 from megatron_lite.errors import ConfigError  # noqa: E402
-from models.hf_conversion import (ConversionError, hf_config_to_model_config, hf_to_megatron_lite,  # noqa: E402
-                                  megatron_lite_to_hf, model_config_to_hf_config, model_family)
+from models.hf_conversion import (ConversionError, hf_config_to_model_config, hf_to_ours_stream,  # noqa: E402
+                                  model_config_to_hf_config, our_names, our_sizes, ours_to_hf_stream)
+from models.hf_families import FAMILIES, family_of  # noqa: E402
 
 ML_WEIGHTS, ML_CONFIG = "model.safetensors", "config.json"
 DTYPES = {"keep": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -48,33 +50,105 @@ class CLIError(ValueError):
     pass
 
 
-# --- file formats -----------------------------------------------------------------------------
+# --- Hugging Face weights, read lazily --------------------------------------------------------
+class HFWeights:
+    """The tensors of a save_pretrained directory (single or sharded safetensors, else .bin), read
+    one at a time when asked for; `unused()` lists the ones never read."""
+
+    def __init__(self, hf_dir: str):
+        self.dir, self.where, self.handles, self.read = hf_dir, {}, {}, set()
+        for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+            path = os.path.join(hf_dir, index_name)
+            if os.path.exists(path):
+                with open(path) as f:
+                    self.where = dict(json.load(f)["weight_map"])
+                break
+        else:
+            for name in (ML_WEIGHTS, "pytorch_model.bin"):
+                if os.path.exists(os.path.join(hf_dir, name)):
+                    self.where = {key: name for key in self._keys_of(name)}
+                    break
+        if not self.where:
+            raise CLIError(f"no model.safetensors or pytorch_model.bin (or their index) in {hf_dir!r}")
+        for fname in set(self.where.values()):
+            if not os.path.exists(os.path.join(hf_dir, fname)):
+                raise CLIError(f"{os.path.join(hf_dir, fname)} (named by the index) is missing")
+
+    def _handle(self, fname: str):
+        if fname not in self.handles:
+            path = os.path.join(self.dir, fname)
+            if fname.endswith(".safetensors"):
+                self.handles[fname] = _SafetensorsFile(path)
+            else:  # memory-mapped, tensors only: nothing else is unpickled
+                try:
+                    self.handles[fname] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                except pickle.UnpicklingError as e:
+                    raise ConversionError(f"{path}: refused (torch.load weights_only=True unpickles tensors only): "
+                                          f"{str(e).splitlines()[0]}") from e
+        return self.handles[fname]
+
+    def _keys_of(self, fname: str) -> List[str]:
+        h = self._handle(fname)
+        return list(h.keys())
+
+    def has(self, key: str) -> bool:
+        return key in self.where
+
+    def get(self, key: str) -> torch.Tensor:
+        if key not in self.where:
+            raise ConversionError(f"HF checkpoint {self.dir} is missing {key!r}")
+        self.read.add(key)
+        h = self._handle(self.where[key])
+        return h.get_tensor(key) if hasattr(h, "get_tensor") else h[key]
+
+    def dtype(self) -> torch.dtype:
+        """The dtype the weights were saved in (that of the first floating tensor)."""
+        for key in sorted(self.where):
+            h = self._handle(self.where[key])
+            dtype = h.dtype(key) if isinstance(h, _SafetensorsFile) else h[key].dtype
+            if dtype.is_floating_point:
+                return dtype
+        return torch.float32
+
+    def unused(self, ignored) -> List[str]:
+        return sorted(k for k in self.where if k not in self.read and not k.endswith(ignored))
+
+
+class _SafetensorsFile:
+    """Tensors of a safetensors file read with plain reads into fresh memory, one at a time (a
+    memory map would keep every page read resident, i.e. the whole model by the end)."""
+
+    def __init__(self, path: str):
+        from megatron_lite.checkpoint.files import read_header
+        from megatron_lite.checkpoint.reader import CODE_DTYPES
+
+        self.path, self.codes = path, CODE_DTYPES
+        try:
+            self.start, self.entries = read_header(path)
+        except (ValueError, OverflowError, UnicodeDecodeError) as e:
+            raise ConversionError(f"{path} is not a readable safetensors file: {e}") from e
+        self.entries.pop("__metadata__", None)
+
+    def keys(self) -> List[str]:
+        return list(self.entries)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.codes[self.entries[key]["dtype"]]
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        entry = self.entries[key]
+        lo, hi = entry["data_offsets"]
+        buf = torch.empty(hi - lo, dtype=torch.uint8)
+        with open(self.path, "rb") as f:
+            f.seek(self.start + lo)
+            f.readinto(buf.numpy())
+        return buf.view(self.dtype(key)).view(entry["shape"])
+
+
+# --- megatron-lite full checkpoints (model.safetensors + config.json) ---------------------------
 def _require_dir(path: str, what: str) -> None:
     if not os.path.isdir(path):
         raise CLIError(f"{what} {path!r} is not a directory")
-
-
-def read_hf_weights(hf_dir: str) -> Dict[str, torch.Tensor]:
-    """Every tensor of a save_pretrained directory: single or sharded safetensors, else .bin."""
-    for index_name, loader in (("model.safetensors.index.json", load_file),
-                               ("pytorch_model.bin.index.json", _load_bin)):
-        index = os.path.join(hf_dir, index_name)
-        if os.path.exists(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-            out: Dict[str, torch.Tensor] = {}
-            for name in files:
-                out.update(loader(os.path.join(hf_dir, name)))
-            return out
-    for name, loader in (("model.safetensors", load_file), ("pytorch_model.bin", _load_bin)):
-        path = os.path.join(hf_dir, name)
-        if os.path.exists(path):
-            return loader(path)
-    raise CLIError(f"no model.safetensors or pytorch_model.bin (or their index) in {hf_dir!r}")
-
-
-def _load_bin(path: str) -> Dict[str, torch.Tensor]:
-    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def _cast(sd: Dict[str, torch.Tensor], dtype: Optional[torch.dtype]) -> Dict[str, torch.Tensor]:
@@ -104,48 +178,144 @@ def write_ml_checkpoint(out_dir: str, cfg: ModelConfig, state: Dict[str, torch.T
         f.write("\n")
 
 
+# --- layouts ----------------------------------------------------------------------------------
+def _target_ranks(cfg: ModelConfig, tp: int, pp: int, dp: int, vpp: int, ep: int = 1, etp: int = 1):
+    """(dims, model chunks on the meta device) of every rank of the target layout, one at a time."""
+    from megatron_lite.parallel.state import ParallelDims
+    from megatron_lite.transformer.moe import AuxLossScale
+    from megatron_lite.transformer.spec import BuildContext
+    from models.gpt import build_model
+
+    for rank in range(tp * pp * dp):
+        dims = ParallelDims(tp=tp, dp=dp, pp=pp, vpp=vpp, ep=ep, etp=etp, rank=rank)
+        with torch.device("meta"):  # shapes and sharding metadata only: no memory, no init
+            chunks = build_model(cfg, BuildContext(dims, aux_loss_scale=AuxLossScale()))
+        yield dims, chunks  # outside the device context, which a suspended generator would leak
+
+
+def _layout(args, cfg: ModelConfig) -> Tuple[int, int, int, int, int]:
+    """(tp, pp, dp, vpp, ep) of the target layout, validated; DP is the smallest EP allows."""
+    from megatron_lite.config import ParallelConfig
+
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    ep = getattr(args, "expert_model_parallel_size", 1)
+    dp = max(getattr(args, "data_parallel_size", 1), ep)
+    vpp = 1
+    if getattr(args, "num_layers_per_virtual_pipeline_stage", None):
+        vpp = cfg.num_layers // (pp * args.num_layers_per_virtual_pipeline_stage)
+    pcfg = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                          expert_model_parallel_size=ep, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+    pcfg.validate(tp * pp * dp, cfg, seq_length=1)
+    return tp, pp, dp, vpp, ep
+
+
+def _layout_meta(tp, pp, dp, vpp, ep) -> dict:
+    return {"tp": tp, "pp": pp, "dp": dp, "cp": 1, "ep": ep, "vpp": vpp, "world_size": tp * pp * dp, "zero_stage": None}
+
+
 # --- subcommands ------------------------------------------------------------------------------
 def cmd_hf_to_ml(args) -> None:
     from transformers import AutoConfig
 
+    from megatron_lite.checkpoint.directory import VERSION
+    from megatron_lite.checkpoint.files import FORMAT
+    from megatron_lite.checkpoint.offline import write_weights_checkpoint
+
     _require_dir(args.hf_dir, "HF model directory")
     cfg = hf_config_to_model_config(AutoConfig.from_pretrained(args.hf_dir, local_files_only=True))
-    state = hf_to_megatron_lite(read_hf_weights(args.hf_dir), cfg)
-    write_ml_checkpoint(args.out, cfg, state, DTYPES[args.dtype])
-    print(f"wrote megatron-lite {model_family(cfg)} checkpoint ({len(state)} tensors, "
-          f"{sum(t.numel() for t in state.values()):,} parameters) to {args.out}")
+    fam = family_of(cfg)
+    weights = HFWeights(args.hf_dir)
+    tp, pp, dp, vpp, ep = _layout(args, cfg)
+    dtype = DTYPES[args.dtype] or weights.dtype()
+    stream = hf_to_ours_stream(weights.get, weights.has, cfg, fam.rules, our_sizes(cfg))
+    meta = {"format": FORMAT, "version": VERSION, "model_config": dataclasses.asdict(cfg),
+            "config": {"model": dataclasses.asdict(cfg)}, "layout": _layout_meta(tp, pp, dp, vpp, ep),
+            "lr_scheduler": {}, "optimizer": None, "source": f"hf-to-ml {os.path.abspath(args.hf_dir)}"}
+    final = write_weights_checkpoint(args.out, meta, _target_ranks(cfg, tp, pp, dp, vpp, ep), stream,
+                                     our_names(cfg, fam.rules), dtype)
+    left = [k for k in weights.unused(fam.ignored) if k not in fam.dropped]
+    if left:
+        raise ConversionError(f"HF checkpoint has {len(left)} tensors no {fam.name} rule reads, e.g. {left[:3]}")
+    print(f"wrote {fam.name} weights ({cfg.num_parameters():,} parameters, {dtype}) from {args.hf_dir} as a "
+          f"training checkpoint for tp={tp} pp={pp} ep={ep} ({tp * pp * dp} files) to {final}")
+
+
+def _ours_from(args):
+    """(ModelConfig, getter of our full tensors by stored name, closer) of --load or --ml-dir."""
+    if args.ml_dir:
+        cfg, state = read_ml_checkpoint(args.ml_dir)
+        return cfg, state.__getitem__, lambda: None
+    from megatron_lite.checkpoint.offline import open_checkpoint
+
+    reader = open_checkpoint(args.load, args.iteration, args.verify_checkpoint)
+    cfg = ModelConfig(**reader.meta["model_config"])
+
+    def get(name: str) -> torch.Tensor:  # fp32 main params where bf16/fp16 training kept them
+        main = f"optim/{name}/main"
+        return reader.read_full(main if reader.has(main) else f"model/{name}")
+
+    return cfg, get, reader.close
+
+
+def _shards(tensors: Iterator[Tuple[str, torch.Tensor]], max_bytes: int):
+    """Groups of (name, tensor) of at most max_bytes (a tensor larger than that alone)."""
+    group, size = [], 0
+    for name, t in tensors:
+        n = t.numel() * t.element_size()
+        if group and size + n > max_bytes:
+            yield group
+            group, size = [], 0
+        group.append((name, t))
+        size += n
+    if group:
+        yield group
 
 
 def cmd_ml_to_hf(args) -> None:
-    cfg, state = read_ml_checkpoint(args.ml_dir)
-    family = args.family or model_family(cfg)
-    hf_config = model_config_to_hf_config(cfg, family)
-    hf_state = megatron_lite_to_hf(state, cfg, family)
-    if not cfg.untie_embeddings_and_output_weights:
-        del hf_state["lm_head.weight"]  # tied: save_pretrained stores only the embedding
-    os.makedirs(args.out, exist_ok=True)
+    cfg, get, close = _ours_from(args)
+    try:
+        fam = family_of(cfg, args.family)
+        hf_config = model_config_to_hf_config(cfg, fam.name)
+        os.makedirs(args.out, exist_ok=True)
+        dtype = DTYPES[args.dtype]
+        stream = ((n, (t if dtype is None else t.to(dtype)).contiguous()) for n, t in
+                  ours_to_hf_stream(get, cfg, fam.rules))
+        files, weight_map, total = [], {}, 0
+        for i, group in enumerate(_shards(stream, int(args.max_shard_size_gb * 2**30))):
+            fname = f"model-{i + 1:05d}.safetensors"
+            save_file(dict(group), os.path.join(args.out, fname), metadata={"format": "pt"})
+            files.append(fname)
+            weight_map.update({n: fname for n, _ in group})
+            total += sum(t.numel() * t.element_size() for _, t in group)
+    finally:
+        close()
+    _name_shards(args.out, files, weight_map, total)
     hf_config.save_pretrained(args.out)
-    save_file(_cast(hf_state, DTYPES[args.dtype]), os.path.join(args.out, "model.safetensors"),
-              metadata={"format": "pt"})
-    print(f"wrote HF {hf_config.architectures[0]} ({len(hf_state)} tensors) to {args.out}")
+    _generation_config(hf_config).save_pretrained(args.out)
+    if args.tokenizer_model:
+        from transformers import AutoTokenizer
+        AutoTokenizer.from_pretrained(args.tokenizer_model, local_files_only=True).save_pretrained(args.out)
+    print(f"wrote HF {hf_config.architectures[0]} ({len(weight_map)} tensors in {len(files)} files) to {args.out}")
 
 
-def _add_hf_to_ml(sub) -> None:
-    p = sub.add_parser("hf-to-ml", help="HF save_pretrained directory -> megatron-lite full checkpoint")
-    p.add_argument("--hf-dir", required=True, help="directory with config.json and model weights")
-    p.add_argument("--out", required=True, help="output directory (model.safetensors + config.json)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="keep", help="cast floating tensors")
-    p.set_defaults(func=cmd_hf_to_ml)
+def _name_shards(out: str, files: List[str], weight_map: Dict[str, str], total: int) -> None:
+    """HF's names: model.safetensors alone, or model-0000i-of-0000n.safetensors with an index."""
+    if len(files) == 1:
+        os.replace(os.path.join(out, files[0]), os.path.join(out, ML_WEIGHTS))
+        return
+    n = len(files)
+    final = {f: f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i, f in enumerate(files)}
+    for old, new in final.items():
+        os.replace(os.path.join(out, old), os.path.join(out, new))
+    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": {k: final[v] for k, v in weight_map.items()}},
+                  f, indent=2, sort_keys=True)
 
 
-def _add_ml_to_hf(sub) -> None:
-    p = sub.add_parser("ml-to-hf", help="megatron-lite full checkpoint -> HF save_pretrained directory")
-    p.add_argument("--ml-dir", required=True, help="directory with model.safetensors + config.json")
-    p.add_argument("--out", required=True, help="output HF model directory")
-    p.add_argument("--family", choices=("gpt2", "llama"), default=None,
-                   help="HF architecture (default: inferred from the config)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="keep", help="cast floating tensors")
-    p.set_defaults(func=cmd_ml_to_hf)
+def _generation_config(hf_config):
+    from transformers import GenerationConfig
+
+    return GenerationConfig(bos_token_id=hf_config.bos_token_id, eos_token_id=hf_config.eos_token_id)
 
 
 def cmd_consolidate(args) -> None:
@@ -161,41 +331,51 @@ def cmd_consolidate(args) -> None:
           f"{sum(t.numel() for t in state.values()):,} parameters) to {args.out}")
 
 
-def _target_ranks(cfg: ModelConfig, tp: int, pp: int, dp: int, vpp: int):
-    """(dims, model chunks on the meta device) of every rank of the target layout, one at a time."""
-    from megatron_lite.parallel.state import ParallelDims
-    from models.gpt import build_model
-
-    for rank in range(tp * pp * dp):
-        dims = ParallelDims(tp=tp, dp=dp, pp=pp, vpp=vpp, rank=rank)
-        with torch.device("meta"):  # shapes and sharding metadata only: no memory, no init
-            chunks = build_model(cfg, dims)
-        yield dims, chunks  # outside the device context, which a suspended generator would leak
-
-
 def cmd_reshard(args) -> None:
     from megatron_lite.checkpoint.offline import open_checkpoint, reshard
-    from megatron_lite.config import ParallelConfig
 
-    tp, pp, dp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size
     with open_checkpoint(args.load, args.iteration, args.verify_checkpoint) as reader:
         cfg = ModelConfig(**reader.meta["model_config"])
-        vpp = 1
-        if args.num_layers_per_virtual_pipeline_stage:
-            vpp = cfg.num_layers // (pp * args.num_layers_per_virtual_pipeline_stage)
-        pcfg = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                              virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
-        pcfg.validate(tp * pp * dp, cfg, seq_length=1)
-        layout = {"tp": tp, "pp": pp, "dp": dp, "cp": 1, "vpp": vpp, "world_size": tp * pp * dp, "zero_stage": None}
-        final = reshard(reader, args.out, _target_ranks(cfg, tp, pp, dp, vpp), layout)
-    print(f"wrote {reader.dir} resharded for tp={tp} pp={pp} vpp={vpp} dp={dp} ({tp * pp * dp} files) to {final}")
+        tp, pp, dp, vpp, ep = _layout(args, cfg)
+        final = reshard(reader, args.out, _target_ranks(cfg, tp, pp, dp, vpp, ep), _layout_meta(tp, pp, dp, vpp, ep))
+    print(f"wrote {reader.dir} resharded for tp={tp} pp={pp} vpp={vpp} dp={dp} ep={ep} ({tp * pp * dp} files) "
+          f"to {final}")
 
 
-def _add_checkpoint_source(p) -> None:
-    p.add_argument("--load", required=True, help="checkpoint root (its latest) or an iter_* directory")
+# --- parsers ----------------------------------------------------------------------------------
+def _add_layout(p, data_parallel: bool) -> None:
+    flags = ["--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--expert-model-parallel-size"]
+    for flag in flags + (["--data-parallel-size"] if data_parallel else []):
+        p.add_argument(flag, type=int, default=1)
+    p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+
+
+def _add_checkpoint_source(p, required: bool = True) -> None:
+    p.add_argument("--load", required=required, help="checkpoint root (its latest) or an iter_* directory")
     p.add_argument("--iteration", type=int, default=None, help="this iteration instead of the latest")
     p.add_argument("--no-verify-checkpoint", action="store_false", dest="verify_checkpoint",
                    help="do not check the checkpoint's checksums")
+
+
+def _add_hf_to_ml(sub) -> None:
+    p = sub.add_parser("hf-to-ml", help="HF save_pretrained directory -> weights-only training checkpoint")
+    p.add_argument("--hf-dir", required=True, help="directory with config.json and model weights")
+    p.add_argument("--out", required=True, help="output checkpoint root (what --load takes)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="keep", help="stored dtype (keep: the HF weights')")
+    _add_layout(p, data_parallel=False)
+    p.set_defaults(func=cmd_hf_to_ml)
+
+
+def _add_ml_to_hf(sub) -> None:
+    p = sub.add_parser("ml-to-hf", help="training (or full) checkpoint -> HF save_pretrained directory")
+    _add_checkpoint_source(p, required=False)
+    p.add_argument("--ml-dir", default=None, help="a full checkpoint (consolidate's output) instead of --load")
+    p.add_argument("--out", required=True, help="output HF model directory")
+    p.add_argument("--family", choices=sorted(FAMILIES), default=None, help="HF family (default: the model's)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="keep", help="cast floating tensors")
+    p.add_argument("--tokenizer-model", default=None, help="a HF tokenizer directory to save beside the weights")
+    p.add_argument("--max-shard-size-gb", type=float, default=5.0, help="largest safetensors file (GB)")
+    p.set_defaults(func=cmd_ml_to_hf)
 
 
 def _add_consolidate(sub) -> None:
@@ -211,9 +391,7 @@ def _add_reshard(sub) -> None:
     p = sub.add_parser("reshard", help="training checkpoint -> the same, written as by another layout")
     _add_checkpoint_source(p)
     p.add_argument("--out", required=True, help="output checkpoint root")
-    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--data-parallel-size"):
-        p.add_argument(flag, type=int, default=1)
-    p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    _add_layout(p, data_parallel=True)
     p.set_defaults(func=cmd_reshard)
 
 
@@ -231,6 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "ml-to-hf" and not (args.load or args.ml_dir):
+            raise CLIError("give the checkpoint to convert: --load CKPT (training) or --ml-dir DIR (full)")
         args.func(args)
     except USER_ERRORS as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -241,3 +421,4 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -8,6 +8,7 @@ is written to a temporary name, fsynced, then renamed: a file with its final nam
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import time
@@ -58,11 +59,12 @@ def write_text_atomic(path: str, text: str) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-def _header(tensors: List[Tuple[str, torch.Tensor]], metadata: Dict[str, str]) -> bytes:
+def _header(tensors: Sequence[Tuple[str, Sequence[int], torch.dtype]], metadata: Dict[str, str]) -> bytes:
+    """The safetensors header of tensors (name, shape, dtype) stored back to back in this order."""
     entries, offset = {}, 0
-    for name, t in tensors:
-        nbytes = t.numel() * t.element_size()
-        entries[name] = {"dtype": DTYPE_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+    for name, shape, dtype in tensors:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        entries[name] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     entries["__metadata__"] = metadata
     raw = json.dumps(entries, separators=(",", ":")).encode()
@@ -74,7 +76,7 @@ def write_safetensors(path: str, tensors: List[Tuple[str, torch.Tensor]], metada
     """Write CPU tensors as a safetensors file, atomically; returns its size in bytes.
     `halfway(file)` is called with half the tensors written (the crash tests' fault hook)."""
     tensors = [(name, t.contiguous()) for name, t in tensors]
-    header = _header(tensors, metadata)
+    header = _header([(name, t.shape, t.dtype) for name, t in tensors], metadata)
     tmp = f"{path}.tmp"
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(header)))
@@ -137,6 +139,56 @@ def read_header(path: str) -> Tuple[int, dict]:
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         return 8 + n, json.loads(f.read(n))
+
+
+class StreamingPieceFile:
+    """A rank's checkpoint file written piece by piece as the data arrives (converters stream a
+    model tensor by tensor, so that no more than one full tensor is in memory): the pieces are
+    declared first, the header is reserved at its largest size, the data follows in declaration
+    order, and the header with every piece's CRC-32 is written last (padded with spaces, which
+    safetensors allows). The file appears under its final name only when complete."""
+    _CRC_PLACEHOLDER = 0xFFFFFFFF  # the widest CRC-32 in decimal: reserves room for any
+
+    def __init__(self, path: str):
+        self.path, self.tmp = path, f"{path}.tmp"
+        self.order: List[Tuple[str, torch.Size, torch.dtype]] = []
+        self.index: Dict[str, list] = {}
+        self.crcs: List[int] = []
+        self.file = None
+
+    def declare(self, key: str, box: Box, full_shape: Sequence[int], dtype: torch.dtype) -> str:
+        name = f"{key}@" + ",".join(str(s) for s, _ in box)
+        self.order.append((name, torch.Size([n for _, n in box]), dtype))
+        self.index[name] = [key, [list(d) for d in box], list(full_shape)]
+        return name
+
+    def _header(self, crcs: Sequence[int]) -> bytes:
+        index = {name: entry + [crc] for (name, entry), crc in zip(self.index.items(), crcs)}
+        return _header(self.order, {"format": FORMAT, PIECES: json.dumps(index)})
+
+    def open(self) -> None:
+        self.reserved = len(self._header([self._CRC_PLACEHOLDER] * len(self.order)))
+        self.file = open(self.tmp, "wb")
+        self.file.write(struct.pack("<Q", self.reserved) + b" " * self.reserved)
+
+    def write(self, name: str, data: torch.Tensor) -> None:
+        expected, shape, dtype = self.order[len(self.crcs)]
+        assert name == expected and data.shape == shape and data.dtype == dtype, (name, expected)
+        data = data.contiguous()
+        self.crcs.append(tensor_crc32(data))
+        if data.numel():
+            self.file.write(data.reshape(-1).view(torch.uint8).numpy().data)
+
+    def close(self) -> int:
+        assert len(self.crcs) == len(self.order), f"{self.path}: {len(self.order) - len(self.crcs)} pieces unwritten"
+        header = self._header(self.crcs)
+        self.file.seek(8)
+        self.file.write(header + b" " * (self.reserved - len(header)))
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self.tmp, self.path)
+        return os.path.getsize(self.path)
 
 
 def describe_files(directory: str, names: Sequence[str]) -> Dict[str, dict]:

@@ -29,20 +29,22 @@ from .saver import world_rank
 
 # ModelConfig fields that do not change the stored tensors or what they compute with.
 FREE_FIELDS = {"attention_dropout", "hidden_dropout", "init_method_std", "attention_backend",
-               "make_vocab_size_divisible_by",
+               "make_vocab_size_divisible_by", "family",
                # MoE: how tokens are exchanged and balanced, not the experts' weights
                "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_aux_loss_coeff", "moe_z_loss_coeff",
                "moe_router_bias_update_rate", "moe_input_jitter_eps", "moe_router_load_balancing_type",
-               "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity"}
+               "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
+               "moe_router_dtype"}
 
 
-def _config_diffs(saved: dict, current: dict, prefix: str = "") -> List[str]:
+def config_diffs(saved: dict, current: dict, prefix: str = "") -> List[str]:
+    """'field is X there and Y here' for each model-defining field in which two configs differ."""
     out = []
     for name, value in current.items():
         if name in FREE_FIELDS or name not in saved:
             continue
         if isinstance(value, dict) and isinstance(saved[name], dict):
-            out += _config_diffs(saved[name], value, f"{prefix}{name}.")
+            out += config_diffs(saved[name], value, f"{prefix}{name}.")
         elif saved[name] != value:
             out.append(f"{prefix}{name} is {saved[name]!r} there and {value!r} here")
     return out
@@ -50,7 +52,7 @@ def _config_diffs(saved: dict, current: dict, prefix: str = "") -> List[str]:
 
 def check_model_config(saved: dict, current: ModelConfig, where: str) -> None:
     """Raise naming every field in which the checkpoint's model differs from this one."""
-    diffs = _config_diffs(saved, dataclasses.asdict(current))
+    diffs = config_diffs(saved, dataclasses.asdict(current))
     if diffs:
         raise CheckpointError(f"checkpoint {where} was written by a different model: {'; '.join(diffs)}")
 
@@ -116,6 +118,9 @@ def _read_local(trainer, path: str, load_optim: bool, load_rng: bool, iteration:
     meta = directory.read_metadata(ckpt_dir, verify)
     check_model_config(meta["model_config"], trainer.cfg.model, ckpt_dir)
     notes, rng_states = [], None
+    if meta.get("weights_only"):  # converted (Hugging Face, Megatron-LM): the weights are all there is
+        load_optim = load_rng = False
+        notes.append("a weights-only checkpoint: optimizer, schedule and data position start fresh")
     with CheckpointReader(ckpt_dir, meta, verify) as reader:
         reader.verify_files()
         fill_tensors(trainer, reader, load_optim)
@@ -141,6 +146,8 @@ def load_checkpoint(trainer, path: str, *, load_optim: bool = True, load_rng: bo
     load_optim = load_optim and not finetune
     ckpt_dir, meta, rng_states, notes = agree_on_errors(
         lambda: _read_local(trainer, path, load_optim, load_rng and not finetune, iteration, verify), trainer.device)
+    if meta.get("weights_only"):
+        finetune, load_optim = True, False
     sync = trainer.grad_sync
     sync.gather_params()  # ZeRO 1-2: every rank's filled shard into the full params
     sync.wait_param_gather()

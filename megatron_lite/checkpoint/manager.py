@@ -27,6 +27,18 @@ from .loader import Loaded, load_checkpoint
 from .saver import PendingSave, start_save, world_rank
 
 
+def checkpoint_model_config(tcfg) -> Optional[dict]:
+    """--use-checkpoint-args: the model config of the checkpoint the run starts from (its own
+    --save, else --load, else --pretrained-checkpoint), read before any process group exists."""
+    if not tcfg.use_checkpoint_args:
+        return None
+    for path in (tcfg.save, tcfg.load, tcfg.pretrained_checkpoint):
+        if has_checkpoint(path):
+            ckpt_dir, _ = resolve(path)
+            return read_metadata(ckpt_dir, tcfg.verify_checkpoint)["model_config"]
+    raise ConfigError("--use-checkpoint-args: none of --save / --load / --pretrained-checkpoint holds a checkpoint")
+
+
 def inherit_global_batch_size(tcfg) -> Optional[int]:
     """Elastic restarts: a run that resumes its own --save checkpoint without --global-batch-size
     keeps the checkpoint's global batch (not micro-batch x the new DP size), so that a restart on
@@ -77,7 +89,7 @@ class Checkpointing:
         return loaded
 
     def _source(self) -> Optional[str]:
-        """'save' (resume this run), 'load', or None (train from scratch)."""
+        """'save' (resume this run), 'load', 'pretrained' or None (train from scratch)."""
         t = self.tcfg
         if has_checkpoint(t.save):
             return "save"
@@ -85,6 +97,10 @@ class Checkpointing:
             return "load"
         if t.load and t.finetune:
             raise ConfigError(f"--finetune: no checkpoint in --load {t.load}")
+        if t.pretrained_checkpoint:
+            if not has_checkpoint(t.pretrained_checkpoint):
+                raise ConfigError(f"--pretrained-checkpoint {t.pretrained_checkpoint} holds no checkpoint")
+            return "pretrained"
         return None
 
     def _load(self, trainer) -> Optional[Loaded]:
@@ -95,6 +111,8 @@ class Checkpointing:
         elif source == "load":
             loaded = load_checkpoint(trainer, t.load, load_optim=not t.no_load_optim, load_rng=not t.no_load_rng,
                                      finetune=t.finetune, verify=t.verify_checkpoint)
+        elif source == "pretrained":
+            loaded = load_checkpoint(trainer, t.pretrained_checkpoint, finetune=True, verify=t.verify_checkpoint)
         else:
             if t.load and world_rank() == 0:
                 print(f"> no checkpoint in --load {t.load}: training from scratch", flush=True)

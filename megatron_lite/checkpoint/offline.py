@@ -1,12 +1,14 @@
 """Offline operations on a checkpoint, without process groups (tools/convert_checkpoint.py):
-consolidating its full weights, and rewriting it as the ranks of another layout would have
-written it. Both stream: one full tensor, or one target rank's pieces, in memory at a time."""
+consolidating its full weights, rewriting it as the ranks of another layout would have written
+it, and writing a weights-only checkpoint at a layout from a stream of full tensors (converted
+from Hugging Face or Megatron-LM). All stream: one full tensor, or one target rank's pieces, in
+memory at a time."""
 from __future__ import annotations
 
 import copy
 import os
 import shutil
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -14,9 +16,9 @@ import torch.nn as nn
 from ..parallel.sharding import counts_in_norm, spec_of, stored_name
 from ..parallel.state import ParallelDims
 from . import directory
-from .files import PieceSet, describe_files
+from .files import PieceSet, StreamingPieceFile, describe_files
 from .geometry import flat_range_to_full
-from .plan import MODEL, OPTIM_STATES, even_part, optim_key, stored_key
+from .plan import MODEL, OPTIM_STATES, even_part, model_key, optim_key, stored_key
 from .reader import CheckpointReader
 
 
@@ -74,5 +76,52 @@ def reshard(reader: CheckpointReader, out_root: str, ranks: Iterable[Tuple[Paral
         names.append(directory.shard_file(dims.rank))
         _rank_pieces(reader, dims, chunks).write(os.path.join(staging, names[-1]))
     meta["layout"] = dict(meta["layout"], **layout)
+    meta["files"] = describe_files(staging, names)
+    return directory.commit(out_root, iteration, meta)
+
+
+def _writes(dims: ParallelDims, chunks: List[nn.Module]) -> Iterator[Tuple[str, object, list]]:
+    """(stored name, spec, runs) of every parameter part rank `dims.rank` writes (see _rank_pieces)."""
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            if not counts_in_norm(p, dims):
+                continue
+            spec = spec_of(p)
+            copies = (dims.edp, dims.edp_rank) if spec.split("ep") is not None else (dims.dp, dims.dp_rank)
+            yield stored_name(name, p), spec, flat_range_to_full(spec, *even_part(p.numel(), *copies))
+
+
+def write_weights_checkpoint(out_root: str, meta: dict, ranks: Iterable[Tuple[ParallelDims, List[nn.Module]]],
+                             tensors: Iterable[Tuple[str, torch.Tensor]], order: List[str], dtype: torch.dtype) -> str:
+    """A weights-only training checkpoint (iteration 0) at the layout of `ranks`, from `tensors`,
+    a stream of (stored name, full tensor) in the order `order`: each full tensor is cut into
+    every rank's pieces as it arrives and then dropped, so memory holds one full tensor. Stored
+    in `dtype` (a run of any precision loads it)."""
+    iteration = 0
+    staging = directory.staging_dir(out_root, iteration)
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    position = {name: i for i, name in enumerate(order)}
+    files, wanted = [], {}
+    for dims, chunks in ranks:
+        out = StreamingPieceFile(os.path.join(staging, directory.shard_file(dims.rank)))
+        parts = sorted(((position[n], n, spec, run) for n, spec, runs in _writes(dims, chunks) for run in runs),
+                       key=lambda x: x[0])
+        for _, name, spec, run in parts:
+            wanted.setdefault(name, []).append((out, out.declare(model_key(name), run.full, spec.stored_shape, dtype),
+                                                run.full))
+        files.append(out)
+    for out in files:
+        out.open()
+    for name, full in tensors:
+        full = full.to(dtype)
+        for out, piece, box in wanted.pop(name, []):
+            out.write(piece, full[tuple(slice(s, s + n) for s, n in box)])
+    if wanted:
+        raise ValueError(f"the stream lacked {len(wanted)} tensors, e.g. {sorted(wanted)[:3]}")
+    names = [os.path.basename(f.path) for f in files]
+    for f in files:
+        f.close()
+    meta = dict(meta, iteration=iteration, consumed_samples=0, weights_only=True)
     meta["files"] = describe_files(staging, names)
     return directory.commit(out_root, iteration, meta)

@@ -65,7 +65,8 @@ class ShardSpec:
     full_shape: Tuple[int, ...]  # the full tensor in this layout (vocabulary padded for TP)
     splits: Tuple[Split, ...] = ()
     stored_rows: Optional[int] = None  # rows of dim 0 that exist (the true vocabulary)
-    sequence_parallel: bool = False  # whole on every TP rank, but each saw only its sequence slice
+    sequence_parallel: bool = False  # whole on every TP rank, but its gradient is partial there: each rank saw
+    #                                  only its sequence slice (SP) or its attention heads (q/k norms)
     tie: Optional[Tie] = None
     init: str = "normal"  # normal | normal_scaled (projections into the residual stream) | ones | zeros
 

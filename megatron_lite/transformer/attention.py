@@ -12,6 +12,7 @@ import torch.nn as nn
 from ..parallel.random import recompute
 from ..parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, enter_tp_region
 from .core_attention import PackedSeq
+from .norm import head_norm
 from .rope import apply_rope
 
 
@@ -40,6 +41,9 @@ class SelfAttention(nn.Module):
         self.linear_proj = RowParallelLinear(q_size, cfg.hidden_size, dims, bias=cfg.add_bias_linear,
                                              sequence_parallel=sp, dtype=dt, weight_grad_store=store)
         self.core_attention = core_attention(cfg, ctx, layer_number)
+        if cfg.qk_layernorm:  # over each head's channels; the heads are split over TP: grads partial there
+            self.q_layernorm = head_norm(cfg, ctx, d)
+            self.k_layernorm = head_norm(cfg, ctx, d)
 
     def _core(self, q, k, v, packed, q_offset=0):
         if self.core_attention.dropout > 0 and self.training and self.tp > 1:
@@ -58,6 +62,8 @@ class SelfAttention(nn.Module):
         q = q.reshape(s, b, self.heads, d)
         k = k.reshape(s, b, self.groups, d)
         v = v.reshape(s, b, self.groups, d)
+        if hasattr(self, "q_layernorm"):
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [b, s, heads, d]

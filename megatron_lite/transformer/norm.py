@@ -9,33 +9,46 @@ from ..parallel.sharding import replicated, set_spec
 
 
 class LayerNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False, dtype=torch.float32):
+    """`zero_centered` (--apply-layernorm-1p): the weight is stored as w and applied as 1 + w."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False, dtype=torch.float32,
+                 zero_centered: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.zero_centered = eps, zero_centered
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
-        set_spec(self.weight, replicated((hidden_size,), sequence_parallel, init="ones"))
+        set_spec(self.weight, replicated((hidden_size,), sequence_parallel, init="zeros" if zero_centered else "ones"))
         set_spec(self.bias, replicated((hidden_size,), sequence_parallel, init="zeros"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        w = self.weight + 1 if self.zero_centered else self.weight
+        return F.layer_norm(x, x.shape[-1:], w, self.bias, self.eps)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False, dtype=torch.float32):
+    def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False, dtype=torch.float32,
+                 zero_centered: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.zero_centered = eps, zero_centered
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
-        set_spec(self.weight, replicated((hidden_size,), sequence_parallel, init="ones"))
+        set_spec(self.weight, replicated((hidden_size,), sequence_parallel, init="zeros" if zero_centered else "ones"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 whatever the activation dtype, as Llama does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        w = self.weight + 1 if self.zero_centered else self.weight
+        return w * x32.to(x.dtype)
 
 
 def build_norm(cfg, ctx, layer_number: int = 0) -> nn.Module:
     """The model's norm (cfg.normalization) over the hidden size: a layer-spec constructor."""
     cls = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}[cfg.normalization]
-    return cls(cfg.hidden_size, cfg.norm_epsilon, ctx.sequence_parallel, ctx.params_dtype)
+    return cls(cfg.hidden_size, cfg.norm_epsilon, ctx.sequence_parallel, ctx.params_dtype, cfg.apply_layernorm_1p)
+
+
+def head_norm(cfg, ctx, head_dim: int) -> nn.Module:
+    """The model's norm over each attention head's channels (--qk-layernorm). The heads are split
+    over TP, so each rank's gradient of the shared weight is partial: summed over TP."""
+    cls = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}[cfg.normalization]
+    return cls(head_dim, cfg.norm_epsilon, ctx.dims.tp > 1, ctx.params_dtype, cfg.apply_layernorm_1p)

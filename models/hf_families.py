@@ -1,0 +1,379 @@
+"""The Hugging Face families megatron-lite converts: each maps an HF config to a ModelConfig of
+the GPT model and back, and owns the table of its tensors (hf_conversion.Rule; names as
+save_pretrained writes them, with transformers' in-memory fused expert tensors accepted too).
+
+  gpt2       LayerNorm, learned positions, GELU, biases, Conv1D weights, tied embeddings
+  llama      Llama 2 / 3 / 3.1 / 3.2: RMSNorm, RoPE (llama3 scaling), SwiGLU, GQA
+  mistral    llama + sliding-window attention
+  qwen2      llama + Q/K/V biases (Qwen2, Qwen2.5)
+  qwen3      llama + q/k RMSNorm per head, explicit head_dim
+  mixtral    mistral with top-k softmax MoE MLPs
+  qwen2_moe  qwen2 with MoE MLPs, a gated shared expert, dense layers (mlp_only_layers)
+  qwen3_moe  qwen3 with MoE MLPs
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple, Union
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.transformer.moe import MoEConfig
+
+from .hf_conversion import ConversionError, R, Rule
+
+L = "model.layers.{i}."
+_LLAMA_CORE = [
+    R("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+    R("layers.{i}.input_layernorm.weight", L + "input_layernorm.weight"),
+    R("layers.{i}.self_attention.linear_q.weight", L + "self_attn.q_proj.weight"),
+    R("layers.{i}.self_attention.linear_kv.weight", (L + "self_attn.k_proj.weight", L + "self_attn.v_proj.weight"), "cat"),
+    R("layers.{i}.self_attention.linear_q.bias", L + "self_attn.q_proj.bias", when="qkv_bias"),
+    R("layers.{i}.self_attention.linear_kv.bias", (L + "self_attn.k_proj.bias", L + "self_attn.v_proj.bias"), "cat",
+      when="qkv_bias"),
+    R("layers.{i}.self_attention.linear_proj.weight", L + "self_attn.o_proj.weight"),
+    R("layers.{i}.self_attention.linear_proj.bias", L + "self_attn.o_proj.bias", when="bias"),
+    R("layers.{i}.self_attention.q_layernorm.weight", L + "self_attn.q_norm.weight", when="qk_norm"),
+    R("layers.{i}.self_attention.k_layernorm.weight", L + "self_attn.k_norm.weight", when="qk_norm"),
+    R("layers.{i}.pre_mlp_layernorm.weight", L + "post_attention_layernorm.weight"),
+    R("layers.{i}.mlp.linear_fc1.weight", (L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight"), "cat", when="dense"),
+    R("layers.{i}.mlp.linear_fc2.weight", L + "mlp.down_proj.weight", when="dense"),
+    R("layers.{i}.mlp.linear_fc1.bias", (L + "mlp.gate_proj.bias", L + "mlp.up_proj.bias"), "cat",
+      when=("dense", "bias")),
+    R("layers.{i}.mlp.linear_fc2.bias", L + "mlp.down_proj.bias", when=("dense", "bias")),
+    R("final_norm.weight", "model.norm.weight"),
+    R("output_layer.weight", "lm_head.weight", when="untied"),
+]
+_QWEN_MOE = [  # Qwen2-MoE / Qwen3-MoE: experts under mlp.experts.{e}, router mlp.gate
+    R("layers.{i}.mlp.router.weight", L + "mlp.gate.weight", when="moe"),
+    R("layers.{i}.mlp.experts.weight1", (L + "mlp.experts.{e}.gate_proj.weight", L + "mlp.experts.{e}.up_proj.weight"),
+      "experts", when="moe", fused_hf=L + "mlp.experts.gate_up_proj"),
+    R("layers.{i}.mlp.experts.weight2", L + "mlp.experts.{e}.down_proj.weight", "experts", when="moe",
+      fused_hf=L + "mlp.experts.down_proj"),
+    R("layers.{i}.mlp.shared_experts.linear_fc1.weight",
+      (L + "mlp.shared_expert.gate_proj.weight", L + "mlp.shared_expert.up_proj.weight"), "cat",
+      when=("moe", "shared_expert")),
+    R("layers.{i}.mlp.shared_experts.linear_fc2.weight", L + "mlp.shared_expert.down_proj.weight",
+      when=("moe", "shared_expert")),
+    R("layers.{i}.mlp.shared_experts.gate_weight", L + "mlp.shared_expert_gate.weight",
+      when=("moe", "shared_expert", "shared_gate")),
+]
+M = "model.layers.{i}.block_sparse_moe."
+_MIXTRAL_MOE = [  # Mixtral on disk: block_sparse_moe.gate, experts.{e}.w1 (gate) / w3 (up) / w2 (down)
+    R("layers.{i}.mlp.router.weight", M + "gate.weight", when="moe"),
+    R("layers.{i}.mlp.experts.weight1", (M + "experts.{e}.w1.weight", M + "experts.{e}.w3.weight"), "experts",
+      when="moe", fused_hf=M + "experts.gate_up_proj"),
+    R("layers.{i}.mlp.experts.weight2", M + "experts.{e}.w2.weight", "experts", when="moe",
+      fused_hf=M + "experts.down_proj"),
+]
+H = "transformer.h.{i}."
+_GPT2 = [
+    R("embedding.word_embeddings.weight", "transformer.wte.weight"),
+    R("embedding.position_embeddings.weight", "transformer.wpe.weight"),
+    R("layers.{i}.input_layernorm.weight", H + "ln_1.weight"),
+    R("layers.{i}.input_layernorm.bias", H + "ln_1.bias"),
+    R(("layers.{i}.self_attention.linear_q.weight", "layers.{i}.self_attention.linear_kv.weight"),
+      H + "attn.c_attn.weight", "t_split"),  # Conv1D [h, 3h] -> [3h, h] = [Q; K; V]
+    R(("layers.{i}.self_attention.linear_q.bias", "layers.{i}.self_attention.linear_kv.bias"), H + "attn.c_attn.bias",
+      "t_split"),
+    R("layers.{i}.self_attention.linear_proj.weight", H + "attn.c_proj.weight", "t"),
+    R("layers.{i}.self_attention.linear_proj.bias", H + "attn.c_proj.bias"),
+    R("layers.{i}.pre_mlp_layernorm.weight", H + "ln_2.weight"),
+    R("layers.{i}.pre_mlp_layernorm.bias", H + "ln_2.bias"),
+    R("layers.{i}.mlp.linear_fc1.weight", H + "mlp.c_fc.weight", "t"),
+    R("layers.{i}.mlp.linear_fc1.bias", H + "mlp.c_fc.bias"),
+    R("layers.{i}.mlp.linear_fc2.weight", H + "mlp.c_proj.weight", "t"),
+    R("layers.{i}.mlp.linear_fc2.bias", H + "mlp.c_proj.bias"),
+    R("final_norm.weight", "transformer.ln_f.weight"),
+    R("final_norm.bias", "transformer.ln_f.bias"),
+    R("output_layer.weight", "lm_head.weight", when="untied"),
+]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_type: str  # HF config.model_type
+    architecture: str  # the HF class save_pretrained names in config.json
+    rules: List[Rule]
+    to_ours: Callable  # HF config -> ModelConfig
+    to_hf: Callable  # ModelConfig -> HF config
+    ignored: Tuple[str, ...] = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry
+    renames: Dict[str, str] = field(default_factory=dict)  # in-memory name fragment -> on-disk one
+
+    @property
+    def dropped(self) -> Tuple[str, ...]:
+        return ("lm_head.weight",)  # tied models' copy of the embedding (untied ones read it by a rule)
+
+    def normalize(self, sd: dict) -> dict:
+        """On-disk names for an HF state dict that may use transformers' in-memory ones."""
+        if self.name == "gpt2" and not any(k.startswith("transformer.") for k in sd):  # GPT2Model, not LMHead
+            sd = {(k if k.startswith("lm_head.") else "transformer." + k): v for k, v in sd.items()}
+        for old, new in self.renames.items():
+            sd = {k.replace(old, new): v for k, v in sd.items()}
+        return sd
+
+
+# --- configs: HF -> ours ----------------------------------------------------------------------
+def _rope(c) -> dict:
+    params = dict(getattr(c, "rope_parameters", None) or {})
+    if not params and getattr(c, "rope_scaling", None):
+        params = dict(c.rope_scaling)
+    kind = params.get("rope_type", params.get("type", "default"))
+    theta = params.get("rope_theta", getattr(c, "rope_theta", None))
+    out = dict(rotary_base=float(theta if theta is not None else 10000.0))
+    if kind == "llama3":
+        out.update(rope_scaling_type="llama3", rope_scaling_factor=float(params["factor"]),
+                   rope_scaling_low_freq_factor=float(params["low_freq_factor"]),
+                   rope_scaling_high_freq_factor=float(params["high_freq_factor"]),
+                   rope_scaling_original_max_position=int(params["original_max_position_embeddings"]))
+    elif kind != "default":
+        raise ConversionError(f"rope_type {kind!r} (RoPE scaling) is not supported; supported: default, llama3")
+    return out
+
+
+def _llama_like(c, **extra) -> ModelConfig:
+    if getattr(c, "hidden_act", "silu") != "silu":
+        raise ConversionError(f"hidden_act {c.hidden_act!r} is not supported (SwiGLU needs silu)")
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kw = dict(num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+              num_query_groups=c.num_key_value_heads or c.num_attention_heads, kv_channels=head_dim,
+              ffn_hidden_size=c.intermediate_size, vocab_size=c.vocab_size,
+              max_position_embeddings=c.max_position_embeddings, normalization="RMSNorm", norm_epsilon=c.rms_norm_eps,
+              position_embedding_type="rope", swiglu=True, add_bias_linear=False,
+              untie_embeddings_and_output_weights=not c.tie_word_embeddings,
+              attention_dropout=float(getattr(c, "attention_dropout", 0.0) or 0.0), hidden_dropout=0.0, **_rope(c))
+    kw.update(extra)
+    return ModelConfig(**kw)
+
+
+def _llama_to_ours(c) -> ModelConfig:
+    attn_bias, mlp_bias = bool(getattr(c, "attention_bias", False)), bool(getattr(c, "mlp_bias", False))
+    if attn_bias != mlp_bias:  # our add_bias_linear puts biases on all linears or none
+        raise ConversionError("Llama attention_bias and mlp_bias must be equal to convert")
+    return _llama_like(c, add_bias_linear=attn_bias, family="llama")
+
+
+def _mistral_to_ours(c) -> ModelConfig:
+    return _llama_like(c, window_size=getattr(c, "sliding_window", None), family="mistral")
+
+
+def _no_qwen_window(c) -> None:
+    if getattr(c, "use_sliding_window", False):
+        raise ConversionError("Qwen use_sliding_window (a window on some layers only) is not supported")
+
+
+def _qwen2_to_ours(c) -> ModelConfig:
+    _no_qwen_window(c)
+    return _llama_like(c, add_qkv_bias=True, family="qwen2")
+
+
+def _qwen3_to_ours(c) -> ModelConfig:
+    _no_qwen_window(c)
+    if getattr(c, "attention_bias", False):
+        raise ConversionError("Qwen3 attention_bias=True is not supported")
+    return _llama_like(c, qk_layernorm=True, family="qwen3")
+
+
+def _moe_layers(c, n: int) -> Union[int, List[int]]:
+    """Qwen-MoE's layer pattern: MoE every decoder_sparse_step-th layer, except mlp_only_layers."""
+    step, dense = getattr(c, "decoder_sparse_step", 1) or 1, set(getattr(c, "mlp_only_layers", None) or [])
+    pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(n)]
+    return 1 if all(pattern) else pattern  # 1: every layer (what --moe-layer-freq defaults to)
+
+
+def _router(norm_topk_prob: bool) -> dict:
+    # A softmax over the k chosen logits is the renormalized top-k; without renormalization the
+    # weights are the top-k of the softmax over all experts.
+    return {} if norm_topk_prob else dict(moe_router_pre_softmax=True)
+
+
+def _mixtral_to_ours(c) -> ModelConfig:
+    moe = MoEConfig(num_experts=c.num_local_experts, moe_router_topk=c.num_experts_per_tok,
+                    moe_ffn_hidden_size=c.intermediate_size,
+                    moe_aux_loss_coeff=float(getattr(c, "router_aux_loss_coef", 0.0) or 0.0))
+    return _llama_like(c, window_size=getattr(c, "sliding_window", None), moe=moe, family="mixtral")
+
+
+def _qwen_moe(c, family: str, **extra) -> ModelConfig:
+    _no_qwen_window(c)
+    shared = getattr(c, "shared_expert_intermediate_size", None) or None
+    moe = MoEConfig(num_experts=c.num_experts, moe_router_topk=c.num_experts_per_tok,
+                    moe_ffn_hidden_size=c.moe_intermediate_size, moe_shared_expert_intermediate_size=shared,
+                    moe_shared_expert_gate=bool(shared), moe_layer_freq=_moe_layers(c, c.num_hidden_layers),
+                    moe_aux_loss_coeff=float(getattr(c, "router_aux_loss_coef", 0.0) or 0.0),
+                    **_router(bool(getattr(c, "norm_topk_prob", False))))
+    return _llama_like(c, moe=moe, family=family, **extra)
+
+
+def _gpt2_to_ours(c) -> ModelConfig:
+    act = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}.get(c.activation_function)
+    if act is None:
+        raise ConversionError(f"GPT-2 activation_function {c.activation_function!r} is not supported")
+    if getattr(c, "scale_attn_by_inverse_layer_idx", False) or getattr(c, "reorder_and_upcast_attn", False):
+        raise ConversionError("GPT-2 scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported")
+    if not getattr(c, "scale_attn_weights", True):
+        raise ConversionError("GPT-2 scale_attn_weights=False is not supported")
+    return ModelConfig(
+        num_layers=c.n_layer, hidden_size=c.n_embd, num_attention_heads=c.n_head,
+        ffn_hidden_size=c.n_inner or 4 * c.n_embd, vocab_size=c.vocab_size, max_position_embeddings=c.n_positions,
+        normalization="LayerNorm", norm_epsilon=c.layer_norm_epsilon, position_embedding_type="learned_absolute",
+        swiglu=False, activation=act, add_bias_linear=True, untie_embeddings_and_output_weights=not c.tie_word_embeddings,
+        attention_dropout=float(c.attn_pdrop), hidden_dropout=float(c.resid_pdrop), family="gpt2")
+
+
+# --- configs: ours -> HF ----------------------------------------------------------------------
+def _hf_config(class_name: str, **kw):
+    import transformers  # optional dependency: import on use
+
+    return getattr(transformers, class_name)(**kw)
+
+
+def _rope_params(cfg: ModelConfig) -> dict:
+    p = {"rope_type": "default", "rope_theta": cfg.rotary_base}
+    if cfg.rope_scaling_type == "llama3":
+        p.update(rope_type="llama3", factor=cfg.rope_scaling_factor, low_freq_factor=cfg.rope_scaling_low_freq_factor,
+                 high_freq_factor=cfg.rope_scaling_high_freq_factor,
+                 original_max_position_embeddings=cfg.rope_scaling_original_max_position)
+    return p
+
+
+def _llama_kw(cfg: ModelConfig, architecture: str) -> dict:
+    if cfg.rotary_percent != 1.0 or cfg.apply_layernorm_1p:
+        raise ConversionError("rotary_percent < 1 / apply_layernorm_1p have no Hugging Face Llama-family equivalent")
+    return dict(num_hidden_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+                num_key_value_heads=cfg.num_query_groups, head_dim=cfg.kv_channels, intermediate_size=cfg.ffn_hidden_size,
+                vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings,
+                rms_norm_eps=cfg.norm_epsilon, rope_parameters=_rope_params(cfg), hidden_act="silu",
+                attention_dropout=cfg.attention_dropout, tie_word_embeddings=not cfg.untie_embeddings_and_output_weights,
+                bos_token_id=None, eos_token_id=None, architectures=[architecture])
+
+
+def _llama_to_hf(cfg):
+    return _hf_config("LlamaConfig", attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear,
+                      **_llama_kw(cfg, "LlamaForCausalLM"))
+
+
+def _mistral_to_hf(cfg):
+    return _hf_config("MistralConfig", sliding_window=cfg.window_size, **_llama_kw(cfg, "MistralForCausalLM"))
+
+
+def _qwen2_to_hf(cfg):
+    return _hf_config("Qwen2Config", use_sliding_window=False, **_llama_kw(cfg, "Qwen2ForCausalLM"))
+
+
+def _qwen3_to_hf(cfg):
+    return _hf_config("Qwen3Config", use_sliding_window=False, attention_bias=False,
+                      **_llama_kw(cfg, "Qwen3ForCausalLM"))
+
+
+def _moe_hf_kw(cfg: ModelConfig) -> dict:
+    m = cfg.moe
+    return dict(num_experts_per_tok=m.moe_router_topk, router_aux_loss_coef=m.moe_aux_loss_coeff,
+                norm_topk_prob=not m.moe_router_pre_softmax or bool(m.moe_router_norm_topk_prob))
+
+
+def _mixtral_to_hf(cfg):
+    kw = _llama_kw(cfg, "MixtralForCausalLM")
+    kw["intermediate_size"] = cfg.moe.moe_ffn_hidden_size
+    moe = _moe_hf_kw(cfg)
+    moe.pop("norm_topk_prob")
+    return _hf_config("MixtralConfig", num_local_experts=cfg.moe.num_experts, sliding_window=cfg.window_size, **moe,
+                      **kw)
+
+
+def _qwen_moe_to_hf(class_name: str, architecture: str, **extra):
+    def to_hf(cfg):
+        m = cfg.moe
+        dense = [i for i, moe in enumerate(cfg.moe_layers()) if not moe]
+        kw = dict(_llama_kw(cfg, architecture), num_experts=m.num_experts, moe_intermediate_size=m.moe_ffn_hidden_size,
+                  decoder_sparse_step=1, mlp_only_layers=dense, use_sliding_window=False, **_moe_hf_kw(cfg), **extra)
+        if class_name == "Qwen2MoeConfig":
+            kw["shared_expert_intermediate_size"] = m.moe_shared_expert_intermediate_size or 0
+        return _hf_config(class_name, **kw)
+    return to_hf
+
+
+def _gpt2_to_hf(cfg):
+    special = 50256 if cfg.vocab_size > 50256 else None  # default ids outside a small vocabulary only warn
+    return _hf_config("GPT2Config", n_layer=cfg.num_layers, n_embd=cfg.hidden_size, n_head=cfg.num_attention_heads,
+                      n_inner=cfg.ffn_hidden_size, vocab_size=cfg.vocab_size, n_positions=cfg.max_position_embeddings,
+                      layer_norm_epsilon=cfg.norm_epsilon,
+                      activation_function="gelu_new" if cfg.activation == "gelu_tanh" else "gelu",
+                      tie_word_embeddings=not cfg.untie_embeddings_and_output_weights, attn_pdrop=cfg.attention_dropout,
+                      resid_pdrop=cfg.hidden_dropout, embd_pdrop=cfg.hidden_dropout, bos_token_id=special,
+                      eos_token_id=special, architectures=["GPT2LMHeadModel"])
+
+
+FAMILIES: Dict[str, Family] = {f.name: f for f in [
+    Family("gpt2", "gpt2", "GPT2LMHeadModel", _GPT2, _gpt2_to_ours, _gpt2_to_hf,
+           ignored=(".attn.bias", ".attn.masked_bias")),
+    Family("llama", "llama", "LlamaForCausalLM", _LLAMA_CORE, _llama_to_ours, _llama_to_hf),
+    Family("mistral", "mistral", "MistralForCausalLM", _LLAMA_CORE, _mistral_to_ours, _mistral_to_hf),
+    Family("qwen2", "qwen2", "Qwen2ForCausalLM", _LLAMA_CORE, _qwen2_to_ours, _qwen2_to_hf),
+    Family("qwen3", "qwen3", "Qwen3ForCausalLM", _LLAMA_CORE, _qwen3_to_ours, _qwen3_to_hf),
+    Family("mixtral", "mixtral", "MixtralForCausalLM", _LLAMA_CORE + _MIXTRAL_MOE, _mixtral_to_ours, _mixtral_to_hf,
+           renames={".mlp.gate.": ".block_sparse_moe.gate.", ".mlp.experts.": ".block_sparse_moe.experts."}),
+    Family("qwen2_moe", "qwen2_moe", "Qwen2MoeForCausalLM", _LLAMA_CORE + _QWEN_MOE,
+           lambda c: _qwen_moe(c, "qwen2_moe", add_qkv_bias=True),
+           _qwen_moe_to_hf("Qwen2MoeConfig", "Qwen2MoeForCausalLM")),
+    Family("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", _LLAMA_CORE + _QWEN_MOE,
+           lambda c: _qwen_moe(c, "qwen3_moe", qk_layernorm=True),
+           _qwen_moe_to_hf("Qwen3MoeConfig", "Qwen3MoeForCausalLM", attention_bias=False)),
+]}
+
+
+def family_for_model_type(model_type: Optional[str]) -> Family:
+    for f in FAMILIES.values():
+        if f.model_type == model_type:
+            return f
+    raise ConversionError(f"unsupported model_type {model_type!r}; supported: "
+                          f"{', '.join(f.model_type for f in FAMILIES.values())}")
+
+
+def _infer(cfg: ModelConfig) -> str:
+    """The family that can represent `cfg` exactly, for configs built from flags (no family)."""
+    if cfg.normalization == "LayerNorm" and cfg.position_embedding_type == "learned_absolute" and not cfg.swiglu:
+        if not cfg.add_bias_linear or cfg.num_query_groups != cfg.num_attention_heads \
+                or cfg.kv_channels * cfg.num_attention_heads != cfg.hidden_size:
+            raise ConversionError("GPT-2 needs biases, plain multi-head attention and head_dim = hidden / heads")
+        return "gpt2"
+    if not (cfg.normalization == "RMSNorm" and cfg.position_embedding_type == "rope" and cfg.swiglu):
+        raise ConversionError("model is neither GPT-2-like (LayerNorm, learned positions, GELU) nor Llama-like "
+                              "(RMSNorm, RoPE, SwiGLU)")
+    if cfg.moe is not None:
+        if cfg.moe.moe_shared_expert_intermediate_size:
+            return "qwen2_moe"
+        return "qwen3_moe" if cfg.qk_layernorm else "mixtral"
+    if cfg.qk_layernorm:
+        return "qwen3"
+    if cfg.add_qkv_bias and not cfg.add_bias_linear:
+        return "qwen2"
+    return "mistral" if cfg.window_size else "llama"
+
+
+def family_of(cfg: ModelConfig, name: Optional[str] = None) -> Family:
+    """The family of `cfg`: `name`, else cfg.family, else inferred from its features."""
+    own = cfg.family or _infer(cfg)
+    if name is not None and name != own:
+        raise ConversionError(f"model config is {own}-like, not {name}")
+    name = own
+    if name not in FAMILIES:
+        raise ConversionError(f"unknown family {name!r}; supported: {', '.join(FAMILIES)}")
+    family = FAMILIES[name]
+    _check_representable(cfg, family)
+    return family
+
+
+def _check_representable(cfg: ModelConfig, family: Family) -> None:
+    """A config that names a family must survive the trip through that family's HF config."""
+    from megatron_lite.checkpoint.loader import config_diffs
+
+    back = family.to_ours(family.to_hf(cfg))
+    differ = config_diffs(dataclasses.asdict(cfg), dataclasses.asdict(back))
+    if (cfg.moe is None) != (back.moe is None):
+        differ.append(f"moe is {cfg.moe!r} here and {back.moe!r} there")
+    if differ:
+        raise ConversionError(f"model config names family {family.name!r}, which cannot represent it: "
+                              + "; ".join(d.replace(" there and ", " in the model and ").replace(" here", f" in {family.name}")
+                                          for d in differ))

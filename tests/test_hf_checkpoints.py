@@ -1,0 +1,158 @@
+"""Hugging Face checkpoints in and out of training, through tools/convert_checkpoint.py.
+
+For every family: save_pretrained -> hf-to-ml at TP1, at TP2 x PP2 (and EP2 for MoE) -> the
+training run started from that checkpoint has the first-iteration loss of HF's own model on the
+same tokens; -> ml-to-hf -> from_pretrained (no missing or unexpected keys) gives back the
+original tensors. Conversion streams: peak memory stays near the largest tensor. Unsupported or
+broken inputs are one-line errors."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from megatron_lite.data.gpt_dataset import MockGPTDataset, SampleOptions  # noqa: E402
+from megatron_lite.testing import run_distributed  # noqa: E402
+from test_hf_parity import MOE, NAMES, VOCAB, hf_model  # noqa: E402
+from training_utils import ROOT, records_of, train_in_process  # noqa: E402
+
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import convert_checkpoint as tool  # noqa: E402
+
+SEQ, BATCH, SEED = 16, 4, 1234
+RUN = ["--mock-data", "--vocab-size", str(VOCAB - 1), "--seq-length", str(SEQ), "--micro-batch-size", "2",
+       "--global-batch-size", str(BATCH), "--train-iters", "1", "--eval-iters", "0", "--device", "cpu",
+       "--use-checkpoint-args", "--seed", str(SEED)]  # NullTokenizer: VOCAB - 1 ids + its end of document
+LAYOUTS = {"tp1": ([], 1), "tp2pp2": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 4),
+           "ep2": (["--expert-model-parallel-size", "2"], 2)}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """name -> a save_pretrained directory of the tiny HF model."""
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for name in NAMES:
+        hf_model(name).save_pretrained(root / name)
+        out[name] = root / name
+    return out
+
+
+def _hf_first_loss(name) -> float:
+    """HF's loss on the first global batch the run trains on (the mock samples 0..BATCH-1)."""
+    data = MockGPTDataset(VOCAB, SEQ, BATCH, SEED, SampleOptions(eod=VOCAB - 1))
+    tokens = torch.stack([data[i]["tokens"] for i in range(BATCH)])
+    labels = torch.stack([data[i]["labels"] for i in range(BATCH)])
+    with torch.no_grad():
+        logits = hf_model(name)(tokens).logits.float()
+    return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1)).item()
+
+
+def _convert(*args) -> int:
+    return tool.main([str(a) for a in args])
+
+
+def _cases():
+    for name in NAMES:
+        for layout in ("tp1", "tp2pp2") + (("ep2",) if name in MOE else ()):
+            yield name, layout
+
+
+@pytest.mark.parametrize("name,layout", list(_cases()))
+def test_training_starts_from_the_converted_checkpoint(saved, tmp_path, name, layout):
+    flags, world = LAYOUTS[layout]
+    ckpt = tmp_path / "ckpt"
+    assert _convert("hf-to-ml", "--hf-dir", saved[name], "--out", ckpt, *flags) == 0
+    meta = json.load(open(ckpt / "iter_0000000" / "metadata.json"))
+    assert meta["weights_only"] and meta["layout"]["world_size"] == world and len(meta["files"]) == world
+    first = records_of(run_distributed(train_in_process, world, RUN + flags + ["--load", str(ckpt)]))[0]
+    assert abs(first["lm_loss"] - _hf_first_loss(name)) < 1e-4, (first["lm_loss"], _hf_first_loss(name))
+
+
+def _disk_state(path):
+    from safetensors.torch import load_file
+    files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+    return {k: v for f in files for k, v in load_file(os.path.join(path, f)).items()}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_ml_to_hf_gives_back_the_original_tensors(saved, tmp_path, name, caplog):
+    ckpt, back = tmp_path / "ckpt", tmp_path / "back"
+    assert _convert("hf-to-ml", "--hf-dir", saved[name], "--out", ckpt, "--tensor-model-parallel-size", "2") == 0
+    assert _convert("ml-to-hf", "--load", ckpt, "--out", back, "--max-shard-size-gb", "0.0001") == 0
+    assert (back / "model.safetensors.index.json").exists() and (back / "generation_config.json").exists()
+    original = _disk_state(saved[name])
+    converted = _disk_state(back)
+    assert converted.keys() == original.keys()
+    assert all(torch.equal(converted[k], original[k]) for k in original)
+    with caplog.at_level(logging.WARNING, logger="transformers"):
+        reloaded = type(hf_model(name)).from_pretrained(back)
+    assert not [r for r in caplog.records if "missing" in r.message.lower() or "unexpected" in r.message.lower()]
+    tokens = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(reloaded.eval()(tokens).logits, hf_model(name)(tokens).logits, atol=1e-5)
+
+
+def _peak_rss_mb(argv) -> float:
+    """Peak resident memory (MiB) of the converter run in a fresh process, above its start."""
+    code = ("import resource, sys; sys.path.insert(0, {tools!r}); import convert_checkpoint as t, transformers; "
+            "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; rc = t.main({argv!r}); "
+            "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024); sys.exit(rc)")
+    out = subprocess.run([sys.executable, "-c", code.format(tools=os.path.join(ROOT, "tools"), argv=argv)],
+                         capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def test_conversion_streams_tensor_by_tensor(tmp_path):
+    """A model of many tensors (~150 MB): peak memory < 1.5 x the largest tensor (8 MB) + a constant
+    (the same conversion of a model 30x smaller measures the constant)."""
+    sizes = {}
+    for name, layers, hidden in (("big", 12, 512), ("small", 1, 128)):
+        cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=8,
+                                       num_key_value_heads=4, intermediate_size=4 * hidden, vocab_size=4096,
+                                       tie_word_embeddings=False)
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(cfg)
+        model.to_empty(device="cpu")
+        model.save_pretrained(tmp_path / name, max_shard_size="40MB")
+        del model
+        peak = _peak_rss_mb(["hf-to-ml", "--hf-dir", str(tmp_path / name), "--out", str(tmp_path / f"{name}-ml")])
+        sizes[name] = peak
+    largest = 4096 * 512 * 4 / 2**20
+    assert sizes["big"] < sizes["small"] + 1.5 * largest + 16, sizes
+
+
+def test_bad_inputs_are_one_line_errors(saved, tmp_path, capsys):
+    assert _convert("hf-to-ml", "--hf-dir", tmp_path / "nope", "--out", tmp_path / "o") == 2
+    transformers.BertConfig().save_pretrained(tmp_path / "bert")
+    assert _convert("hf-to-ml", "--hf-dir", tmp_path / "bert", "--out", tmp_path / "o") == 2
+    yarn = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32,
+                                    vocab_size=10, rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4})
+    transformers.LlamaForCausalLM(yarn).save_pretrained(tmp_path / "yarn")
+    assert _convert("hf-to-ml", "--hf-dir", tmp_path / "yarn", "--out", tmp_path / "o") == 2
+    sharded = tmp_path / "sharded"
+    hf_model("llama_gqa").save_pretrained(sharded, max_shard_size="20KB")
+    shards = sorted(f for f in os.listdir(sharded) if f.startswith("model-"))
+    os.remove(sharded / shards[-1])
+    assert _convert("hf-to-ml", "--hf-dir", sharded, "--out", tmp_path / "o") == 2
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    hf_model("llama_gqa").config.save_pretrained(pickled)
+    torch.save({"model.embed_tokens.weight": torch.zeros(2), "evil": argparse.Namespace()}, pickled / "pytorch_model.bin")
+    assert _convert("hf-to-ml", "--hf-dir", pickled, "--out", tmp_path / "o") == 2
+    # (transformers' save_pretrained writes progress bars to stderr too)
+    err = [line for line in capsys.readouterr().err.splitlines() if "Writing model shards" not in line and line.strip()]
+    assert len(err) == 5, err
+    for line, fragment in zip(err, ["not a directory", "model_type 'bert'", "rope_type 'yarn'", "missing",
+                                    "weights_only"]):
+        assert line.startswith("convert_checkpoint.py hf-to-ml: error: ") and fragment in line, line

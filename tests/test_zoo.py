@@ -1,0 +1,85 @@
+"""The named configurations of models/zoo.py: each builds, parses from the command line, and a
+published shape matches the Hugging Face model it is named after (parameter count of the real
+`transformers` class, built on the meta device, and the config round trip)."""
+import pytest
+import torch
+import transformers
+
+from megatron_lite.arguments import parse_args
+from megatron_lite.config import ModelConfig
+from models import zoo
+from models.hf_conversion import hf_config_to_model_config, model_config_to_hf_config
+
+NAMES = sorted(zoo.MODELS)
+FAMILY_NAMES = [n for n in NAMES if zoo.MODELS[n].get("family")]
+
+# Totals published on the models' Hugging Face cards / safetensors metadata.
+PUBLISHED = {"llama2-7b": 6_738_415_616, "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496,
+             "llama3.1-405b": 405_853_388_800, "mistral-7b": 7_241_732_096, "mixtral-8x7b": 46_702_792_704,
+             "qwen2.5-0.5b": 494_032_768, "qwen2.5-7b": 7_615_616_512, "gpt2-124m": 124_439_808}
+
+
+def _cfg(name) -> ModelConfig:
+    return ModelConfig(**{k: v for k, v in zoo.get_model_config(name).items() if k != "seq_length"})
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_entry_builds_and_parses(name):
+    cfg = _cfg(name)
+    cfg.validate(zoo.get_model_config(name).get("seq_length", 1024))
+    parsed = parse_args(["--model", name], zoo.zoo())
+    assert parsed.model == cfg
+    assert parsed.training.seq_length == zoo.get_model_config(name).get("seq_length", parsed.training.seq_length)
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_shape_matches_hugging_face(name):
+    cfg = _cfg(name)
+    hf_config = model_config_to_hf_config(cfg)
+    assert hf_config_to_model_config(hf_config) == cfg
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_config)
+    hf_total = sum(p.numel() for p in hf.parameters())  # tied weights are one parameter
+    assert cfg.num_parameters() == hf_total
+    if name in PUBLISHED:
+        assert hf_total == PUBLISHED[name]
+
+
+def test_moe_active_parameters():
+    # Mixtral 8x7B: 12.9B of its 46.7B parameters are used per token (Mistral AI's figure).
+    cfg = _cfg("mixtral-8x7b")
+    assert round(cfg.num_parameters(active=True) / 1e9, 1) == 12.9
+    # Qwen3-30B-A3B: 3.3B active (Qwen's card).
+    assert 3.3e9 <= _cfg("qwen3-30b-a3b").num_parameters(active=True) < 3.4e9
+
+
+def test_unknown_name_lists_the_choices():
+    with pytest.raises(Exception, match="unknown --model 'llama9'.*qwen3-8b"):
+        zoo.get_model_config("llama9")
+
+
+def test_flops_count_active_parameters_and_the_window():
+    from megatron_lite.training.flops import flops_per_token
+
+    # Llama-3-8B at 8192 tokens: 6 x 7.50B (no input embedding) + 12 x 32 x 32 x 128 x 8192.
+    dense = _cfg("llama3-8b")
+    n = dense.num_parameters(include_embedding=False)
+    assert flops_per_token(dense, 8192) == 6 * n + 12 * 32 * 32 * 128 * 8192
+    # Mixtral: FLOPs follow the 12.9B active parameters, not the 46.7B stored ones.
+    moe = _cfg("mixtral-8x7b")
+    active = moe.num_parameters(include_embedding=False, active=True)
+    assert active < moe.num_parameters(include_embedding=False) / 3
+    assert flops_per_token(moe, 4096) == 6 * active + 12 * 32 * 32 * 128 * 4096
+    # Mistral's 4096-token window caps the keys a query sees.
+    assert flops_per_token(_cfg("mistral-7b"), 16384) == flops_per_token(_cfg("mistral-7b"), 4096)
+
+
+def test_shapes_without_a_hf_family():
+    # OLMoE-1B-7B: 6.9B total, 1.3B active (AllenAI's card), up to the q/k norm widths.
+    olmoe = _cfg("olmoe-1b-7b")
+    assert round(olmoe.num_parameters() / 1e9, 1) == 6.9 and round(olmoe.num_parameters(active=True) / 1e9, 1) == 1.3
+    # DeepSeek-V3 with standard attention instead of MLA: the MoE layers hold most of the 671B.
+    ds = _cfg("deepseek-v3-shaped")
+    assert ds.moe_layers() == [False] * 3 + [True] * 58
+    # Active: 37B in DeepSeek-V3, plus the ~18B more that 128 full heads cost over MLA.
+    assert 650e9 < ds.num_parameters() < 700e9 and 50e9 < ds.num_parameters(active=True) < 60e9
