@@ -1,7 +1,7 @@
 """Generation with a KV cache, and the generate / evaluate tools.
 
-Oracles: Hugging Face `generate(do_sample=False)` (and its raw logits) on random tiny GPT-2 and
-Llama models converted to ours; HF's logits warpers for temperature / top-k / top-p; for the KV
+Oracles: Hugging Face `generate(do_sample=False)` (and its raw logits) on the random tiny models of
+every family that test_hf_parity.py builds, converted to ours; HF's logits warpers for temperature / top-k / top-p; for the KV
 cache, our own model recomputing every step's logits from the whole unpadded sequence; for the
 tools, a model loaded from the checkpoint and the training run's own validation loss.
 """
@@ -28,41 +28,21 @@ from megatron_lite.testing import run_distributed  # noqa: E402
 from models.gpt import build_model  # noqa: E402
 from models.hf_conversion import (hf_config_to_model_config, hf_to_megatron_lite,  # noqa: E402
                                   load_full_state_dict_into_model)
+from test_hf_parity import MOE, NAMES, VOCAB, hf_model  # noqa: E402  (the tiny HF models of every family)
 from training_utils import LLAMA_SWITCHES, TINY, train_in_process  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
+import convert_checkpoint  # noqa: E402,F401  (imported here, while tools/ is on the path)
 import evaluate as evaluate_tool  # noqa: E402
 import generate as generate_tool  # noqa: E402
 
 sys.path.pop(0)
 
-VOCAB = 100
 PROMPTS = [[3, 17, 42, 5, 8, 60, 1], [99, 0, 12], [7, 7, 31, 64, 2]]  # unequal lengths: left padding
 NEW = 32
-FAMILIES = ["gpt2", "llama"]
-
-
-# --- the HF oracle ----------------------------------------------------------------------------
-def _hf_config(name: str):
-    common = dict(vocab_size=VOCAB, attn_implementation="eager", bos_token_id=None, eos_token_id=None)
-    if name == "gpt2":
-        return transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64, attn_pdrop=0.0,
-                                       resid_pdrop=0.0, embd_pdrop=0.0, **common)
-    return transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                    intermediate_size=96, rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
-                                    tie_word_embeddings=False, **common)
-
-
-@functools.lru_cache(maxsize=None)
-def hf_model(name: str):
-    torch.manual_seed({"gpt2": 4, "llama": 12}[name])  # seeds whose greedy text is not one repeated token
-    cls = transformers.GPT2LMHeadModel if name == "gpt2" else transformers.LlamaForCausalLM
-    model = cls(_hf_config(name)).eval()
-    with torch.no_grad():  # perturbed: norms and biases are not 1 and 0
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return model
+FAMILIES = NAMES  # every family test_hf_parity builds: GPT-2, Llama (3 kinds), Mistral, Qwen2/3, 3 MoE
+DENSE = [n for n in NAMES if n not in MOE]  # MoE models generate at TP 1 only
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,13 +73,13 @@ def our_model(cfg, state, tp: int = 1):
 
 
 # --- generation against HF and against recomputation --------------------------------------------
-def _recomputation_gap(model, prompts=PROMPTS) -> float:
+def _recomputation_gap(model, prompts=PROMPTS, steps: int = 16) -> float:
     """Greedy-decode `prompts` as one batch (left-padded when their lengths differ); at every
     step, the largest difference between the cached logits of each sequence and a full forward
     of that sequence alone."""
-    session = DecodingSession(model, prompts, NEW)
+    session = DecodingSession(model, prompts, steps)
     logits, seqs, gap = session.prefill(), [list(p) for p in prompts], 0.0
-    for _ in range(NEW):
+    for _ in range(steps):
         with torch.no_grad():
             full = torch.stack([model(torch.tensor([s]))[0, -1] for s in seqs])
         gap = max(gap, (logits - full).abs().max().item())
@@ -110,25 +90,30 @@ def _recomputation_gap(model, prompts=PROMPTS) -> float:
     return gap
 
 
-def _generation_worker(rank, world, cfg, state):
+def _generation_worker(rank, world, cfg, state, with_sampling):
     model = our_model(cfg, state, tp=world)
-    batched = generate(model, PROMPTS, NEW)
-    single = [generate(model, [p], NEW)[0] for p in PROMPTS]
-    sampling = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=5)
-    sampled = [generate(model, PROMPTS, 16, sampling) for _ in range(2)]
-    other_seed = generate(model, PROMPTS, 16, SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=6))
+    out = dict(batched=generate(model, PROMPTS, NEW), single=[generate(model, [p], NEW)[0] for p in PROMPTS])
     # Unequal lengths: the padding mask at every step; equal ones: no mask (the decoding fast path).
-    gap = max(_recomputation_gap(model), _recomputation_gap(model, [PROMPTS[0], PROMPTS[0][::-1]]))
-    return dict(batched=batched, single=single, gap=gap, sampled=sampled, other_seed=other_seed)
+    out["gap"] = max(_recomputation_gap(model), _recomputation_gap(model, [PROMPTS[0], PROMPTS[0][::-1]]))
+    if with_sampling:
+        sampling = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=5)
+        out["sampled"] = [generate(model, PROMPTS, 16, sampling) for _ in range(2)]
+        out["other_seed"] = generate(model, PROMPTS, 16, SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=6))
+    return out
+
+
+SAMPLED = ["gpt2", "llama_gqa", "qwen3"]
 
 
 @functools.lru_cache(maxsize=None)
 def generation_results(name: str, tp: int):
-    return run_distributed(_generation_worker, tp, *converted(name))
+    return run_distributed(_generation_worker, tp, *converted(name), name in SAMPLED)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("name", FAMILIES)
+LAYOUTS = [(name, 1) for name in FAMILIES] + [(name, 2) for name in DENSE]
+
+
+@pytest.mark.parametrize("name,tp", LAYOUTS)
 def test_greedy_generation_matches_hf(name, tp):
     """32 greedy tokens equal HF generate's, batched (left-padded) and one prompt at a time, and
     their log-probabilities equal HF's raw logits'."""
@@ -142,14 +127,13 @@ def test_greedy_generation_matches_hf(name, tp):
             assert max(abs(a - b) for a, b in zip(batched, single)) < 1e-5, "batched vs one by one"
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name,tp", LAYOUTS)
 def test_kv_cache_decoding_equals_full_recomputation(name, tp):
     for rank, res in enumerate(generation_results(name, tp)):
         assert res["gap"] < 1e-5, f"rank {rank}: cached logits differ from recomputation by {res['gap']:.2e}"
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", SAMPLED)
 def test_sampling_is_reproducible_and_the_same_on_every_tp_rank(name):
     tp1, tp2 = generation_results(name, 1)[0], generation_results(name, 2)
     tokens = lambda completions: [c.tokens for c in completions]  # noqa: E731
@@ -179,9 +163,9 @@ def test_filtering_matches_hf_logits_warpers():
 
 
 def test_generation_stops_after_the_end_of_document_token():
-    cfg, state = converted("llama")
+    cfg, state = converted("llama_gqa")
     model = our_model(cfg, state)
-    hf_tokens = [t for t, _ in hf_greedy("llama")]
+    hf_tokens = [t for t, _ in hf_greedy("llama_gqa")]
     eod = hf_tokens[0][5]
     out = generate(model, PROMPTS, NEW, eod=eod)
     for got, expected in zip(out, hf_tokens):
@@ -341,6 +325,23 @@ def test_generate_tool_prompt_file(checkpoint, tmp_path):
     code, out, _ = _run_tool(generate_tool, 0, 1, ["--load", path, "--prompt-file", str(prompts)] + GREEDY_JSON[4:])
     from_flags = _run_tool(generate_tool, 0, 1, ["--load", path] + GREEDY_JSON)[1]
     assert code == 0 and out == from_flags
+
+
+def test_generate_tool_from_a_converted_hf_checkpoint(tmp_path):
+    """save_pretrained -> hf-to-ml at TP 2 (weights only, no run config) -> tools/generate.py at
+    TP 1 with NullTokenizer id prompts: HF generate's greedy tokens."""
+    name = "qwen3"
+    hf_model(name).save_pretrained(tmp_path / "hf")
+    ckpt = str(tmp_path / "ml")
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert convert_checkpoint.main(["hf-to-ml", "--hf-dir", str(tmp_path / "hf"), "--out", ckpt,
+                                        "--tensor-model-parallel-size", "2"]) == 0
+    prompts = sum((["--prompt", " ".join(map(str, p))] for p in PROMPTS), [])
+    argv = ["--load", ckpt, "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1), "--greedy", "--json",
+            "--max-new-tokens", str(NEW), "--batch-size", "3"] + prompts
+    code, out, err = _run_tool(generate_tool, 0, 1, argv)
+    assert code == 0, err
+    assert [json.loads(line)["ids"] for line in out.splitlines()] == [t for t, _ in hf_greedy(name)]
 
 
 # --- evaluation -----------------------------------------------------------------------------

@@ -138,7 +138,9 @@ class Setup:
         from megatron_lite.inference.generation import check_prompts
 
         self.args = args
-        self.cfg, _ = run_config(args.load, args.ckpt_step)
+        self.cfg, meta = run_config(args.load, args.ckpt_step)
+        # A converted (weights-only) checkpoint has no training run, hence no trained length.
+        self.trained_length = self.cfg.training.seq_length if "training" in meta["config"] else None
         model = self.cfg.model
         if args.attention_backend:
             model.attention_backend = args.attention_backend
@@ -157,7 +159,9 @@ class Setup:
         self.precision = args.precision or ("bf16" if t.bf16 else "fp16" if t.fp16 else "fp32")
 
     def _max_new_tokens(self, requested: Optional[int]) -> int:
-        trained = self.cfg.training.seq_length
+        trained = self.trained_length
+        if trained is None:
+            return requested or 128
         room = trained - max(len(p) for p in self.prompts)
         if requested is None:
             return min(128, max(1, room))
