@@ -70,29 +70,10 @@ def make_trainer(cfg: Config, tokenizer, device):
 
 
 def main(argv=None) -> int:
-    try:
-        cfg, tokenizer = resolve(argv)
-    except ConfigError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
-    import torch.distributed as dist
-    from megatron_lite.training.loop import choose_device, init_distributed
+    from megatron_lite.launch import launch
 
-    device = choose_device(cfg.training.device)
-    init_distributed(device)
-    try:
-        make_trainer(cfg, tokenizer, device).train()
-    except ConfigError as e:  # found after the world exists: every rank raised the same one
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        if dist.is_initialized():
-            dist.barrier()  # exit together, so that the launcher sees every rank exit 2
-        return 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+    return launch(lambda: resolve(argv), lambda resolved: resolved[0].training.device,
+                  lambda resolved, device: make_trainer(*resolved, device).train())
 
 
 if __name__ == "__main__":

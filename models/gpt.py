@@ -132,12 +132,12 @@ class GPTModel(nn.Module):
                 x = F.dropout(x, p, True)
         return x
 
-    def _run_layers(self, x: torch.Tensor, rope, packed) -> torch.Tensor:
+    def _run_layers(self, x: torch.Tensor, rope, packed, kv_cache=None) -> torch.Tensor:
         layers = list(self.layers.values())
         ctx = self.ctx
-        if not (ctx.recompute_granularity == "full" and self.training):
+        if kv_cache is not None or not (ctx.recompute_granularity == "full" and self.training):
             for layer in layers:
-                x = layer(x, rope, packed)
+                x = layer(x, rope, packed, kv_cache)
             return x
         n = max(1, ctx.recompute_num_layers)
 
@@ -162,23 +162,30 @@ class GPTModel(nn.Module):
         return linear(h, self.output_weight(), None, self.ctx.weight_grad_store)  # [s, b, padded_vocab / tp]
 
     def forward(self, tokens: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None, packed: Optional[PackedSeq] = None) -> torch.Tensor:
+                labels: Optional[torch.Tensor] = None, packed: Optional[PackedSeq] = None,
+                kv_cache=None) -> torch.Tensor:
         """tokens/position_ids/labels [b, s]; `packed`: document ids (tokens attend only within
         their document). A later pipeline stage reads its input from set_input_tensor.
+        `kv_cache` (megatron_lite.inference.KVCache): generation; `tokens` follow those already
+        cached, and only the last position's logits [b, 1, vocab] are computed.
 
         Returns per-token loss [b, s] (fp32) on the last stage when labels are given, full logits
         [b, s, vocab] when they are not, else the hidden states [s, b, h] for the next stage."""
         if position_ids is None:
             assert self.dims.cp == 1, "context parallelism needs the position ids of the zigzag chunks"
             ref = tokens if tokens is not None else labels
-            position_ids = torch.arange(ref.shape[1], device=ref.device).unsqueeze(0).expand(ref.shape[0], -1)
+            start = kv_cache.offset if kv_cache is not None else 0  # the tokens come after the cached ones
+            position_ids = torch.arange(start, start + ref.shape[1], device=ref.device).unsqueeze(0).expand(
+                ref.shape[0], -1)
         x = self._embed(tokens, position_ids) if self.pre_process else self.input_tensor
         rope = None
         if self.cfg.position_embedding_type == "rope":
             rope = rope_cos_sin(position_ids, self.inv_freq, x.dtype)
-        x = self._run_layers(x, rope, packed)
+        x = self._run_layers(x, rope, packed, kv_cache)
         if not self.post_process:
             return x
+        if kv_cache is not None:
+            x = x[-1:]  # the next token's logits are all generation needs
         logits = self._logits(self.final_norm(x))
         if labels is None:
             full = comm.gather_from_tp(logits, self.dims.tp_group, counter=self.dims.comm_counter)

@@ -242,6 +242,8 @@ def build_param_scheduler(*, lr: float, min_lr: float = 0.0, lr_decay_style: str
         wd_steps, warmup = train_iters * g, lr_warmup_iters * g
     if lr_warmup_fraction is not None:
         warmup = lr_warmup_fraction * decay  # a float, as in Megatron
+    if decay == 0 and not (train_samples if by_samples else train_iters):
+        decay = 1  # no training steps (evaluation only): no schedule to run, nothing to check
     if decay <= 0:
         raise ConfigError(f"the LR decay length ({decay} samples) must be positive: set --train-iters/--train-samples "
                           f"or --lr-decay-iters/--lr-decay-samples")

@@ -24,6 +24,7 @@ class SelfAttention(nn.Module):
         d = cfg.kv_channels
         self.head_dim, self.heads = d, cfg.num_attention_heads // tp
         self.tracker, self.tp, self.sequence_parallel, self.dims = ctx.tracker, tp, sp, dims
+        self.layer_number = layer_number  # names this layer's buffers in a KV cache
         self.recompute_core = ctx.recompute_granularity == "selective"
         q_size, kv_size = cfg.num_attention_heads * d, cfg.num_query_groups * d
         # With fewer query groups than TP ranks, each K/V group is replicated on tp / groups
@@ -44,13 +45,15 @@ class SelfAttention(nn.Module):
             self.q_layernorm = head_norm(cfg, ctx, d)
             self.k_layernorm = head_norm(cfg, ctx, d)
 
-    def _core(self, q, k, v, packed):
+    def _core(self, q, k, v, packed, q_offset=0):
         if self.core_attention.dropout > 0 and self.training and self.tp > 1:
             with self.tracker.fork():  # each TP rank drops in its own heads: its own stream
-                return self.core_attention(q, k, v, packed)
-        return self.core_attention(q, k, v, packed)
+                return self.core_attention(q, k, v, packed, q_offset=q_offset)
+        return self.core_attention(q, k, v, packed, q_offset=q_offset)
 
-    def forward(self, x: torch.Tensor, rope=None, packed: Optional[PackedSeq] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope=None, packed: Optional[PackedSeq] = None, kv_cache=None) -> torch.Tensor:
+        """`kv_cache` (inference only, megatron_lite/inference): x holds the tokens after those
+        already cached; their K/V join the cache and the queries attend over all of it."""
         x = enter_tp_region(x, self.dims, self.sequence_parallel)  # once for both projections
         q = self.linear_q(x, input_ready=True)  # [s, b, hq d] over the full sequence
         k, v = self.linear_kv(x, input_ready=True).chunk(2, dim=-1)
@@ -64,9 +67,12 @@ class SelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [b, s, heads, d]
+        q_offset = 0
+        if kv_cache is not None:  # causality by absolute position: the queries sit after the cache
+            k, v, q_offset = kv_cache.update(self.layer_number, k, v)
         if self.recompute_core and self.training:
             out = recompute(self._core, self.tracker, q, k, v, packed)
         else:
-            out = self._core(q, k, v, packed)
+            out = self._core(q, k, v, packed, q_offset)
         out = out.transpose(0, 1).reshape(s, b, self.heads * d)
         return self.linear_proj(out)

@@ -32,6 +32,6 @@ class TransformerLayer(nn.Module):
                 return residual + F.dropout(x, p, True)
         return residual + F.dropout(x, p, True)
 
-    def forward(self, x: torch.Tensor, rope=None, packed: Optional[PackedSeq] = None) -> torch.Tensor:
-        x = self._dropout_add(self.self_attention(self.input_layernorm(x), rope, packed), x)
+    def forward(self, x: torch.Tensor, rope=None, packed: Optional[PackedSeq] = None, kv_cache=None) -> torch.Tensor:
+        x = self._dropout_add(self.self_attention(self.input_layernorm(x), rope, packed, kv_cache), x)
         return self._dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x)

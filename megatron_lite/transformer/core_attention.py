@@ -93,8 +93,11 @@ class SDPAAttention(CoreAttention):
         if return_lse:
             return self._local(q, k, v, packed, q_offset, k_offset, dropout_p)
         sq, sk = q.shape[1], k.shape[1]
+        # KV-cache decoding: one query after every key sees them all; no mask keeps the fast kernels.
+        decoding = sq == 1 and q_offset - k_offset == sk - 1 and packed is None and self.window is None
         mask = None
-        if packed is not None or self.window is not None or q_offset - k_offset != sk - sq or sq != sk:
+        if not decoding and (packed is not None or self.window is not None or q_offset - k_offset != sk - sq
+                             or sq != sk):
             q_index, k_index = self._indices(sq, sk, q_offset, k_offset, q.device)
             docs = (None, None) if packed is None else (packed.for_queries(sq, q_offset, k_offset),
                                                         packed.document_ids)
@@ -102,7 +105,7 @@ class SDPAAttention(CoreAttention):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
         gqa = q.shape[1] != k.shape[1]
         if mask is None:  # plain causal self-attention: the fast path
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=not decoding, enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
         return out.transpose(1, 2)
