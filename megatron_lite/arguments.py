@@ -32,7 +32,7 @@ COMPAT_NOOP_FLAGS = [
     "--log-throughput", "--log-params-norm", "--log-num-zeros-in-grad", "--log-timers-to-tensorboard",
     "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard", "--log-world-size-to-tensorboard",
     "--log-loss-scale-to-tensorboard", "--log-learning-rate-to-tensorboard", "--log-batch-size-to-tensorboard",
-    "--manual-gc", "--cross-entropy-loss-fusion", "--use-cpu-initialization", "--no-mmap-bin-files",
+    "--manual-gc", "--cross-entropy-loss-fusion", "--no-mmap-bin-files",
     "--no-persist-layer-norm", "--overlap-p2p-communication",
 ]
 COMPAT_VALUE_FLAGS = ["--distributed-backend", "--timing-log-level", "--distributed-timeout-minutes",

@@ -10,11 +10,15 @@ A step: unscale (fp16) -> skip everywhere if any rank found inf/NaN (the scale b
 grad norm of the whole model (model-parallel ranks count each distinct element once, see
 `sharding.counts_in_norm`; sharded stages also sum over DP, each shard counted once) -> clip ->
 AdamW -> copy back -> param all-gather.
+
+With --optimizer-cpu-offload the state of the first --optimizer-offload-fraction of the buckets
+lives in host memory and Adam runs there (see _ShardState): the norm and clipping still run on
+the device gradients, so the numerics are those of the device run.
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -22,6 +26,7 @@ import torch.distributed as dist
 from ..config import TrainingConfig
 from ..errors import NonFiniteError
 from ..parallel import comm
+from ..parallel.bucket_plan import offloaded_buckets, state_bytes
 from ..parallel.data_parallel import Bucket, GradientSync
 from ..parallel.sharding import counts_in_norm
 from ..parallel.state import ParallelDims
@@ -48,14 +53,26 @@ def _merge(ranges: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
 
 class _ShardState:
     """Optimizer state of one bucket's shard: fp32 main params, Adam m and v, and which ranges
-    of the shard are weight-decayed and counted in the grad norm."""
+    of the shard are weight-decayed and counted in the grad norm.
 
-    def __init__(self, bucket: Bucket, dims: ParallelDims):
-        self.bucket = bucket
+    Offloaded (`host` set: --optimizer-cpu-offload), the main params, m and v live in host memory
+    (pinned when the device is a GPU, so that the copies are asynchronous DMA) with a host buffer
+    for the gradient: each step copies the reduced gradient shard down, runs the fused CPU Adam
+    there, and copies the updated main params back up into the param shard. The main params are
+    then always a separate copy, even of fp32 params."""
+
+    def __init__(self, bucket: Bucket, dims: ParallelDims, host: Optional[torch.device] = None):
+        self.bucket, self.host = bucket, host
         shard = bucket.param_shard_view()
-        self.main = shard if shard.dtype == torch.float32 else shard.detach().float()
-        self.exp_avg = torch.zeros_like(self.main)
-        self.exp_avg_sq = torch.zeros_like(self.main)
+        if host is not None:
+            pin = shard.device.type == "cuda"  # page-locked host memory exists only beside a GPU
+            self.main, self.grad_host, self.exp_avg, self.exp_avg_sq = (
+                torch.zeros(shard.numel(), dtype=torch.float32, device=host, pin_memory=pin) for _ in range(4))
+            self.main.copy_(shard)
+        else:
+            self.main = shard if shard.dtype == torch.float32 else shard.detach().float()
+            self.grad_host = None
+            self.exp_avg, self.exp_avg_sq = torch.zeros_like(self.main), torch.zeros_like(self.main)
         segments = bucket.shard_segments()
         self.decay = _merge([(lo, hi) for i, lo, hi in segments
                              if not no_weight_decay(bucket.names[i], len(bucket.shapes[i]))])
@@ -66,17 +83,39 @@ class _ShardState:
 
     @property
     def owns_main(self) -> bool:
-        """True when the main params are a separate fp32 copy (low-precision params)."""
+        """True when the main params are a separate fp32 copy (low-precision or offloaded params)."""
         return self.main.data_ptr() != self.bucket.param_shard_view().data_ptr()
 
     def tensors(self) -> Dict[str, torch.Tensor]:
         return {"main": self.main, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
 
+    def stage_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient where Adam runs: the device shard, or (offloaded) its host copy, whose
+        asynchronous copy the caller waits for (`_wait_copies`) before reading it."""
+        if self.grad_host is None:
+            return grad
+        self.grad_host.copy_(grad, non_blocking=True)
+        return self.grad_host
+
+    def write_back(self) -> None:
+        """The updated main params into the (low-precision or device) param shard."""
+        if self.owns_main:
+            self.bucket.param_shard_view().copy_(self.main, non_blocking=self.host is not None)
+
+
+def _wait_copies(device: Optional[torch.device]) -> None:
+    """Host reads of device-to-host copies issued with non_blocking wait for the device stream."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
 
 class DistributedOptimizer:
     def __init__(self, grad_sync: GradientSync, tcfg: TrainingConfig):
         self.sync, self.tcfg, self.dims = grad_sync, tcfg, grad_sync.dims
-        self.shards = [_ShardState(b, self.dims) for b in grad_sync.buckets]
+        offload = offloaded_buckets([b.shard_numel for b in grad_sync.buckets],
+                                    tcfg.optimizer_offload_fraction if tcfg.optimizer_cpu_offload else 0.0)
+        self.shards = [_ShardState(b, self.dims, torch.device("cpu") if off else None)
+                       for b, off in zip(grad_sync.buckets, offload)]
         if tcfg.fp16 and tcfg.loss_scale is not None:
             self.scaler = ConstantLossScaler(tcfg.loss_scale)
         elif tcfg.fp16:
@@ -162,11 +201,12 @@ class DistributedOptimizer:
                 g.mul_(coeff)
         self.num_updates += 1
         t = self.tcfg
-        for s, g in zip(self.shards, grads):
+        staged = [s.stage_grad(g) for s, g in zip(self.shards, grads)]  # offloaded: all copies in flight
+        _wait_copies(self.device)
+        for s, g in zip(self.shards, staged):
             adamw_(s.main, g, s.exp_avg, s.exp_avg_sq, step=self.num_updates, lr=lr, beta1=t.adam_beta1,
                    beta2=t.adam_beta2, eps=t.adam_eps, weight_decay=t.weight_decay, decay_ranges=s.decay)
-            if s.owns_main:
-                s.bucket.param_shard_view().copy_(s.main)
+            s.write_back()
         if check and self.tcfg.fp16 and self._found_inf([s.bucket.param_shard_view() for s in self.shards], False)[0]:
             raise NonFiniteError("fp16 parameters overflow (|w| > 65504) when cast from their fp32 main params: the "
                                  "model diverged; lower --lr, or train with --bf16")
@@ -178,14 +218,26 @@ class DistributedOptimizer:
         self.sync.zero_grad()
 
     def memory_bytes(self) -> Dict[str, int]:
-        """Bytes this rank holds across steps: params, grads, optimizer state (main params, m, v)."""
-        out = self.sync.memory_bytes()
-        state = 0
+        """Bytes this rank holds across steps: params, grads, optimizer state (main params, m, v) on
+        the device, and the offloaded optimizer state (with its gradient staging buffer) on the
+        host, as bucket_plan.state_bytes accounts them: the planner's figures (`held_bytes`
+        measures the tensors; tests hold the two equal)."""
+        return state_bytes(self.sync.plans, self.sync.stage, self.sync.grad_dtype,
+                           [s.host is not None for s in self.shards])
+
+    def held_bytes(self) -> Dict[str, int]:
+        """memory_bytes() measured from the tensors this rank holds."""
+        out = self.sync.held_bytes()
+        device = host = 0
         for s in self.shards:
-            for name, t in s.tensors().items():
-                if name != "main" or s.owns_main:
-                    state += t.numel() * t.element_size()
-        out["optimizer_state_bytes"] = state
+            n = sum(t.numel() * t.element_size() for k, t in s.tensors().items() if k != "main" or s.owns_main)
+            if s.host is None:
+                device += n
+            else:
+                host += n + s.grad_host.numel() * s.grad_host.element_size()
+        out["optimizer_state_bytes"] = device
+        if host:
+            out["optimizer_host_bytes"] = host
         return out
 
     # --- accessors for checkpoints -------------------------------------------------------------
