@@ -162,3 +162,21 @@ def test_llama3_70b_shape_at_tp8_allocates_only_its_shard():
           f"{r['peak_growth_bytes'] / 2**20:.0f} MiB ({r['peak_growth_bytes'] / r['shard_bytes']:.3f}x), "
           f"built in {r['build_s']:.2f} s")
     assert r["peak_growth_bytes"] <= 1.1 * r["shard_bytes"], r
+
+
+def test_init_and_offload_flags_reach_the_config():
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.errors import ConfigError
+    from models.zoo import zoo
+
+    cfg = parse_args(["--use-cpu-initialization", "--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.25"],
+                     zoo())
+    t = cfg.training
+    assert t.use_cpu_initialization and t.optimizer_cpu_offload and t.optimizer_offload_fraction == 0.25
+    t.optimizer_offload_fraction = 1.5
+    with pytest.raises(ConfigError, match="offload-fraction"):
+        cfg.finalize(1).validate(1)
+    on_cpu = build_model(ModelConfig(**LLAMA), ParallelDims(), seed=3, cpu_initialization=True)[0]
+    default = build_model(ModelConfig(**LLAMA), ParallelDims(), seed=3)[0]
+    for (name, p), (_, q) in zip(on_cpu.named_parameters(), default.named_parameters()):
+        assert torch.equal(p, q), name  # on a CPU run the CPU draws are the device's

@@ -203,6 +203,8 @@ def materialize_(module: nn.Module, init: Optional[TiledInit] = None, device=Non
             continue
         deferred = getattr(p, "deferred_init", None)
         if deferred is None:
+            if init is None:
+                raise ValueError(f"parameter {name} is on the meta device with no DeferredInit: pass the TiledInit")
             deferred = DeferredInit(init, stored_name(name, p), torch.device(device))
         data = torch.empty(p.shape, dtype=p.dtype, device=deferred.device)
         deferred.fill(data.view(-1), p)
