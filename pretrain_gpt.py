@@ -44,12 +44,15 @@ def resolve(argv=None) -> tuple:
 
 
 def model_provider(cfg: Config, ctx):
-    """GPT's model chunks for this rank (one per virtual pipeline stage)."""
+    """GPT's model chunks for this rank (one per virtual pipeline stage), parameters still on the
+    meta device: the optimizer's gradient buffers give them storage and draw their initial values
+    in place (at ZeRO-3 only this rank's shard), so no rank ever holds more than its own."""
     from models.gpt import build_model
 
     p = cfg.parallel
     return build_model(cfg.model, ctx, seed=cfg.training.seed, first_stage_layers=p.decoder_first_pipeline_num_layers,
-                       last_stage_layers=p.decoder_last_pipeline_num_layers)
+                       last_stage_layers=p.decoder_last_pipeline_num_layers, materialize=False,
+                       cpu_initialization=cfg.training.use_cpu_initialization)
 
 
 def datasets_provider(cfg: Config, tokenizer, num_samples):

@@ -35,7 +35,7 @@ COMPAT_NOOP_FLAGS = [
     "--log-throughput", "--log-params-norm", "--log-num-zeros-in-grad", "--log-timers-to-tensorboard",
     "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard", "--log-world-size-to-tensorboard",
     "--log-loss-scale-to-tensorboard", "--log-learning-rate-to-tensorboard", "--log-batch-size-to-tensorboard",
-    "--cross-entropy-loss-fusion", "--use-cpu-initialization", "--no-mmap-bin-files",
+    "--cross-entropy-loss-fusion", "--no-mmap-bin-files",
     "--no-persist-layer-norm", "--overlap-p2p-communication",
     # torch.profiler is what --profile uses anyway; FSDP buffer placement knobs (memory only)
     "--use-pytorch-profiler", "--fsdp-double-buffer", "--fsdp-manual-registration",

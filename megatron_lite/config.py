@@ -374,6 +374,12 @@ class TrainingConfig:
     adam_beta1: float = arg(0.9, "Adam beta1")
     adam_beta2: float = arg(0.999, "Adam beta2")
     adam_eps: float = arg(1e-8, "Adam epsilon")
+    optimizer_cpu_offload: bool = arg(False, "keep the fp32 main params and Adam state in (pinned) host memory and "
+                                             "step them there with the fused CPU Adam", store="true")
+    optimizer_offload_fraction: float = arg(1.0, "with --optimizer-cpu-offload: the fraction of each rank's "
+                                                 "optimizer shard kept on the host (the rest stays on the device)")
+    use_cpu_initialization: bool = arg(False, "draw the initial weights on the CPU and copy them to the device "
+                                              "(the same weights as a CPU run)", store="true")
     clip_grad: float = arg(1.0, "clip the global gradient norm to this (0: no clipping)")
     bf16: bool = arg(False, "bf16 parameters and compute, fp32 main params and gradients", store="true")
     fp16: bool = arg(False, "fp16 parameters and compute with loss scaling", store="true")
@@ -495,6 +501,9 @@ class TrainingConfig:
             _require(zero_stage >= 1, "--use-precision-aware-optimizer needs the distributed optimizer "
                                       "(--use-distributed-optimizer or --zero-stage >= 1)")
         self.optimizer_precision()
+        _require(not (self.optimizer_cpu_offload and self.use_precision_aware_optimizer),
+                 "--optimizer-cpu-offload keeps fp32 state in host memory: drop --use-precision-aware-optimizer "
+                 "(or the offload)")
         if self.profile:
             _require(0 <= self.profile_step_start < self.profile_step_end,
                      f"--profile-step-start ({self.profile_step_start}) must be >= 0 and below --profile-step-end "
@@ -511,6 +520,8 @@ class TrainingConfig:
         for flag, v in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):
             _require(0.0 <= v < 1.0, f"{flag} ({v}) must lie in [0, 1)")
         _require(self.adam_eps > 0, f"--adam-eps ({self.adam_eps}) must be positive")
+        _require(0.0 <= self.optimizer_offload_fraction <= 1.0,
+                 f"--optimizer-offload-fraction ({self.optimizer_offload_fraction}) must lie in [0, 1]")
         _require(self.weight_decay >= 0, f"--weight-decay ({self.weight_decay}) must be >= 0")
         _require(self.clip_grad >= 0, f"--clip-grad ({self.clip_grad}) must be >= 0 (0 disables clipping)")
         for flag, v in (("--lr", self.lr), ("--min-lr", self.min_lr)):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import math
-import zlib
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -22,8 +21,9 @@ from megatron_lite import config as C
 from megatron_lite.parallel import comm
 from megatron_lite.parallel.pipeline.partition import stage_layer_ranges
 from megatron_lite.parallel.random import recompute
-from megatron_lite.parallel.sharding import replicated, set_spec, spec_of, stored_name, with_tie
+from megatron_lite.parallel.sharding import replicated, set_spec, with_tie
 from megatron_lite.parallel.state import ParallelDims
+from megatron_lite.parallel.tiled_init import TiledInit, defer_, materialize_, materialize_buffers_
 from megatron_lite.parallel.tensor_parallel import (
     VocabParallelEmbedding, enter_tp_region, linear, vocab_parallel_cross_entropy, vocab_parallel_weight)
 from megatron_lite.transformer.attention import SelfAttention
@@ -77,8 +77,10 @@ class GPTModel(nn.Module):
             if tied and not post_process:  # the output layer's copy lives on the last pipeline stage
                 with_tie(self.embedding.word_embeddings.weight, WORD_EMBEDDINGS, primary=True)
             if cfg.position_embedding_type == "learned_absolute":
-                self.embedding.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
-                                                                  dtype=dt)
+                # _weight: no default init (on meta it would pull in the decompositions, seconds)
+                self.embedding.position_embeddings = nn.Embedding(
+                    cfg.max_position_embeddings, cfg.hidden_size,
+                    _weight=torch.empty(cfg.max_position_embeddings, cfg.hidden_size, dtype=dt))
                 set_spec(self.embedding.position_embeddings.weight,
                          replicated((cfg.max_position_embeddings, cfg.hidden_size)))
         self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, ctx, i, layer_spec(cfg, ctx, i))
@@ -208,42 +210,42 @@ def gpt_forward_step(batch: dict, model: GPTModel):
 
 
 # --- initialization --------------------------------------------------------------------------
-def _param_seed(seed: int, name: str) -> int:
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 62)
-
-
-def init_weights(model: GPTModel, seed: int) -> None:
-    """Layout-independent init: each parameter's FULL tensor is drawn from a generator seeded by
-    (seed, stored name), then this rank keeps its piece (ShardSpec.shard). Projections into the
-    residual stream ("normal_scaled") get std / sqrt(2 * num_layers), as in Megatron-LM / GPT-2."""
-    cfg = model.cfg
-    std = {"normal": cfg.init_method_std, "normal_scaled": cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)}
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            spec = spec_of(p)
-            if spec.init in ("ones", "zeros"):
-                full = (torch.ones if spec.init == "ones" else torch.zeros)(spec.full_shape)
-            else:
-                g = torch.Generator().manual_seed(_param_seed(seed, stored_name(name, p)))
-                full = torch.empty(spec.full_shape).normal_(0.0, std[spec.init], generator=g)
-            if spec.stored_rows is not None:
-                full[spec.stored_rows:] = 0.0  # vocabulary padding: never used, never stored
-            p.copy_(spec.shard(full).to(p.dtype))
+def weight_init(cfg: C.ModelConfig, seed: int, draw_device=None) -> TiledInit:
+    """The model's initial weights, defined tile by tile (parallel/tiled_init.py): normal with
+    init_method_std; projections into the residual stream ("normal_scaled") get std / sqrt(2 *
+    num_layers), as in Megatron-LM / GPT-2. `draw_device`: where tiles are drawn (the CPU under
+    --use-cpu-initialization; None: each rank's own device)."""
+    std = cfg.init_method_std
+    return TiledInit(seed, {"normal": std, "normal_scaled": std / math.sqrt(2.0 * cfg.num_layers)},
+                     draw_device=torch.device(draw_device) if draw_device is not None else None)
 
 
 def build_model(cfg: C.ModelConfig, ctx, *, seed: int = 1234, device=None, first_stage_layers: Optional[int] = None,
-                last_stage_layers: Optional[int] = None, **context) -> List[GPTModel]:
+                last_stage_layers: Optional[int] = None, materialize: bool = True, cpu_initialization: bool = False,
+                **context) -> List[GPTModel]:
     """This rank's model chunks (one per virtual pipeline stage), initialized layout-independently.
-    `ctx`: a BuildContext, or a ParallelDims with the BuildContext fields as keyword arguments."""
+    `ctx`: a BuildContext, or a ParallelDims with the BuildContext fields as keyword arguments.
+
+    Each chunk is built on the meta device, then each parameter gets its storage on `device` (or
+    ctx.device, else the CPU) and only this rank's tiles of its full tensor. `materialize=False`
+    leaves the parameters on meta, each with the DeferredInit that GradientSync fills straight into
+    its buffers (at ZeRO-3 only the rank's flat shard is ever drawn). `cpu_initialization`: draw
+    the tiles on the CPU and copy them to the device (Megatron's --use-cpu-initialization)."""
     if isinstance(ctx, ParallelDims):
         ctx = BuildContext(ctx, **context)
     dims = ctx.dims
+    device = torch.device(device if device is not None else ctx.device if ctx.device is not None else "cpu")
+    init = weight_init(cfg, seed, "cpu" if cpu_initialization else None)
     ranges = stage_layer_ranges(cfg.num_layers, dims.pp, dims.vpp, first_stage_layers, last_stage_layers)
     chunks = []
     for c in range(dims.vpp):
         v = c * dims.pp + dims.pp_rank
-        m = GPTModel(cfg, ctx, layer_range=ranges[v], pre_process=v == 0, post_process=v == len(ranges) - 1)
-        init_weights(m, seed)
-        device = device if device is not None else ctx.device
-        chunks.append(m.to(device) if device is not None else m)
+        with torch.device("meta"):
+            m = GPTModel(cfg, ctx, layer_range=ranges[v], pre_process=v == 0, post_process=v == len(ranges) - 1)
+        defer_(m, init, device)
+        if materialize:
+            materialize_(m)
+        else:
+            materialize_buffers_(m, device)
+        chunks.append(m)
     return chunks

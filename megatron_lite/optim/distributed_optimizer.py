@@ -16,6 +16,10 @@ the output layer form DECOUPLED_GROUP); a shard is updated in one piece whenever
 this step's LR, else run by run. Precision (--use-precision-aware-optimizer, see precision.py):
 main params, m and v may be kept in bf16 / fp16 / fp8; each parameter's part of the shard is then
 updated in fp32 and stored again.
+
+With --optimizer-cpu-offload the state of the first --optimizer-offload-fraction of the buckets
+lives in host memory and Adam runs there (see _ShardState): the norm and clipping still run on
+the device gradients, so the numerics are those of the device run.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import torch.distributed as dist
 from ..config import TrainingConfig
 from ..errors import NonFiniteError
 from ..parallel import comm
+from ..parallel.bucket_plan import offloaded_buckets, state_bytes
 from ..parallel.data_parallel import Bucket, GradientSync
 from ..parallel.sharding import counts_in_norm, spec_of
 from ..parallel.state import ParallelDims, group_size
@@ -113,10 +118,17 @@ def _split_padding(bucket: Bucket) -> List[Tuple[int, int, int]]:
 class _ShardState:
     """Optimizer state of one bucket's shard: main params, Adam m and v (fp32 tensors, or
     low-precision `StateStorage`), and which ranges of the shard are weight-decayed, counted in
-    the grad norm, and in which LR group."""
+    the grad norm, and in which LR group.
 
-    def __init__(self, bucket: Bucket, dims: ParallelDims, precision: OptimizerPrecision):
-        self.bucket = bucket
+    Offloaded (`host` set: --optimizer-cpu-offload), the fp32 main params, m and v live in host
+    memory (pinned when the device is a GPU, so that the copies are asynchronous DMA) with a host
+    buffer for the gradient: each step copies the reduced gradient shard down, runs the fused CPU
+    Adam there, and copies the updated main params back up into the param shard. The main params
+    are then always a separate copy, even of fp32 params."""
+
+    def __init__(self, bucket: Bucket, dims: ParallelDims, precision: OptimizerPrecision,
+                 host: Optional[torch.device] = None):
+        self.bucket, self.host = bucket, host
         shard = bucket.param_shard_view()
         segments = _split_padding(bucket)
         self.segments = [(lo, hi) for _, lo, hi in segments]
@@ -131,10 +143,17 @@ class _ShardState:
         self.norm_weight = (1.0 if sharded else 1.0 / bucket.group_size) / group_size(bucket.replica_group)
         self.lr_runs = _group_runs(self.segment_groups, self.segments, shard.numel())
         self.groups = {g for g, _, _ in self.lr_runs}
-        self.main = self._new_main(shard, precision.main_params)
-        zeros = torch.zeros(shard.numel(), dtype=torch.float32, device=shard.device)
-        self.exp_avg = self._new_state(zeros, precision.exp_avg)
-        self.exp_avg_sq = self._new_state(zeros, precision.exp_avg_sq)
+        self.grad_host = None
+        if host is not None:
+            pin = shard.device.type == "cuda"  # page-locked host memory exists only beside a GPU
+            self.main, self.grad_host, self.exp_avg, self.exp_avg_sq = (
+                torch.zeros(shard.numel(), dtype=torch.float32, device=host, pin_memory=pin) for _ in range(4))
+            self.main.copy_(shard)
+        else:
+            self.main = self._new_main(shard, precision.main_params)
+            zeros = torch.zeros(shard.numel(), dtype=torch.float32, device=shard.device)
+            self.exp_avg = self._new_state(zeros, precision.exp_avg)
+            self.exp_avg_sq = self._new_state(zeros, precision.exp_avg_sq)
         # all three plain fp32 tensors: one update over whole runs (else per parameter segment)
         self.plain = all(isinstance(t, torch.Tensor) for t in (self.main, self.exp_avg, self.exp_avg_sq))
         self.staged = None  # fp32 copies of low-precision states being filled from a checkpoint
@@ -162,6 +181,14 @@ class _ShardState:
             return [(self.lr_runs[0][0], 0, self.lr_runs[-1][2])]
         return self.lr_runs
 
+    def stage_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient where Adam runs: the device shard, or (offloaded) its host copy, whose
+        asynchronous copy the caller waits for (`_wait_copies`) before reading it."""
+        if self.grad_host is None:
+            return grad
+        self.grad_host.copy_(grad, non_blocking=True)
+        return self.grad_host
+
     def adam_step(self, grad: torch.Tensor, lr_of, weight_decay: float, **adam) -> None:
         """AdamW on the shard from its fp32 gradient; the params follow their main params."""
         if self.plain:
@@ -169,7 +196,7 @@ class _ShardState:
                 adamw_(self.main[lo:hi], grad[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], lr=lr_of(group),
                        weight_decay=weight_decay, decay_ranges=_within(self.decay, lo, hi), **adam)
             if self.owns_main:
-                self.bucket.param_shard_view().copy_(self.main)
+                self.bucket.param_shard_view().copy_(self.main, non_blocking=self.host is not None)
             return
         param = self.bucket.param_shard_view()
         for k, (lo, hi) in enumerate(self.segments):  # low precision: each parameter's part in fp32
@@ -215,11 +242,20 @@ def _as_fp32(t) -> torch.Tensor:
     return t.read_all() if isinstance(t, StateStorage) else t
 
 
+def _wait_copies(device: Optional[torch.device]) -> None:
+    """Host reads of device-to-host copies issued with non_blocking wait for the device stream."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 class DistributedOptimizer:
     def __init__(self, grad_sync: GradientSync, tcfg: TrainingConfig, precision: Optional[OptimizerPrecision] = None):
         self.sync, self.tcfg, self.dims = grad_sync, tcfg, grad_sync.dims
         self.precision = precision or OptimizerPrecision()
-        self.shards = [_ShardState(b, self.dims, self.precision) for b in grad_sync.buckets]
+        offload = offloaded_buckets([b.shard_numel for b in grad_sync.buckets],
+                                    tcfg.optimizer_offload_fraction if tcfg.optimizer_cpu_offload else 0.0)
+        self.shards = [_ShardState(b, self.dims, self.precision, torch.device("cpu") if off else None)
+                       for b, off in zip(grad_sync.buckets, offload)]
         if tcfg.fp16 and tcfg.loss_scale is not None:
             self.scaler = ConstantLossScaler(tcfg.loss_scale)
         elif tcfg.fp16:
@@ -311,7 +347,9 @@ class DistributedOptimizer:
         t = self.tcfg
         lr_of = (lambda g: lr) if not isinstance(lr, Mapping) else (lambda g: lr.get(g, lr[DEFAULT_GROUP]))
         wd = t.weight_decay if weight_decay is None else weight_decay
-        for s, g in zip(self.shards, grads):
+        staged = [s.stage_grad(g) for s, g in zip(self.shards, grads)]  # offloaded: all copies in flight
+        _wait_copies(self.device)
+        for s, g in zip(self.shards, staged):
             s.adam_step(g, lr_of, wd, step=self.num_updates, beta1=t.adam_beta1, beta2=t.adam_beta2, eps=t.adam_eps)
         if check and self.tcfg.fp16 and self._found_inf([s.bucket.param_shard_view() for s in self.shards], False)[0]:
             raise NonFiniteError("fp16 parameters overflow (|w| > 65504) when cast from their fp32 main params: the "
@@ -324,9 +362,24 @@ class DistributedOptimizer:
         self.sync.zero_grad()
 
     def memory_bytes(self) -> Dict[str, int]:
-        """Bytes this rank holds across steps: params, grads, optimizer state (main params, m, v)."""
-        out = self.sync.memory_bytes()
-        out["optimizer_state_bytes"] = sum(s.nbytes for s in self.shards)
+        """Bytes this rank holds across steps: params, grads, optimizer state (main params, m, v) on
+        the device, and the offloaded optimizer state (with its gradient staging buffer) on the
+        host, as bucket_plan.state_bytes accounts them (the planner's figures; `held_bytes`
+        measures the tensors; tests hold the two equal). Low-precision states count as stored."""
+        out = state_bytes(self.sync.plans, self.sync.stage, self.sync.grad_dtype,
+                          [s.host is not None for s in self.shards])
+        if not self.precision.is_default:
+            out["optimizer_state_bytes"] = sum(s.nbytes for s in self.shards if s.host is None)
+        return out
+
+    def held_bytes(self) -> Dict[str, int]:
+        """memory_bytes() measured from the tensors this rank holds."""
+        out = self.sync.held_bytes()
+        out["optimizer_state_bytes"] = sum(s.nbytes for s in self.shards if s.host is None)
+        host = sum(s.nbytes + s.grad_host.numel() * s.grad_host.element_size() for s in self.shards
+                   if s.host is not None)
+        if host:
+            out["optimizer_host_bytes"] = host
         return out
 
     # --- accessors for checkpoints -------------------------------------------------------------

@@ -47,9 +47,11 @@ import torch
 import torch.nn as nn
 
 from . import comm
+from .bucket_plan import BucketPlan, ParamInfo, padded, plan_buckets, state_bytes
 from .grads import finalize_model_grads
 from .sharding import spec_of
 from .state import ParallelDims, group_rank, group_size
+from .tiled_init import materialize_, param_device, swap_in
 
 
 def _is_expert(p: nn.Parameter) -> bool:
@@ -82,10 +84,12 @@ class Bucket:
         for p in params:
             self.offsets.append((n, n + p.numel()))
             n += p.numel()
-        self.numel = -(-n // shards) * shards  # padded: every rank's shard has the same size
+        self.numel = padded(n, shards)  # every rank's shard has the same size
         self.shard_numel = self.numel // shards
         self.shard_lo = shard_rank * self.shard_numel
-        self.dtype, self.grad_dtype, self.device = params[0].dtype, grad_dtype, params[0].device
+        # Parameters may still be on the meta device (built with a DeferredInit): then the buffers
+        # go where they will live and are filled from the tiles of their full tensors.
+        self.dtype, self.grad_dtype, self.device = params[0].dtype, grad_dtype, param_device(params[0])
         self.param_data: Optional[torch.Tensor] = None  # full flat params (stages 0-2)
         self.param_shard: Optional[torch.Tensor] = None  # stage 3: the only persistent copy
         self.grad_data: Optional[torch.Tensor] = None  # full flat gradient
@@ -118,16 +122,33 @@ class Bucket:
         return [(i, a + self.offsets[i][0] - self.shard_lo, b + self.offsets[i][0] - self.shard_lo)
                 for i, a, b in self.segments(self.shard_lo, self.shard_lo + self.shard_numel)]
 
-    def flatten_params(self) -> torch.Tensor:
-        flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        for p, (a, b) in zip(self.params, self.offsets):
-            flat[a:b].copy_(p.detach().reshape(-1))
-        return flat
+    def fill_flat(self, out: torch.Tensor, lo: int) -> None:
+        """Write bucket positions [lo, lo + out.numel()) of the flat parameters into `out` (zeroed:
+        padding stays zero): copied from materialized parameters, drawn for meta ones (only the
+        tiles that range meets: a ZeRO-3 shard never sees the rest of its bucket)."""
+        for i, a, b in self.segments(lo, lo + out.numel()):
+            p = self.params[i]
+            dst = out[self.offsets[i][0] + a - lo: self.offsets[i][0] + b - lo]
+            if p.is_meta:
+                p.deferred_init.fill(dst, p, a)
+            else:
+                dst.copy_(p.detach().reshape(-1)[a:b])
 
     def bind_params(self, flat: torch.Tensor) -> None:
         """Make the parameters views of `flat`, the bucket's full flat parameters."""
+        self.unbind_meta_params()
         for p, (a, b), shape in zip(self.params, self.offsets, self.shapes):
+            # `.data`, not the view itself: the parameter keeps its own version counter, so the
+            # in-place writes into the flat buffer (all-gathers, updates) are not autograd's concern.
             p.data = flat[a:b].view(shape)
+
+    def unbind_meta_params(self) -> None:
+        """Give parameters still on meta an empty storage on the bucket's device, so that `.data`
+        can bind them (at ZeRO-3 to gathered buffers only while their unit runs)."""
+        for p in self.params:
+            if p.is_meta:
+                swap_in(p, torch.empty(0, dtype=self.dtype, device=self.device))
+                del p.deferred_init
 
     def bind_grads(self) -> None:
         for p, (a, b), shape in zip(self.params, self.offsets, self.shapes):
@@ -147,20 +168,6 @@ def _flat_views(buckets: List[Bucket], size: Callable[[Bucket], int], dtype: Cal
             views[i] = flat[n:n + size(buckets[i])]
             n += size(buckets[i])
     return views
-
-
-def _split_by_size(params: List[Tuple[str, nn.Parameter]], bucket_size: int) -> List[List[Tuple[str, nn.Parameter]]]:
-    """Consecutive runs of at least bucket_size elements (the last may be smaller); one dtype each."""
-    groups, current, n = [], [], 0
-    for name, p in params:
-        if current and (n >= bucket_size or p.dtype != current[-1][1].dtype):
-            groups.append(current)
-            current, n = [], 0
-        current.append((name, p))
-        n += p.numel()
-    if current:
-        groups.append(current)
-    return groups
 
 
 class GradientSync:
@@ -196,28 +203,29 @@ class GradientSync:
             for p in chunk.parameters():
                 spec_of(p)  # a plain parameter's default spec, from its shape before ZeRO-3 frees it
         self.buckets: List[Bucket] = []
+        self.plans: List[BucketPlan] = []  # the buckets as bucket_plan describes them (the accounting)
         units_of_chunks, units = units, []  # ZeRO-3: per chunk, its units (module, params) in forward order
         for c, chunk in enumerate(chunks):
-            names = {p: n for n, p in chunk.named_parameters()}
+            named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad]
+            unit_of = {}
             if self.stage == 3:
                 units.append(unit_params(chunk, units_of_chunks[c] if units_of_chunks else []))
-                groups = [ps[::-1] for _, ps in units[-1][::-1] if ps]  # backward order
-            else:
-                params = [(names[p], p) for p in chunk.parameters() if p.requires_grad][::-1]
-                groups = [[p for _, p in g] for g in _split_by_size(params, bucket_size)]
-            for g in groups:  # expert weights apart: they are reduced over the expert-data-parallel group
-                for ps in ([p for p in g if not _is_expert(p)], [p for p in g if _is_expert(p)]):
-                    if ps:
-                        expert = _is_expert(ps[0])
-                        self.buckets.append(Bucket(len(self.buckets), ps, [names[p] for p in ps],
-                                                   dims.group("edp") if expert else self.group, self.stage >= 1,
-                                                   self.grad_dtype, None if expert else self.replica_group))
+                unit_of = {p: u for u, (_, ps) in enumerate(units[-1]) for p in ps}
+            infos = [ParamInfo(n, p.numel(), p.dtype, _is_expert(p), unit_of.get(p, 0)) for n, p in named]
+            for plan in plan_buckets(infos, self.stage, bucket_size, self.dp, group_size(dims.group("edp"))):
+                group = dims.group("edp") if plan.expert else self.group  # experts: over expert-data-parallel
+                self.buckets.append(Bucket(len(self.buckets), [named[i][1] for i in plan.params],
+                                           [named[i][0] for i in plan.params], group, self.stage >= 1, self.grad_dtype,
+                                           None if plan.expert else self.replica_group))
+                self.plans.append(plan)
         self.params = [p for b in self.buckets for p in b.params]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.arrivals = {p: 0 for p in self.params}
         self.expected: Optional[int] = None
         self._inflight: List[Bucket] = []  # launched reductions not yet retired
         self._allocate()
+        for chunk in chunks:  # parameters in no bucket (frozen) that were left on meta
+            materialize_(chunk)
         self.zero3 = ShardedParams(self, units) if self.stage == 3 else None
         self._register_hooks(chunks)
 
@@ -227,10 +235,11 @@ class GradientSync:
         if self.stage == 3:
             for b, shard in zip(bs, _flat_views(bs, lambda b: b.shard_numel, lambda b: b.dtype)):
                 b.param_shard = shard
-                shard.copy_(b.flatten_params()[b.shard])  # zero3.ShardedParams frees the full params
+                b.fill_flat(shard, b.shard_lo)  # zero3.ShardedParams frees the full params
+                b.unbind_meta_params()
         else:
             for b, flat in zip(bs, _flat_views(bs, lambda b: b.numel, lambda b: b.dtype)):
-                flat.copy_(b.flatten_params())
+                b.fill_flat(flat, 0)
                 b.param_data = flat
                 b.bind_params(flat)
         if self.stage <= 1:
@@ -252,7 +261,13 @@ class GradientSync:
             p.main_grad = None
 
     def memory_bytes(self) -> Dict[str, int]:
-        """Bytes of parameters and gradients this rank keeps across steps."""
+        """Bytes of parameters and gradients this rank keeps across steps, as bucket_plan accounts
+        them (the planner's function; `held_bytes` measures the tensors)."""
+        acc = state_bytes(self.plans, self.stage, self.grad_dtype)
+        return {k: acc[k] for k in ("param_bytes", "grad_bytes")}
+
+    def held_bytes(self) -> Dict[str, int]:
+        """Bytes of the parameter and gradient tensors this rank keeps across steps, measured."""
         def nbytes(ts):
             return sum(t.numel() * t.element_size() for t in ts if t is not None)
         params = [b.param_shard if self.stage == 3 else b.param_data for b in self.buckets]

@@ -69,8 +69,10 @@ class Trainer:
 
     The model and its data come from the entry point (pretrain_gpt.py passes GPT's):
       model_provider(cfg, ctx: BuildContext) -> this rank's model chunks (one per virtual pipeline
-          stage), initialized and on ctx.device; chunks may offer sharding_units() (ZeRO-3) and
-          must offer set_input_tensor(x) (pipeline stages after the first);
+          stage), initialized on ctx.device, or with parameters still on the meta device that the
+          optimizer's gradient buffers materialize in place (parallel/tiled_init.py); chunks may
+          offer sharding_units() (ZeRO-3) and must offer set_input_tensor(x) (pipeline stages
+          after the first);
       datasets_provider(cfg, tokenizer, num_samples: (train, valid, test)) -> three datasets (or None);
       forward_step(batch, chunk) -> (output, loss_func): the protocol of training/step.py."""
 

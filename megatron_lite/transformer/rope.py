@@ -19,8 +19,9 @@ def llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
     return torch.where(medium, blended, scaled)
 
 
-def rope_inv_freq(cfg, device=None) -> torch.Tensor:
-    """The rotation frequencies of the model config (rotary_percent of each head rotated)."""
+def rope_inv_freq(cfg, device="cpu") -> torch.Tensor:
+    """The rotation frequencies of the model config (rotary_percent of each head rotated); on the
+    CPU unless told (a model built under torch.device("meta") still needs real values)."""
     dim = rotary_dim(cfg)
     inv_freq = 1.0 / (cfg.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
     if cfg.rope_scaling_type == "llama3":

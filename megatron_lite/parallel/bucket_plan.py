@@ -1,0 +1,121 @@
+"""Which gradient bucket each parameter goes to, and the bytes a rank then holds across steps, as
+pure functions of parameter descriptions: the one source of both GradientSync's buckets and
+DistributedOptimizer.memory_bytes() (what the trainer prints) and of the planner's figures
+(megatron_lite/planning), which describes parameters without building a model.
+
+The rules (data_parallel.py explains why): per model chunk, parameters in reverse registration
+order are cut into runs of at least `bucket_size` elements of one dtype (ZeRO-3: one bucket per
+unit, units in reverse forward order, each unit's parameters reversed); expert parameters of a
+run get a bucket of their own (reduced over the expert-data-parallel group). A bucket is padded
+to a multiple of its group size when ZeRO shards it (stages 1-3).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """What bucketing and accounting need of a trainable parameter."""
+    name: str
+    numel: int
+    dtype: torch.dtype
+    expert: bool = False  # split over experts: its own buckets, reduced over the edp group
+    unit: int = 0  # ZeRO-3: 0 = the chunk's root, k = its k-th sharding unit (layer) in forward order
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    params: tuple  # indices into the chunk's ParamInfo list, in bucket order
+    numel: int  # padded
+    shard_numel: int  # this rank's part: the whole bucket unless sharded
+    dtype: torch.dtype
+    expert: bool
+
+
+def split_by_size(sizes: Sequence[int], dtypes: Sequence[torch.dtype], bucket_size: int) -> List[List[int]]:
+    """Consecutive runs (indices) of at least bucket_size elements (the last may be smaller); one dtype each."""
+    groups: List[List[int]] = []
+    current: List[int] = []
+    n = 0
+    for i, (size, dt) in enumerate(zip(sizes, dtypes)):
+        if current and (n >= bucket_size or dt != dtypes[current[-1]]):
+            groups.append(current)
+            current, n = [], 0
+        current.append(i)
+        n += size
+    if current:
+        groups.append(current)
+    return groups
+
+
+def padded(n: int, shards: int) -> int:
+    """Elements of a bucket of n elements cut into `shards` equal shards."""
+    return -(-n // shards) * shards
+
+
+def plan_buckets(params: Sequence[ParamInfo], stage: int, bucket_size: int, dense_group: int,
+                 expert_group: int) -> List[BucketPlan]:
+    """One chunk's buckets, in GradientSync's order. `params`: the chunk's trainable parameters in
+    registration order; `dense_group` / `expert_group`: ranks of the data-parallel (dp x cp) and
+    expert-data-parallel groups."""
+    if stage == 3:
+        units = sorted({p.unit for p in params})
+        groups = [[i for i in range(len(params)) if params[i].unit == u][::-1] for u in units[::-1]]
+    else:
+        order = list(range(len(params)))[::-1]
+        runs = split_by_size([params[i].numel for i in order], [params[i].dtype for i in order], bucket_size)
+        groups = [[order[j] for j in run] for run in runs]
+    out = []
+    for g in groups:
+        for expert in (False, True):
+            idx = tuple(i for i in g if params[i].expert == expert)
+            if not idx:
+                continue
+            shards = (expert_group if expert else dense_group) if stage >= 1 else 1
+            numel = padded(sum(params[i].numel for i in idx), shards)
+            out.append(BucketPlan(idx, numel, numel // shards, params[idx[0]].dtype, expert))
+    return out
+
+
+def _bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def state_bytes(buckets: Sequence[BucketPlan], stage: int, grad_dtype: torch.dtype = torch.float32,
+                offloaded: Optional[Sequence[bool]] = None) -> Dict[str, int]:
+    """Bytes a rank keeps across steps for these buckets (all of its chunks'):
+      param_bytes            full flat params (stage 3: the shard)
+      grad_bytes             full flat grads (stages 2-3: the reduced shard)
+      optimizer_state_bytes  per shard element: Adam m and v in fp32, plus fp32 main params when the
+                             params are not fp32 (else the param shard is the main copy)
+      optimizer_host_bytes   (only with offloaded buckets) their m, v, main params and gradient
+                             staging buffer, all fp32, in host memory instead"""
+    offloaded = offloaded or [False] * len(buckets)
+    out = {"param_bytes": 0, "grad_bytes": 0, "optimizer_state_bytes": 0}
+    host = 0
+    g = _bytes(grad_dtype)
+    for b, off in zip(buckets, offloaded):
+        out["param_bytes"] += (b.shard_numel if stage == 3 else b.numel) * _bytes(b.dtype)
+        out["grad_bytes"] += (b.shard_numel if stage >= 2 else b.numel) * g
+        if off:
+            host += 4 * 4 * b.shard_numel
+        else:
+            out["optimizer_state_bytes"] += (8 + (4 if b.dtype != torch.float32 else 0)) * b.shard_numel
+    if host:
+        out["optimizer_host_bytes"] = host
+    return out
+
+
+def offloaded_buckets(shard_numels: Sequence[int], fraction: float) -> List[bool]:
+    """Which buckets' optimizer state lives on the host for --optimizer-offload-fraction: buckets
+    in order while their cumulative share of the rank's shard elements, counted to each bucket's
+    middle, stays below the fraction (whole buckets: each shard's state stays one tensor)."""
+    total, before, out = sum(shard_numels), 0, []
+    for n in shard_numels:
+        out.append(total > 0 and (before + n / 2) < fraction * total)
+        before += n
+    return out

@@ -1,0 +1,295 @@
+"""The memory a training step allocates on one rank on top of the state it holds across steps:
+the activations autograd keeps, for as many micro-batches as the pipeline schedule keeps in
+flight, plus what is alive at the worst moment (the loss's logits, ZeRO's gathered parameters
+and full gradients).
+
+The activation terms follow what this project's layers save for backward (checked tensor by
+tensor with planning/measure.py; bytes per token of a micro-batch, `a` the activation element
+size, widths per TP rank: q = heads/tp x head dim, kv = groups/tp x head dim, f = ffn/tp):
+
+  norm (x2 per layer)  RMSNorm: its fp32 input copy (bf16) and normalized value, 1/rms: (8 - a) h + 4;
+                       LayerNorm: mean and 1/std: 8; on the residual stream's tokens (1/tp of them
+                       under SP); plus its output as the next linear's input, a h on every token
+                       (under SP: the all-gathered copy)
+  attention            q and k after RoPE, the [k | v] projection: a (q + 3 kv) (without RoPE: a (q + 2 kv));
+                       the attention output a q and its log-sum-exp, 4 per head (fused kernels: no
+                       [s, s] scores are kept)
+  MLP                  SwiGLU: [gate | up] 2 a f, silu(gate) a f, their product a f; GELU: 2 a f
+  residual stream      two sums per layer, 2 a h (1/tp of the tokens under SP); dropout masks 1 byte each
+  MoE MLP              per routed copy of a token (top-k), its rows through the dispatch (permuted,
+                       exchanged, on their way back) 3 a h, the experts' activations as a SwiGLU /
+                       GELU MLP of the expert ffn size (expected routing: the ranks of a measured run
+                       scatter around it with the load imbalance, a few percent here);
+                       the router's fp32 logits and scores, 12 per expert per token
+  chunk                its input a h (residual tokens); RoPE's cos and sin 2 a d; under TP the
+                       embedding's masked ids and mask, 9
+  last stage           final norm as above; the loss keeps the fp32 softmax over this rank's
+                       vocabulary, 4 V/tp, and 14 bytes per token of targets and masks
+  recomputation        full: only each recomputed group's input a h (residual tokens), and while a
+                       group's backward runs, its recomputed activations; selective: the attention
+                       core's log-sum-exp is not kept
+
+Transients at their worst moment: the loss's forward holds the logits (a V/tp), an fp32 copy
+(bf16, or a rank with padded vocabulary rows) and the shifted logits (4 V/tp); its backward the
+bf16 cast of the logits' gradient, the input gradient a h and the output layer's weight gradient;
+a layer's forward its largest temporary (RoPE on q: 3 a q); a recomputed layer's backward the
+gradients beside its activations (residual gradient and its gathered copy, the MLP's input
+gradient).
+ZeRO-3 keeps the root unit (embedding, final norm, output layer) and two layers gathered; ZeRO-2/3
+keep a bucket's full gradient from its first gradient of the step until it is reduced after the
+last micro-batch's (all of them from the second micro-batch on).
+
+The pipeline's effect is exact: the rank's own list of compute actions (schedules.compute_orders)
+is walked, adding a chunk's activations at each F and removing them at each BW (zb-h1: B frees
+all but what the deferred weight gradients need, the linear layers' inputs and output gradients,
+until W).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Dict, List, Tuple
+
+import torch
+
+from ..config import ModelConfig
+from ..parallel.bucket_plan import plan_buckets
+from ..parallel.pipeline.schedules import Action, compute_orders
+from .layout import Layout
+from .state import rank_buckets, stage_chunks
+
+MOE_ROUTER_BYTES_PER_EXPERT = 12  # fp32 router logits, scores and the top-k mask per token and expert
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class Widths:
+    """Per-rank tensor widths of one micro-batch (tokens of this CP rank's sequence part)."""
+    tokens: int  # s / cp x b
+    residual_tokens: int  # tokens of residual-stream tensors: / tp under SP
+    a: int  # activation element size
+    h: int
+    d: int
+    heads: int  # per TP rank
+    q: int
+    kv: int
+    f: int
+    vocab: int  # padded vocabulary rows per TP rank
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, lay: Layout) -> "Widths":
+        tp = lay.tp
+        tokens = lay.seq_length // lay.cp * lay.micro_batch_size
+        heads = cfg.num_attention_heads // tp
+        groups = max(1, cfg.num_query_groups // tp)
+        return cls(tokens, tokens // tp if lay.sp else tokens, _size(lay.params_dtype), cfg.hidden_size,
+                   cfg.kv_channels, heads, heads * cfg.kv_channels, groups * cfg.kv_channels,
+                   cfg.ffn_hidden_size // tp, cfg.padded_vocab_size(tp) // tp)
+
+
+def _norm_internal(cfg: ModelConfig, w: Widths) -> int:
+    """Bytes per residual token a norm keeps besides its input and output."""
+    return (8 - w.a) * w.h + 4 if cfg.normalization == "RMSNorm" else 8
+
+
+def _mlp(w: Widths, swiglu: bool, f: int) -> int:
+    return (4 if swiglu else 2) * w.a * f
+
+
+def _moe_mlp(cfg: ModelConfig, lay: Layout, w: Widths) -> int:
+    """Bytes per token of an MoE MLP slot (expected routing: every expert gets its share)."""
+    m = cfg.moe
+    k, e = m.moe_router_topk, m.num_experts
+    f = m.moe_ffn_hidden_size // lay.etp
+    # Each TP rank routes its own share of the tokens (the layer shards the sequence over TP):
+    # per routed token, k dispatched rows in, k rows of expert MLP, k combined rows out.
+    per_routed = 3 * w.a * w.h + _mlp(w, cfg.swiglu, f)  # rows permuted, exchanged, and on their way back
+    out = (k * per_routed + MOE_ROUTER_BYTES_PER_EXPERT * e) // lay.tp
+    if m.moe_shared_expert_intermediate_size:
+        out += _mlp(w, cfg.swiglu, m.moe_shared_expert_intermediate_size // lay.tp)
+    return out
+
+
+def layer_bytes(cfg: ModelConfig, lay: Layout, w: Widths, moe: bool) -> int:
+    """Activation bytes one transformer layer keeps for backward, one micro-batch."""
+    rope = cfg.position_embedding_type == "rope"
+    per_token = 2 * w.a * w.h  # the two norms' outputs as linear inputs (all tokens)
+    per_token += w.a * (w.q + (3 if rope else 2) * w.kv) + w.a * w.q
+    per_token += 4 * w.heads if lay.recompute != "selective" else 0
+    per_token += _moe_mlp(cfg, lay, w) if moe else _mlp(w, cfg.swiglu, w.f)
+    per_residual = 2 * _norm_internal(cfg, w) + 2 * w.a * w.h
+    if cfg.hidden_dropout > 0:
+        per_residual += 2 * w.h  # the masks, one byte per element
+    return per_token * w.tokens + per_residual * w.residual_tokens
+
+
+def chunk_extra_bytes(cfg: ModelConfig, lay: Layout, w: Widths, pre: bool, post: bool) -> int:
+    out = w.a * w.h * w.residual_tokens  # the chunk's input: embedding output or the received activation
+    if cfg.position_embedding_type == "rope":
+        out += 2 * w.a * w.d * w.tokens
+    if pre and lay.tp > 1:
+        out += 9 * w.tokens
+    if post:
+        out += _norm_internal(cfg, w) * w.residual_tokens + w.a * w.h * w.tokens
+        out += (4 * w.vocab + 14) * w.tokens
+    return out
+
+
+def _loss_part(cfg: ModelConfig, w: Widths) -> int:
+    """What the last stage keeps for the loss (final norm, output layer input, softmax, targets):
+    freed by the time the layers' backward (and any recomputation) starts."""
+    return _norm_internal(cfg, w) * w.residual_tokens + (w.a * w.h + 4 * w.vocab + 14) * w.tokens
+
+
+def _layer_forward_transient(cfg: ModelConfig, w: Widths) -> int:
+    """The largest temporary inside a layer's forward: RoPE on q (x cos, the rotated copy and its
+    product with sin, beside q itself), or RMSNorm's fp32 square."""
+    if cfg.position_embedding_type == "rope":
+        return 3 * w.a * w.q * w.tokens
+    return 4 * w.h * w.residual_tokens if cfg.normalization == "RMSNorm" else 0
+
+
+def _layer_backward_working_set(w: Widths) -> int:
+    """Gradients alive inside a layer's backward beside its activations: the incoming gradient of the
+    residual stream and its all-gathered copy (SP), and the MLP's input gradient."""
+    return w.a * w.h * (w.tokens + w.residual_tokens) + w.a * w.f * w.tokens
+
+
+def _linear_io(cfg: ModelConfig, w: Widths) -> int:
+    """zb-h1: bytes per token a layer's deferred weight gradients keep from B to W: every linear's
+    input and output gradient (q and [k | v] share their input)."""
+    fc1 = (2 if cfg.swiglu else 1) * w.f
+    inputs = 2 * w.h + w.q + w.f
+    grads = w.q + 2 * w.kv + 2 * w.h + fc1
+    return w.a * (inputs + grads)
+
+
+def _loss_transients(cfg: ModelConfig, lay: Layout, w: Widths, padded_here: bool) -> Tuple[int, int]:
+    """(forward, backward) bytes alive beyond the saved activations at the loss."""
+    fp32_copy = w.a != 4 or padded_here
+    fwd = (w.a + (4 if fp32_copy else 0) + 4) * w.vocab * w.tokens
+    bwd = ((w.a if w.a != 4 else 0) * w.vocab + w.a * w.h) * w.tokens + w.a * w.vocab * w.h
+    return fwd, bwd
+
+
+@dataclass
+class ChunkCost:
+    saved: int  # kept from F to BW
+    deferred: int  # zb-h1: kept from B to W (the linear layers' inputs and output gradients)
+    fwd_transient: int
+    bwd_transient: int
+
+
+def chunk_costs(cfg: ModelConfig, lay: Layout, pp_rank: int, tp_rank: int = 0) -> List[ChunkCost]:
+    w = Widths.of(cfg, lay)
+    kinds = cfg.moe_layers()
+    out = []
+    for (lo, hi), pre, post in stage_chunks(cfg.num_layers, lay, pp_rank):
+        layers = [layer_bytes(cfg, lay, w, kinds[i]) for i in range(lo, hi)]
+        extra = chunk_extra_bytes(cfg, lay, w, pre, post)
+        recomputed = 0
+        if lay.recompute == "full":
+            n = max(1, lay.recompute_num_layers)
+            groups = [layers[i:i + n] for i in range(0, len(layers), n)]
+            if lay.recompute_method == "block":
+                groups, plain = groups[:1], layers[n:]
+            else:
+                plain = []
+            saved = extra + len(groups) * w.a * w.h * w.residual_tokens + sum(plain)
+            # One group is recomputed at a time, once the loss's own tensors are gone.
+            recomputed = max(sum(g) for g in groups) - (_loss_part(cfg, w) if post else 0) if groups else 0
+            recomputed += _layer_backward_working_set(w)
+        else:
+            saved = extra + sum(layers)
+        fwd_t, bwd_t = _layer_forward_transient(cfg, w), 0
+        if post:
+            padded_here = (tp_rank + 1) * w.vocab > cfg.vocab_size
+            loss_fwd, bwd_t = _loss_transients(cfg, lay, w, padded_here)
+            fwd_t = max(fwd_t, loss_fwd)
+        deferred = 0
+        if lay.pipeline_schedule == "zb-h1":
+            deferred = _linear_io(cfg, w) * w.tokens * (hi - lo)
+            if post:  # the output layer's input and the logits' gradient
+                deferred += w.a * (w.h + w.vocab) * w.tokens
+        out.append(ChunkCost(saved, deferred, fwd_t, max(recomputed, bwd_t)))
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _orders(schedule: str, p: int, m: int, v: int):
+    return compute_orders(schedule, p, m, v)
+
+
+def rank_order(schedule: str, p: int, m: int, v: int, rank: int):
+    """A pipeline rank's compute actions in order (cached: the planner walks the same lists for
+    every layout of the same shape)."""
+    return _orders(schedule, p, m, v)[rank]
+
+
+def _walk(order, costs: List[ChunkCost]) -> Tuple[int, int]:
+    """(peak bytes, peak in-flight chunk-micro-batches) over one rank's compute actions in order."""
+    live = peak = inflight = peak_inflight = 0
+    for a in order:
+        c = costs[a.chunk]
+        if a.kind == "F":
+            peak = max(peak, live + c.saved + c.fwd_transient)
+            live += c.saved
+            inflight += 1
+            peak_inflight = max(peak_inflight, inflight)
+        elif a.kind in ("BW", "B"):
+            peak = max(peak, live + c.bwd_transient)
+            live -= c.saved - (c.deferred if a.kind == "B" else 0)
+            inflight -= 1
+        elif a.kind == "W":
+            live -= c.deferred
+    return peak, peak_inflight
+
+
+@dataclass
+class StepMemoryEstimate:
+    activations: int  # peak of activations and loss transients over the schedule
+    in_flight: int  # chunk-micro-batches alive at once at most
+    buffers: Dict[str, int] = field(default_factory=dict)  # ZeRO gathered params, full grads, p2p
+
+    @property
+    def total(self) -> int:
+        return self.activations + sum(self.buffers.values())
+
+
+def step_memory(cfg: ModelConfig, lay: Layout, pp_rank: int, inventory, tp_rank: int = 0) -> StepMemoryEstimate:
+    """What one step allocates on a rank of pipeline stage `pp_rank` on top of its held state."""
+    costs = chunk_costs(cfg, lay, pp_rank, tp_rank)
+    m = lay.num_microbatches
+    if lay.pp > 1:
+        order = rank_order(lay.pipeline_schedule, lay.pp, m, lay.vpp, pp_rank)
+    else:
+        order = [Action(kind, mb) for mb in range(min(m, 2)) for kind in ("F", "BW")]  # the same after two
+    peak, inflight = _walk(order, costs)
+    buffers = {}
+    w = Widths.of(cfg, lay)
+    if lay.pp > 1:  # a received activation and a received gradient in flight
+        buffers["p2p"] = 2 * w.a * w.h * w.residual_tokens
+    if lay.zero_stage >= 2 and m > 1:
+        # From the second micro-batch on, every bucket's full gradient exists (they are reduced
+        # after the last micro-batch's); with one micro-batch they arrive as activations go.
+        g = _size(lay.grad_dtype)
+        buffers["full_grads"] = sum(b.numel * g for b in rank_buckets(cfg.num_layers, lay, pp_rank, inventory))
+    if lay.zero_stage == 3:
+        # A unit is freed after its forward, but autograd keeps the weight views the linear layers
+        # saved (F.linear saves weight.t()), so every unit's gathered buffer lives until its backward.
+        buffers["gathered_params"] = sum(_unit_param_bytes(cfg, lay, pp_rank, inventory))
+    return StepMemoryEstimate(peak, inflight, buffers)
+
+
+def _unit_param_bytes(cfg, lay, pp_rank, inventory) -> List[int]:
+    """ZeRO-3: bytes of each unit's gathered (full, padded) buckets, the root unit first."""
+    (layer_range, pre, post), = stage_chunks(cfg.num_layers, lay, pp_rank)
+    params = inventory(layer_range, pre, post, lay.tp, lay.ep, lay.etp)
+    units: Dict[int, int] = {}
+    for b in plan_buckets(params, 3, lay.buckets, lay.dp * lay.cp, lay.edp):
+        u = params[b.params[0]].unit
+        units[u] = units.get(u, 0) + b.numel * _size(b.dtype)
+    return [units.get(0, 0)] + [units[k] for k in sorted(units) if k]

@@ -1,0 +1,114 @@
+"""One candidate layout of a training run, as the planner sees it: the parallel sizes, ZeRO stage,
+recomputation, pipeline schedule, batch shape and precision. Pure data; `from_config` reads it
+from the same Config the trainer runs (pretrain_gpt.py's flags)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+from ..config import Config
+from ..parallel.data_parallel import default_bucket_size
+from ..parallel.pipeline.schedules import default_schedule
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    dp: int = 1
+    zero_stage: int = 0
+    sequence_parallel: bool = False
+    cp_comm_type: str = "p2p"
+    recompute: Optional[str] = None  # None | "selective" | "full"
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
+    schedule: Optional[str] = None  # None: 1f1b, or interleaved with vpp > 1 (the trainer's default)
+    micro_batch_size: int = 1
+    global_batch_size: int = 1
+    seq_length: int = 2048
+    params_dtype: torch.dtype = torch.bfloat16
+    grad_dtype: torch.dtype = torch.float32
+    bucket_size: Optional[int] = None  # elements; None: Megatron's default for the DP size
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    @property
+    def pipeline_schedule(self) -> Optional[str]:
+        return (self.schedule or default_schedule(self.vpp)) if self.pp > 1 else None
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism in effect (it needs TP > 1)."""
+        return self.sequence_parallel and self.tp > 1
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size (ParallelDims.edp)."""
+        return (self.tp // self.etp) * (self.dp * self.cp) // self.ep
+
+    @property
+    def buckets(self) -> int:
+        return self.bucket_size or default_bucket_size(self.dp * self.cp)
+
+    def describe(self) -> str:
+        parts = [f"TP{self.tp}", f"PP{self.pp}"]
+        if self.vpp > 1:
+            parts.append(f"VPP{self.vpp}")
+        if self.cp > 1:
+            parts.append(f"CP{self.cp}")
+        if self.ep > 1:
+            parts.append(f"EP{self.ep}")
+        parts += [f"DP{self.dp}", f"ZeRO-{self.zero_stage}"]
+        if self.sp:
+            parts.append("SP")
+        if self.recompute:
+            parts.append(f"recompute {self.recompute}")
+        if self.pp > 1:
+            parts.append(self.pipeline_schedule)
+        parts.append(f"mbs {self.micro_batch_size} x {self.num_microbatches} micro-batches")
+        return " ".join(parts)
+
+    def with_(self, **kw) -> "Layout":
+        return replace(self, **kw)
+
+
+def dtype_of(cfg: Config) -> torch.dtype:
+    t = cfg.training
+    return torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
+
+
+def from_config(cfg: Config, world_size: int) -> Layout:
+    """The layout a pretrain_gpt.py run of `cfg` on `world_size` ranks would use."""
+    p, t = cfg.parallel, cfg.training
+    dp = p.data_parallel_size(world_size)
+    gbs = t.global_batch_size if t.global_batch_size is not None else t.micro_batch_size * dp
+    return Layout(tp=p.tp, pp=p.pp, vpp=p.virtual_pipeline_model_parallel_size or 1, cp=p.cp,
+                  ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size, dp=dp, zero_stage=p.zero_stage,
+                  sequence_parallel=p.sequence_parallel, cp_comm_type=p.cp_comm_type[0],
+                  recompute=t.recompute_granularity,
+                  recompute_method=t.recompute_method, recompute_num_layers=t.recompute_num_layers,
+                  schedule=p.pipeline_schedule, micro_batch_size=t.micro_batch_size, global_batch_size=gbs,
+                  seq_length=t.seq_length, params_dtype=dtype_of(cfg),
+                  grad_dtype=torch.bfloat16 if p.grad_reduce_in_bf16 else torch.float32, bucket_size=p.ddp_bucket_size,
+                  overlap_grad_reduce=p.overlap_grad_reduce, overlap_param_gather=p.overlap_param_gather,
+                  optimizer_cpu_offload=t.optimizer_cpu_offload, optimizer_offload_fraction=t.optimizer_offload_fraction,
+                  first_stage_layers=p.decoder_first_pipeline_num_layers,
+                  last_stage_layers=p.decoder_last_pipeline_num_layers)

@@ -1,0 +1,57 @@
+"""Measuring the memory a training step allocates, on any device (the CPU included, where
+`torch.cuda.max_memory_allocated` does not exist and the resident set is blurred by malloc's
+pools): a TorchDispatchMode that sees every tensor an operator creates, forward, backward,
+recomputation and collectives alike, counts the bytes of each new storage while it is alive (a
+weak reference tells when it dies) and keeps the peak. Storages that existed before (parameters,
+gradient buffers, optimizer state, the batch) are not counted, nor views and in-place results.
+
+This is what the planner's activation model is checked against (tests/test_planner.py): the
+peak of what one step allocates on top of the state held across steps.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Dict
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+def _storages(tree) -> Dict[int, torch.UntypedStorage]:
+    out = {}
+    for t in tree_flatten(tree)[0]:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            st = t.untyped_storage()
+            out[id(st)] = st
+    return out
+
+
+class StepMemory(TorchDispatchMode):
+    """`with StepMemory() as m: ...` -> m.peak_bytes (and m.live_bytes now): bytes of the storages
+    created inside the block, at their most."""
+
+    def __init__(self):
+        super().__init__()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._alive: Dict[int, tuple] = {}  # id(storage) -> (weak ref, bytes)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = _storages((args, kwargs))
+        for key, st in _storages(out).items():
+            if key not in inputs and key not in self._alive:
+                self._add(key, st)
+        return out
+
+    def _add(self, key: int, st: torch.UntypedStorage) -> None:
+        n = st.nbytes()
+        self._alive[key] = (weakref.ref(st, lambda _, key=key: self._drop(key)), n)
+        self.live_bytes += n
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _drop(self, key: int) -> None:
+        _, n = self._alive.pop(key, (None, 0))
+        self.live_bytes -= n

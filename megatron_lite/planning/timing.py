@@ -1,0 +1,173 @@
+"""Step time from a roofline: compute is FLOPs over the GPU's achievable rate, each collective is
+the bytes one rank moves (ring algorithms: all-reduce 2(n-1)/n of the buffer, reduce-scatter and
+all-gather (n-1)/n) over the link it crosses (NVLink inside a node, the network across), and the
+pipeline adds the idle time the schedule simulator finds for the layout's own action lists.
+
+What overlaps (and so counts only where it sticks out):
+  - the gradient reduce-scatter / all-reduce with --overlap-grad-reduce: with the backward of the
+    last micro-batch (buckets are reduced once every micro-batch's gradients are in), at least
+    the last bucket exposed; the updated-parameter all-gather with --overlap-param-gather: with
+    the next forward of the first micro-batch; ZeRO-3's per-micro-batch gathers: with compute;
+  - the context-parallel ring: with the attention it feeds.
+TP collectives, Ulysses and expert all-to-alls are on the critical path (no TP comm overlap here).
+FLOPs follow training/flops.py (the MFU convention: 6N + 12 L H Q T per token, MoE counting the
+active experts), plus what recomputation redoes.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Dict
+
+import torch
+
+from ..config import ModelConfig
+from ..parallel.pipeline.schedules import compute_orders
+from ..parallel.pipeline.simulator import simulate
+from ..training.flops import flops_per_token
+from .hardware import Hardware
+from .layout import Layout
+from .state import rank_buckets, stage_chunks
+
+SIM_MAX_MICROBATCHES = 64  # longer schedules: the idle time of a schedule with fewer (it stops growing)
+
+
+def _size(dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@functools.lru_cache(maxsize=4096)
+def pipeline_idle(schedule: str, p: int, m: int, v: int, backward_cost: float) -> float:
+    """Idle time per rank over busy time (the bubble fraction) of the schedule's own action lists,
+    replayed by the simulator with per-chunk costs F = 1, B = backward_cost - 1, W = 1."""
+    if p == 1:
+        return 0.0
+    step = p if schedule == "interleaved" else 1
+    sim_m = m if m <= SIM_MAX_MICROBATCHES else max(p, SIM_MAX_MICROBATCHES // step * step)
+    res = simulate(compute_orders(schedule, p, sim_m, v), costs=(1.0, backward_cost - 1.0, 1.0), comm="ideal")
+    idle = res.makespan - min(res.busy)  # the warm-up and cool-down: independent of m once m >= p
+    return idle / (min(res.busy) * m / sim_m)
+
+
+@dataclass
+class StepTime:
+    compute_s: float
+    bubble_s: float
+    tp_s: float
+    cp_s: float
+    ep_s: float
+    dp_s: float  # exposed
+    optimizer_s: float
+    model_tflop_per_gpu: float  # model FLOPs of one step per GPU (the MFU numerator)
+    bubble_fraction: float
+    detail: Dict[str, float]
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.bubble_s + self.tp_s + self.cp_s + self.ep_s + self.dp_s + self.optimizer_s
+
+    def mfu(self, hw: Hardware) -> float:
+        return self.model_tflop_per_gpu / (self.total_s * hw.peak_tflops)
+
+
+def _bw(hw: Hardware, span: int) -> float:
+    """Bytes/s of a collective whose ranks span `span` consecutive GPUs."""
+    return (hw.nvlink_gbps if span <= hw.gpus_per_node else hw.network_gbps) * 1e9
+
+
+def step_time(cfg: ModelConfig, lay: Layout, hw: Hardware, inventory, pp_rank: int = 0) -> StepTime:
+    a = _size(lay.params_dtype)
+    tokens = lay.global_batch_size * lay.seq_length
+    m, v, p = lay.num_microbatches, lay.vpp, lay.pp
+    per_token = flops_per_token(cfg, lay.seq_length)
+    model_flops = per_token * tokens / lay.world_size
+    attention = 12 * cfg.num_layers * cfg.num_attention_heads * cfg.kv_channels * lay.seq_length
+    logits = 6 * cfg.vocab_size * cfg.hidden_size  # the output layer's GEMM, forward and backward
+    per_layer = (per_token - logits) / cfg.num_layers
+    redo = 0.0  # recomputed forward FLOPs per token and layer (a forward is a third of forward + backward)
+    if lay.recompute == "full":
+        per_chunk = cfg.num_layers // (p * v)
+        share = 1.0 if lay.recompute_method == "uniform" else min(1.0, lay.recompute_num_layers / per_chunk)
+        redo = share * per_layer / 3
+    elif lay.recompute == "selective":
+        redo = attention / cfg.num_layers / 3
+    # The pipeline runs at the pace of its busiest rank: the one with the output layer (and the
+    # loss) does that GEMM on top of its layers.
+    work = []
+    for r in range(p):
+        chunks = stage_chunks(cfg.num_layers, lay, r)
+        layers = sum(hi - lo for (lo, hi), _, _ in chunks)
+        work.append(layers * (per_layer + redo) + (logits if any(post for _, _, post in chunks) else 0.0))
+    per_rank_tokens = tokens / (lay.dp * lay.cp * lay.tp)
+    compute = max(work) * per_rank_tokens / (hw.achievable_tflops * 1e12)
+
+    backward_cost = 2.0 + (3 * redo / per_layer if redo else 0.0)
+    bubble_fraction = pipeline_idle(lay.pipeline_schedule, p, m, v, round(backward_cost, 3)) if p > 1 else 0.0
+    bubble = bubble_fraction * compute
+    detail = {"busiest_rank_imbalance": max(work) / (sum(work) / p) - 1}
+    if p > 1:  # filling and draining the pipeline crosses every stage boundary once each way
+        sent = a * lay.seq_length // lay.cp * lay.micro_batch_size * cfg.hidden_size // (lay.tp if lay.sp else 1)
+        span = lay.tp * lay.cp * lay.dp * 2  # neighbouring stages are a data-parallel replica apart
+        bubble += 2 * (p * v - 1) * sent / _bw(hw, span)
+
+    layers_here = cfg.num_layers // p
+    tokens_mb = lay.seq_length // lay.cp * lay.micro_batch_size
+    act = a * tokens_mb * cfg.hidden_size  # one [s, b, h] activation of this rank's sequence part
+    tp = 0.0
+    if lay.tp > 1:  # 4 all-reduce equivalents per layer and micro-batch (2 forward, 2 backward)
+        per = 2 * (lay.tp - 1) / lay.tp * act * (4 + (2 if lay.recompute == "full" else 0))
+        tp = per * layers_here * m / _bw(hw, lay.tp)
+    cp = 0.0
+    if lay.cp > 1:
+        kv = a * tokens_mb * max(1, cfg.num_query_groups // lay.tp) * cfg.kv_channels * 2  # k and v
+        q = a * tokens_mb * cfg.num_attention_heads // lay.tp * cfg.kv_channels
+        bw = _bw(hw, lay.tp * lay.cp)
+        if lay.cp_comm_type == "a2a":  # q, k, v in and the output back, forward and backward: exposed
+            cp = 2 * (lay.cp - 1) / lay.cp * (2 * q + kv) * layers_here * m / bw
+        else:  # ring / all-gather of k, v forward, k, v and their gradients backward: under attention
+            moved = 3 * (lay.cp - 1) * kv * layers_here * m / bw
+            attn = attention / cfg.num_layers * layers_here * tokens / lay.world_size / (hw.achievable_tflops * 1e12)
+            cp = max(0.0, moved - attn)
+            detail["cp_comm_s"] = moved
+    ep = 0.0
+    if cfg.moe is not None and lay.ep > 1:
+        moe_layers = sum(cfg.moe_layers()) // p
+        rows = a * tokens_mb // lay.tp * cfg.moe.moe_router_topk * cfg.hidden_size
+        ep = 4 * (lay.ep - 1) / lay.ep * rows * moe_layers * m / _bw(hw, lay.tp * lay.ep)
+
+    plans = rank_buckets(cfg.num_layers, lay, pp_rank, inventory)
+    d, g = lay.dp * lay.cp, _size(lay.grad_dtype)
+    dense = [b for b in plans if not b.expert]
+    expert = [b for b in plans if b.expert]
+    dp_s = 0.0
+    backward_last = compute * 2 / 3 / m
+    forward_first = compute / 3 / m
+    for group, n in ((dense, d), (expert, lay.edp)):
+        if n <= 1 or not group:
+            continue
+        bw = _bw(hw, lay.world_size // lay.pp if n == d else lay.tp * lay.dp * lay.cp)
+        grad_full = sum(b.numel for b in group) * g
+        param_full = sum(b.numel * _size(b.dtype) for b in group)
+        frac = (n - 1) / n
+        if lay.zero_stage == 0:
+            reduce, gather = 2 * frac * grad_full / bw, 0.0
+        else:
+            reduce, gather = frac * grad_full / bw, frac * param_full / bw
+        last = reduce / len(group)
+        exposed_reduce = max(reduce - backward_last, last) if lay.overlap_grad_reduce else reduce
+        if lay.zero_stage == 3:
+            per_mb = 2 * gather  # forward and backward gathers of every unit, prefetched under compute
+            exposed_gather = max(0.0, per_mb * m - compute)
+        elif lay.zero_stage >= 1:
+            exposed_gather = max(gather - forward_first, gather / len(group)) if lay.overlap_param_gather else gather
+        else:
+            exposed_gather = 0.0
+        dp_s += exposed_reduce + exposed_gather
+        detail[f"{'expert ' if group is expert else ''}dp_comm_s"] = reduce + gather * (2 * m if lay.zero_stage == 3 else 1)
+
+    shard = sum(b.shard_numel for b in plans)
+    offloaded = shard * (lay.optimizer_offload_fraction if lay.optimizer_cpu_offload else 0.0)
+    opt = (shard - offloaded) * (16 + 2 * a) / (hw.hbm_gbps * 1e9)
+    if offloaded:
+        opt += offloaded * (4 + a) / (hw.host_link_gbps * 1e9) + offloaded / (hw.host_adam_gparams * 1e9)
+    return StepTime(compute, bubble, tp, cp, ep, dp_s, opt, model_flops / 1e12, bubble_fraction, detail)

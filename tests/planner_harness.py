@@ -1,0 +1,126 @@
+"""Planner vs reality: run pretrain_gpt's Trainer for one layout in forked gloo ranks and
+measure, per rank, what the planner predicts.
+
+Measured: the optimizer's accounting (`memory_bytes()`, which the trainer prints), the tensors it
+holds (`held_bytes()`), and the peak of what the second step's forward and backward (the whole
+schedule, every micro-batch, with the gradient buffers' in-step allocations) allocate on top of
+the state held across steps, seen by megatron_lite.planning.measure.StepMemory (every storage an
+operator creates while alive). The optimizer update's own temporaries are not part of it.
+"""
+import os
+from typing import Dict, List
+
+import torch
+
+from megatron_lite.planning.activations import step_memory
+from megatron_lite.planning.layout import from_config
+from megatron_lite.planning.measure import StepMemory
+from megatron_lite.planning.state import rank_state_bytes
+from megatron_lite.training.step import train_step
+from models.gpt_inventory import GPTInventory
+
+
+def _measure_one(world: int, argv: List[str]) -> Dict:
+    from pretrain_gpt import make_trainer, resolve
+
+    os.environ["WORLD_SIZE"] = str(world)
+    cfg, tokenizer = resolve(argv)
+    trainer = make_trainer(cfg, tokenizer, torch.device("cpu"))
+    t, dims = cfg.training, trainer.dims
+    meter = StepMemory()
+    inner = trainer.forward_backward
+
+    def measured(*args, **kw):
+        with meter:
+            return inner(*args, **kw)
+
+    for step in range(2):  # the first step warms up what is built once; measure the second
+        batches = trainer._next_batches(trainer.train_iter, trainer.num_microbatches)
+        fb = measured if step == 1 else inner
+        train_step(trainer.chunks, batches, dims, trainer.optimizer, trainer.grad_sync, t.lr, trainer.forward_step,
+                   fb, loss_normalizer=float(t.global_batch_size * t.seq_length))
+    return {"pp_rank": dims.pp_rank, "tp_rank": dims.tp_rank, "accounted": trainer.optimizer.memory_bytes(),
+            "held": trainer.optimizer.held_bytes(), "peak": meter.peak_bytes}
+
+
+def measure_layouts(rank: int, world: int, argvs: List[List[str]]) -> List[Dict]:
+    """Every layout of `argvs` (pretrain_gpt flags for this world size) on this rank, in order."""
+    return [_measure_one(world, argv) for argv in argvs]
+
+
+def predict(argv: List[str], world: int, pp_rank: int, tp_rank: int) -> Dict:
+    """The planner's figures for one rank, from the same flags, without building the model."""
+    from pretrain_gpt import resolve
+
+    saved = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(world)
+    try:
+        cfg, _ = resolve(argv)
+    finally:
+        if saved is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = saved
+    lay = from_config(cfg, world)
+    inventory = GPTInventory(cfg.model, lay.params_dtype).chunk
+    return {"accounted": rank_state_bytes(cfg.model.num_layers, lay, pp_rank, inventory),
+            "step": step_memory(cfg.model, lay, pp_rank, inventory, tp_rank), "layout": lay}
+
+
+# --- the layouts the planner is checked on --------------------------------------------------------
+# Model A: GPT-2 style (LayerNorm, learned positions, GELU, biases, tied embeddings), 4 layers,
+# h 64, vocabulary 512. Model B: Llama style (RMSNorm, RoPE, SwiGLU, GQA 8 heads / 4 groups, untied),
+# 4 layers, h 128, ffn 352, vocabulary 1000. Random tokens (--mock-data), no dropout.
+_COMMON = ["--num-layers", "4", "--device", "cpu", "--eval-iters", "0", "--train-iters", "2", "--micro-batch-size", "2",
+           "--attention-dropout", "0", "--hidden-dropout", "0", "--mock-data"]
+MODEL_A = _COMMON + ["--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64", "--vocab-size", "512"]
+MODEL_B = _COMMON + ["--hidden-size", "128", "--num-attention-heads", "8", "--ffn-hidden-size", "352",
+                     "--seq-length", "128", "--vocab-size", "1000", "--normalization", "RMSNorm", "--swiglu",
+                     "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
+                     "--disable-bias-linear", "--group-query-attention", "--num-query-groups", "4"]
+GBS8 = ["--global-batch-size", "8"]
+# (name, world size, flags)
+LAYOUTS = [
+    ("A  DP2 ZeRO-0", 2, MODEL_A + ["--zero-stage", "0"]),
+    ("A  recompute full", 1, MODEL_A + ["--recompute-granularity", "full"]),
+    ("A  DP2 ZeRO-1", 2, MODEL_A + ["--zero-stage", "1"]),
+    ("A  DP2 ZeRO-2, 2 micro-batches", 2, MODEL_A + ["--zero-stage", "2"] + GBS8),
+    ("A  DP2 ZeRO-3, 2 micro-batches", 2, MODEL_A + ["--zero-stage", "3"] + GBS8),
+    ("A  PP2 gpipe", 2, MODEL_A + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "gpipe"] + GBS8),
+    ("A  TP2 SP", 2, MODEL_A + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    ("B  DP1 recompute selective", 1, MODEL_B + ["--recompute-granularity", "selective"]),
+    ("B  PP2 1f1b", 2, MODEL_B + ["--pipeline-model-parallel-size", "2"] + GBS8),
+    ("B  PP2 zb-h1", 2, MODEL_B + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"] + GBS8),
+    ("B  PP2 VPP2 interleaved", 2, MODEL_B + ["--pipeline-model-parallel-size", "2",
+                                              "--num-layers-per-virtual-pipeline-stage", "1"] + GBS8),
+    ("B  CP2 ring", 2, MODEL_B + ["--context-parallel-size", "2"]),
+    ("B  MoE EP2 ZeRO-1", 2, MODEL_B + ["--num-experts", "4", "--moe-router-topk", "2",
+                                        "--expert-model-parallel-size", "2", "--zero-stage", "1"]),
+    ("B  TP2 PP2 SP ZeRO-1 recompute full", 4, MODEL_B + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                                          "--pipeline-model-parallel-size", "2", "--zero-stage", "1",
+                                                          "--recompute-granularity", "full"] + GBS8),
+    ("B  TP2 DP2 ZeRO-3, 2 micro-batches", 4, MODEL_B + ["--tensor-model-parallel-size", "2", "--zero-stage", "3"]
+     + GBS8),
+]
+
+
+def measure_all() -> List[Dict]:
+    """Every layout of LAYOUTS: per rank, the measured and predicted figures (one forked world per
+    world size, its layouts run one after another)."""
+    from megatron_lite.testing import run_distributed
+
+    rows = []
+    for world in sorted({w for _, w, _ in LAYOUTS}):
+        chosen = [(name, argv) for name, w, argv in LAYOUTS if w == world]
+        per_rank = run_distributed(measure_layouts, world, [argv for _, argv in chosen])
+        for i, (name, argv) in enumerate(chosen):
+            seen = set()
+            for rank_results in per_rank:
+                got = rank_results[i]
+                key = (got["pp_rank"], got["tp_rank"], got["peak"])
+                if key in seen:  # data-parallel copies of a rank that measured the same
+                    continue
+                seen.add(key)
+                rows.append({"name": name, "world": world, **got,
+                             "predicted": predict(argv, world, got["pp_rank"], got["tp_rank"])})
+    return rows

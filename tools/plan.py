@@ -1,0 +1,146 @@
+"""Plan a training run on paper: per-rank memory and an estimated step time for any layout and
+world size, or (--search) the fastest layouts that fit, with the reasons. Nothing is built.
+
+Takes pretrain_gpt.py's flags (paste a launch script's: data, logging and checkpoint flags are
+read and ignored) plus --world-size, --gpu-memory, --gpu and --search:
+
+    python tools/plan.py --model llama3-70b --world-size 1024 --gpu-memory 80GB --search
+    python tools/plan.py --model llama3-8b --bf16 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \\
+        --use-distributed-optimizer --micro-batch-size 1 --global-batch-size 256 --world-size 64
+
+The parameter, gradient and optimizer bytes are the trainer's own accounting (the `> memory on
+this rank` line); activations follow the layers' saved tensors per micro-batch in flight under
+the schedule; the step time is a roofline (planning/timing.py). Without --bf16 / --fp16 the
+planner assumes bf16 mixed precision (--fp32 plans fp32); without --micro-batch-size, 1; without
+--global-batch-size, a search keeps one sequence per GPU per step.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import List, Optional
+
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from megatron_lite.arguments import build_parser, config_from_args  # noqa: E402
+from megatron_lite.errors import ConfigError  # noqa: E402
+from megatron_lite.planning.hardware import GPUS, parse_bytes  # noqa: E402
+from megatron_lite.planning.layout import from_config  # noqa: E402
+from megatron_lite.planning.search import evaluate, gib, memory_line, neighbours, reasons, search, time_line  # noqa: E402
+from models.gpt_inventory import GPTInventory  # noqa: E402
+from models.zoo import zoo  # noqa: E402
+
+
+def parser():
+    p = build_parser(zoo())
+    p.description = __doc__.split("\n")[0]
+    g = p.add_argument_group("planner")
+    g.add_argument("--world-size", type=int, required=True, help="GPUs of the run")
+    g.add_argument("--gpu", choices=sorted(GPUS), default="H100", help="GPU kind (default H100)")
+    g.add_argument("--gpu-memory", default=None, help="memory per GPU, e.g. 80GB (GB read as GiB); default: the GPU's")
+    g.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per NVLink domain (default 8)")
+    g.add_argument("--achievable-tflops", type=float, default=None, help="sustained TFLOP/s per GPU of the GEMMs")
+    g.add_argument("--nvlink-gbps", type=float, default=None, help="intra-node collective GB/s per GPU")
+    g.add_argument("--network-gbps", type=float, default=None, help="inter-node collective GB/s per GPU")
+    g.add_argument("--fp32", action="store_true", help="plan fp32 parameters (the default without --bf16/--fp16: bf16)")
+    g.add_argument("--search", action="store_true", help="search TP/PP/VPP/CP/EP/DP/ZeRO/recompute for the best fits")
+    g.add_argument("--top", type=int, default=5, help="layouts listed by --search")
+    g.add_argument("--max-pp", type=int, default=16, help="largest pipeline size --search tries")
+    return p
+
+
+def _given(argv: List[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def _hardware(args):
+    hw = GPUS[args.gpu]
+    over = {k: v for k, v in (("gpus_per_node", args.gpus_per_node), ("achievable_tflops", args.achievable_tflops),
+                              ("nvlink_gbps", args.nvlink_gbps), ("network_gbps", args.network_gbps)) if v is not None}
+    if args.gpu_memory:
+        over["memory_bytes"] = parse_bytes(args.gpu_memory)
+    return hw.with_(**over)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = parser().parse_args(argv)
+        cfg = config_from_args(args, zoo())
+        hw = _hardware(args)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    t = cfg.training
+    if cfg.data.vocab_size:  # NullTokenizer's vocabulary; other tokenizers are not loaded here
+        cfg.model.vocab_size = cfg.data.vocab_size
+    if not (t.bf16 or t.fp16 or args.fp32):
+        t.bf16 = True
+    if not _given(argv, "--micro-batch-size"):
+        t.micro_batch_size = 1
+    world = args.world_size
+    if args.search and not _given(argv, "--global-batch-size"):
+        t.global_batch_size = world * t.micro_batch_size
+    if t.train_iters is None and t.train_samples is None:
+        t.train_iters = 1  # a plan is per step: the run's length does not matter
+    cfg.finalize(world)
+    base = from_config(cfg, world)
+    m = cfg.model
+    inventory = GPTInventory(m, base.params_dtype).chunk
+    print(f"plan: {args.model or 'model from flags'} ({m.num_parameters() / 1e9:.2f}B parameters, {m.num_layers} layers, "
+          f"h {m.hidden_size}, vocab {m.vocab_size}), {world} x {hw.name} ({gib(hw.usable_bytes)} usable each, "
+          f"{hw.gpus_per_node} per node), seq {base.seq_length}, global batch {base.global_batch_size} x "
+          f"{base.seq_length} tokens, micro-batch {base.micro_batch_size}, {str(base.params_dtype).split('.')[-1]}")
+    start = time.perf_counter()
+    if not args.search:
+        return _one(cfg, base, hw, inventory)
+    result = search(cfg, base, hw, inventory, max_pp=args.max_pp)
+    elapsed = time.perf_counter() - start
+    refused = sum(1 for e in result.rejected if not e.valid)
+    print(f"searched {result.evaluated} layouts in {elapsed:.1f} s: {len(result.ranked)} fit, "
+          f"{len(result.rejected) - refused} do not fit, {refused} refused by the trainer's rules")
+    if not result.ranked:
+        closest = min((e for e in result.rejected if e.valid), key=lambda e: e.peak_bytes, default=None)
+        print("no layout fits" + (f"; the closest, {closest.layout.describe()}, needs {gib(closest.peak_bytes)}"
+                                  if closest else ""))
+        return 1
+    print(f"{'#':>2}  {'layout':72s} {'peak':>9s} {'step':>8s} {'tok/s/GPU':>10s} {'MFU':>6s}")
+    for i, ev in enumerate(result.ranked[:args.top], 1):
+        tokens = base.global_batch_size * base.seq_length / ev.time.total_s / world
+        print(f"{i:>2}  {ev.layout.describe():72s} {ev.peak_bytes / 2**30:7.1f}Gi {ev.time.total_s:7.2f}s "
+              f"{tokens:10,.0f} {ev.time.mfu(hw):6.1%}")
+    best = result.ranked[0]
+    print(f"\nwhy #1 ({best.layout.describe()}):")
+    print(f"  memory: {memory_line(best)}")
+    print(f"  time: {time_line(best, hw)}")
+    for line in reasons(result, hw) + neighbours(cfg, best, hw, inventory):
+        print(f"  {line}")
+    return 0
+
+
+def _one(cfg, lay, hw, inventory) -> int:
+    ev = evaluate(cfg, lay, hw, inventory)
+    print(f"layout: {lay.describe()}")
+    if not ev.valid:
+        print(f"error: the trainer refuses this layout: {ev.error}", file=sys.stderr)
+        return 2
+    for r in ev.ranks:
+        s = r.state
+        print(f"  pipeline rank {r.pp_rank}: params {gib(s['param_bytes'])}, grads {gib(s['grad_bytes'])}, optimizer "
+              f"{gib(s['optimizer_state_bytes'])}" + (f" (+ host {gib(s['optimizer_host_bytes'])})"
+                                                       if s.get("optimizer_host_bytes") else "")
+              + f", activations {gib(r.step.activations)} ({r.step.in_flight} in flight)"
+              + "".join(f", {k.replace('_', ' ')} {gib(v)}" for k, v in r.step.buffers.items() if v)
+              + f" -> {gib(r.device_bytes)}")
+    print(f"memory: {memory_line(ev)} -> {'fits' if ev.fits else 'does NOT fit'}")
+    print(f"time: {time_line(ev, hw)}")
+    return 0 if ev.fits else 1
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    sys.exit(main())
