@@ -86,23 +86,29 @@ def merge_tp(name: str, pieces, swiglu: bool) -> torch.Tensor:
 
 
 # --- model config from Megatron-LM's args ---------------------------------------------------------
-# Megatron-LM switches the GPT model here cannot compute the same way: the switch -> what it is.
+# Megatron-LM settings the GPT model here cannot compute the same way: the arg -> (what it is, the
+# values that are fine: its defaults).
+_OFF = (None, False, 0)
 _UNSUPPORTED = {
-    "use_legacy_models": "legacy (pre-Megatron-Core) models",
-    "multi_latent_attention": "multi-latent attention",
-    "mtp_num_layers": "multi-token prediction layers",
-    "rotary_interleaved": "interleaved RoPE",
-    "qk_l2_norm": "L2 norm of queries and keys",
-    "squared_relu": "squared-ReLU MLP activation",
-    "quick_geglu": "quick-GeGLU MLP activation",
-    "apply_residual_connection_post_layernorm": "residual connections after the norm",
-    "window_size": "sliding-window attention",
-    "softmax_scale": "a custom attention softmax scale",
-    "no_rope_freq": "layers without RoPE",
-    "attention_output_gate": "gated attention output",
-    "heterogeneous_layers_config_path": "heterogeneous layers",
-    "heterogeneous_layers_config_encoded_json": "heterogeneous layers",
-    "num_experts": "MoE layers",
+    "use_legacy_models": ("legacy (pre-Megatron-Core) models", _OFF),
+    "multi_latent_attention": ("multi-latent attention", _OFF),
+    "mtp_num_layers": ("multi-token prediction layers", _OFF),
+    "rotary_interleaved": ("interleaved RoPE", _OFF),
+    "rotary_seq_len_interpolation_factor": ("RoPE position interpolation", _OFF + (1, 1.0)),
+    "qk_l2_norm": ("L2 norm of queries and keys", _OFF),
+    "squared_relu": ("squared-ReLU MLP activation", _OFF),
+    "quick_geglu": ("quick-GeGLU MLP activation", _OFF),
+    "glu_linear_offset": ("an offset in the GLU", _OFF + (0.0,)),
+    "activation_func_clamp_value": ("clamped MLP activations", _OFF),
+    "apply_residual_connection_post_layernorm": ("residual connections after the norm", _OFF),
+    "window_size": ("sliding-window attention", _OFF),
+    "softmax_scale": ("a custom attention softmax scale", _OFF),
+    "softmax_type": ("attention sinks (a softmax other than vanilla)", _OFF + ("vanilla",)),
+    "no_rope_freq": ("layers without RoPE", _OFF),
+    "attention_output_gate": ("gated attention output", _OFF),
+    "experimental_attention_variant": ("an experimental attention variant", _OFF),
+    "heterogeneous_layers_config_path": ("heterogeneous layers", _OFF),
+    "heterogeneous_layers_config_encoded_json": ("heterogeneous layers", _OFF),
 }
 
 
@@ -118,17 +124,11 @@ def true_vocab_size(a: Mapping[str, Any], given: Optional[int]) -> Optional[int]
 
 def model_config_from_megatron_args(a: Mapping[str, Any], vocab_size: int) -> ModelConfig:
     """Our GPT config of a Megatron-LM run's args (a dict of its Namespace, flags merged in)."""
-    for key, what in _UNSUPPORTED.items():
-        value = a.get(key)
-        if value in (None, False, 0):
-            continue
-        if key == "num_experts":
-            raise ConversionError(f"MoE Megatron checkpoints are not supported yet (num_experts={value})")
-        raise ConversionError(f"{key}={value!r} ({what}) is not supported")
-    factor = a.get("rotary_seq_len_interpolation_factor")
-    if factor not in (None, 1, 1.0):
-        raise ConversionError(f"RoPE position interpolation (rotary_seq_len_interpolation_factor={factor}) "
-                              f"is not supported")
+    if a.get("num_experts"):
+        raise ConversionError(f"MoE Megatron checkpoints are not supported yet (num_experts={a['num_experts']})")
+    for key, (what, fine) in _UNSUPPORTED.items():
+        if a.get(key) not in fine:
+            raise ConversionError(f"{key}={a[key]!r} ({what}) is not supported")
     for key in ("num_layers", "hidden_size", "num_attention_heads"):
         if not a.get(key):
             raise ConversionError(f"the checkpoint's args lack {key}: give --{key.replace('_', '-')}")
