@@ -27,6 +27,7 @@ import json
 import os
 import pickle
 import re
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -272,7 +273,9 @@ class TorchDistCheckpoint(_Reader):
         if rows is not None and first < len(size):
             size[first] = min(size[first], rows)
         out = torch.empty(size, dtype=m.properties.dtype)
-        dcp.load({key: out}, storage_reader=self.reader, planner=_BoxPlanner(key, offsets, size), no_dist=True)
+        with warnings.catch_warnings():  # "torch.distributed is disabled ...: load in a single process" (we do)
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({key: out}, storage_reader=self.reader, planner=_BoxPlanner(key, offsets, size), no_dist=True)
         return out[0] if layer is not None else out
 
     def _read(self, name: str, where: tuple, rows: Optional[int]) -> torch.Tensor:

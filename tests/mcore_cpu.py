@@ -3,8 +3,8 @@ own forward, and its checkpoints as Megatron-LM writes them (torch_dist through 
 dist_checkpointing.save; legacy per-rank model_optim_rng.pt built the way Megatron-LM's
 save_checkpoint builds it).
 
-Import this module before any other megatron.core module (`import_mcore()` does the imports): it
-turns off Megatron-Core's JIT fuser (torch.compile, slow to start on CPU; the fused functions
+Import megatron.core through `import_mcore()` (before any other megatron.core import): it undoes
+megatron.core's process-wide torch.load registrations and turns off Megatron-Core's JIT fuser (torch.compile, slow to start on CPU; the fused functions
 then run as plain PyTorch, the same math), and `cpu_shims()` (in each rank) points what Megatron-
 Core puts on "cuda" at the CPU:
 - every megatron.core module's `torch` becomes a copy whose tensor factories map a CUDA device to
@@ -32,11 +32,18 @@ import torch.nn.functional as F
 
 
 def import_mcore():
-    """Import the Megatron-Core modules the tests use (None when megatron-core is not installed)."""
+    """Import the Megatron-Core modules the tests use (None when megatron-core is not installed).
+    Importing megatron.core registers its classes (argparse.Namespace among them) as safe for every
+    torch.load(weights_only=True) of the process: that registration is undone, so that the other
+    tests in this pytest process see torch's own list."""
+    registered = torch.serialization.get_safe_globals()
     try:
         import megatron.core.jit as jit
     except ImportError:
         return None
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(registered)
     jit.disable_jit_fuser()
     import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: F401
     import megatron.core.dist_checkpointing.strategies.torch  # noqa: F401

@@ -211,8 +211,8 @@ def test_training_starts_with_megatrons_loss(megatron, tmp_path, name, fmt, layo
 
 def test_allow_list_is_megatron_cores_safe_globals(tmp_path):
     """What Megatron-Core registers as safe for torch.load (megatron/core/safe_globals.py) loads
-    with the converter's allow-list alone (megatron-core's own registration set aside), its classes
-    as inert stand-ins; a class outside the list is refused."""
+    with the converter's allow-list alone, its classes as inert stand-ins; a class outside the list
+    is refused even where this process registered it as safe."""
     from megatron.core.safe_globals import SAFE_GLOBALS
 
     from models.megatron_checkpoint import ALLOWED, ConversionError, safe_load
@@ -239,10 +239,11 @@ def test_allow_list_is_megatron_cores_safe_globals(tmp_path):
     assert a.save == pathlib.PosixPath("/ckpt") and a.exit_signal == signal.SIGTERM and a.extra.x == 1
     assert a.attention_backend.value == AttnBackend.flash.value and not isinstance(a.attention_backend, AttnBackend)
     assert state["optimizer_config"].state["lr"] == 3e-4 and state["te"].getvalue() == b"fp8 meta"
-    assert torch.serialization.get_safe_globals(), "megatron-core's own registration is restored"
     torch.save({"args": args, "stranger": Stranger()}, tmp_path / "bad.pt")
-    with pytest.raises(ConversionError, match="refused to unpickle test_megatron_checkpoints.Stranger"):
-        safe_load(str(tmp_path / "bad.pt"))
+    with torch.serialization.safe_globals([Stranger]):
+        with pytest.raises(ConversionError, match="refused to unpickle test_megatron_checkpoints.Stranger"):
+            safe_load(str(tmp_path / "bad.pt"))
+        assert Stranger in torch.serialization.get_safe_globals(), "the process's registrations come back"
 
 
 def test_bad_inputs_are_one_line_errors(megatron, tmp_path, capsys):
