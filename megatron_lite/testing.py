@@ -38,11 +38,13 @@ def _worker(rank: int, world_size: int, tmp: str, fn: Callable, args: tuple) -> 
     os._exit(0)
 
 
-def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 300.0) -> List[Any]:
-    """Run fn(rank, world_size, *args) on `world_size` forked ranks; return the results by rank."""
+def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 300.0, daemon: bool = True) -> List[Any]:
+    """Run fn(rank, world_size, *args) on `world_size` forked ranks; return the results by rank.
+    `daemon=False` for ranks that start processes of their own (a daemonic process may not:
+    e.g. Megatron-Core's checkpoint writer forks one per file); they are killed here all the same."""
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, world_size, tmp, fn, args), daemon=True)
+        procs = [ctx.Process(target=_worker, args=(r, world_size, tmp, fn, args), daemon=daemon)
                  for r in range(world_size)]
         for p in procs:
             p.start()

@@ -10,6 +10,11 @@ templates with {i} for the layer and {e} for the expert) and the transform betwe
   cat      several HF tensors concatenated along dim 0 into one of ours ([K ; V], [gate ; up])
   t_split  one HF tensor, transposed, split along dim 0 into several of ours (GPT-2's c_attn)
   experts  one HF tensor per expert (several: concatenated along dim 0) stacked into ours [E, ...]
+  qkv      Megatron-Core's fused linear_qkv (per query group: its query heads, then K, then V) split
+           into our linear_q [Q] and linear_kv [K ; V]
+
+The same engine maps Megatron-Core's names (models/megatron_conversion.py: its table puts
+Megatron-Core's full-tensor names where an HF table has HF's).
 
 `when` says for which configs (and layers) a rule applies. Sharding to a TP/PP/EP layout and
 back goes through each parameter's ShardSpec only (`load_full_state_dict_into_model`,
@@ -29,7 +34,7 @@ from megatron_lite.parallel.state import ParallelDims
 
 StateDict = Dict[str, torch.Tensor]
 Getter = Callable[[str], torch.Tensor]
-OPS = ("copy", "t", "cat", "t_split", "experts")
+OPS = ("copy", "t", "cat", "t_split", "experts", "qkv")
 
 
 class ConversionError(ValueError):
@@ -91,6 +96,25 @@ def _num_experts(cfg: ModelConfig) -> int:
     return cfg.moe.num_experts if cfg.moe is not None else 0
 
 
+def _qkv_groups(cfg: ModelConfig, fused: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q, K, V rows of a fused QKV weight or bias laid out per query group as [its q heads; k; v]."""
+    ng, d = cfg.num_query_groups, cfg.kv_channels
+    per, rest = cfg.num_attention_heads // ng, tuple(fused.shape[1:])
+    if fused.shape[0] != ng * (per + 2) * d:
+        raise ConversionError(f"fused QKV has {fused.shape[0]} rows, not {ng * (per + 2) * d} = num_query_groups "
+                              f"({ng}) x (heads per group ({per}) + 2) x kv_channels ({d})")
+    q, k, v = fused.reshape(ng, (per + 2) * d, *rest).split([per * d, d, d], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def _fuse_qkv(cfg: ModelConfig, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """Inverse of _qkv_groups: our [Q] and [K ; V] as one fused tensor, per query group [q heads; k; v]."""
+    ng, rest = cfg.num_query_groups, tuple(q.shape[1:])
+    k, v = kv.chunk(2)
+    groups = [t.reshape(ng, -1, *rest) for t in (q, k, v)]
+    return torch.cat(groups, dim=1).reshape(-1, *rest)
+
+
 # --- HF -> ours --------------------------------------------------------------------------------
 def _to_ours(rule: Rule, layer, get: Getter, has: Callable[[str], bool], cfg: ModelConfig,
              sizes: Dict[str, int]) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -105,6 +129,10 @@ def _to_ours(rule: Rule, layer, get: Getter, has: Callable[[str], bool], cfg: Mo
         full = get(_fmt(rule.hf, layer)[0]).t()
         for name, piece in zip(ours, full.split([sizes[n] for n in ours])):
             yield name, piece.contiguous()
+    elif rule.op == "qkv":
+        q, k, v = _qkv_groups(cfg, get(_fmt(rule.hf, layer)[0]))
+        yield ours[0], q.contiguous()
+        yield ours[1], torch.cat([k, v])
     else:  # experts
         first = _fmt(rule.hf, layer, 0)[0]
         if not has(first) and rule.fused_hf:
@@ -135,6 +163,8 @@ def _to_hf(rule: Rule, layer, get: Getter, cfg: ModelConfig) -> Iterator[Tuple[s
             yield name, piece.contiguous()
     elif rule.op == "t_split":
         yield hf[0], torch.cat([get(n) for n in _fmt(rule.ours, layer)]).t().contiguous()
+    elif rule.op == "qkv":
+        yield hf[0], _fuse_qkv(cfg, *(get(n) for n in _fmt(rule.ours, layer)))
     else:  # experts: one HF tensor (or several, split) per expert, as save_pretrained writes them
         stacked = get(_fmt(rule.ours, layer)[0])
         for e in range(_num_experts(cfg)):

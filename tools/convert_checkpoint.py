@@ -2,6 +2,7 @@
 """Convert checkpoints between Hugging Face, megatron-lite training checkpoints and layouts.
 
     python tools/convert_checkpoint.py hf-to-ml --hf-dir llama-hf/ --out ckpt/ --tensor-model-parallel-size 2
+    python tools/convert_checkpoint.py megatron-to-ml --load megatron-run/ --out ckpt/ [--iteration N]
     python tools/convert_checkpoint.py ml-to-hf --load ckpt/ --out llama-hf2/ [--tokenizer-model llama-hf/]
     python tools/convert_checkpoint.py consolidate --load ckpt/ --out full/ [--iteration N]
     python tools/convert_checkpoint.py reshard --load ckpt/ --out ckpt-tp4/ --tensor-model-parallel-size 4
@@ -13,9 +14,13 @@ from (sharded) safetensors, so peak memory stays near one tensor; `pretrain_gpt.
 (config.json, generation_config.json, sharded model*.safetensors with an index, the tokenizer) from
 any training checkpoint (any layout, any precision) or a full checkpoint (`--ml-dir`: the
 `model.safetensors` + `config.json` that `consolidate` writes). Families: models/hf_families.py.
+`megatron-to-ml` does what hf-to-ml does for a Megatron-LM `--save` directory of a GPT model
+(torch_dist or legacy per-rank files, any TP / PP / virtual PP layout), its model config from the
+checkpoint's args (models/megatron_conversion.py, models/megatron_checkpoint.py).
 
-Weights are read with safetensors, or torch.load(weights_only=True) for `.bin` files: nothing is
-unpickled. Errors print one line and exit with status 2. New subcommands: add a `_add_<name>`
+Weights are read with safetensors, torch.distributed.checkpoint, or torch.load(weights_only=True)
+for `.bin` / `.pt` files: nothing is unpickled beyond tensors (and, for Megatron-LM's files, an
+allow-list of the classes they pickle). Errors print one line and exit with status 2. New subcommands: add a `_add_<name>`
 parser builder and list it in PARSERS.
 """
 from __future__ import annotations
@@ -36,8 +41,9 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from megatron_lite.config import ModelConfig  # noqa: E402
 from megatron_lite.errors import ConfigError  # noqa: E402
-from models.hf_conversion import (ConversionError, hf_config_to_model_config, hf_to_ours_stream,  # noqa: E402
-                                  model_config_to_hf_config, our_names, our_sizes, ours_to_hf_stream)
+from models.hf_conversion import (ConversionError, hf_config_to_model_config, hf_names,  # noqa: E402
+                                  hf_to_ours_stream, model_config_to_hf_config, our_names, our_sizes,
+                                  ours_to_hf_stream)
 from models.hf_families import FAMILIES, family_of  # noqa: E402
 
 ML_WEIGHTS, ML_CONFIG = "model.safetensors", "config.json"
@@ -214,30 +220,107 @@ def _layout_meta(tp, pp, dp, vpp, ep) -> dict:
 
 
 # --- subcommands ------------------------------------------------------------------------------
-def cmd_hf_to_ml(args) -> None:
-    from transformers import AutoConfig
-
+def _write_converted(args, cfg: ModelConfig, stream, names: List[str], dtype: torch.dtype, source: str):
+    """Write the stream of our full tensors (in the order `names`) as a weights-only training
+    checkpoint at the layout of the flags; returns (its directory, the layout)."""
     from megatron_lite.checkpoint.directory import VERSION
     from megatron_lite.checkpoint.files import FORMAT
     from megatron_lite.checkpoint.offline import write_weights_checkpoint
+
+    tp, pp, dp, vpp, ep = layout = _layout(args, cfg)
+    meta = {"format": FORMAT, "version": VERSION, "model_config": dataclasses.asdict(cfg),
+            "config": {"model": dataclasses.asdict(cfg)}, "layout": _layout_meta(tp, pp, dp, vpp, ep),
+            "lr_scheduler": {}, "optimizer": None, "source": source}
+    final = write_weights_checkpoint(args.out, meta, _target_ranks(cfg, tp, pp, dp, vpp, ep), stream, names, dtype)
+    return final, layout
+
+
+def cmd_hf_to_ml(args) -> None:
+    from transformers import AutoConfig
 
     _require_dir(args.hf_dir, "HF model directory")
     cfg = hf_config_to_model_config(AutoConfig.from_pretrained(args.hf_dir, local_files_only=True))
     fam = family_of(cfg)
     weights = HFWeights(args.hf_dir)
-    tp, pp, dp, vpp, ep = _layout(args, cfg)
+    _layout(args, cfg)  # a bad layout fails before anything is read
     dtype = DTYPES[args.dtype] or weights.dtype()
     stream = hf_to_ours_stream(weights.get, weights.has, cfg, fam.rules, our_sizes(cfg))
-    meta = {"format": FORMAT, "version": VERSION, "model_config": dataclasses.asdict(cfg),
-            "config": {"model": dataclasses.asdict(cfg)}, "layout": _layout_meta(tp, pp, dp, vpp, ep),
-            "lr_scheduler": {}, "optimizer": None, "source": f"hf-to-ml {os.path.abspath(args.hf_dir)}"}
-    final = write_weights_checkpoint(args.out, meta, _target_ranks(cfg, tp, pp, dp, vpp, ep), stream,
-                                     our_names(cfg, fam.rules), dtype)
+    final, (tp, pp, dp, _, ep) = _write_converted(args, cfg, stream, our_names(cfg, fam.rules), dtype,
+                                                  f"hf-to-ml {os.path.abspath(args.hf_dir)}")
     left = [k for k in weights.unused(fam.ignored) if k not in fam.dropped]
     if left:
         raise ConversionError(f"HF checkpoint has {len(left)} tensors no {fam.name} rule reads, e.g. {left[:3]}")
     print(f"wrote {fam.name} weights ({cfg.num_parameters():,} parameters, {dtype}) from {args.hf_dir} as a "
           f"training checkpoint for tp={tp} pp={pp} ep={ep} ({tp * pp * dp} files) to {final}")
+
+
+# Megatron-LM's model flags (its names and meanings), for checkpoints whose args lack them or to
+# override them: (flag, type or an argparse action).
+MEGATRON_MODEL_FLAGS = [
+    ("--num-layers", int), ("--hidden-size", int), ("--ffn-hidden-size", int), ("--num-attention-heads", int),
+    ("--num-query-groups", int), ("--kv-channels", int), ("--max-position-embeddings", int),
+    ("--normalization", str), ("--norm-epsilon", float), ("--position-embedding-type", str), ("--rotary-base", int),
+    ("--rotary-percent", float), ("--rope-scaling-factor", float), ("--padded-vocab-size", int),
+    ("--group-query-attention", "store_true"), ("--swiglu", "store_true"), ("--openai-gelu", "store_true"),
+    ("--disable-bias-linear", "store_false"), ("--add-qkv-bias", "store_true"), ("--qk-layernorm", "store_true"),
+    ("--apply-layernorm-1p", "store_true"), ("--untie-embeddings-and-output-weights", "store_true"),
+    ("--use-rope-scaling", "store_true"), ("--no-bias-gelu-fusion", "store_false"),
+]
+
+
+def _megatron_flag_dest(flag: str) -> str:
+    return {"--disable-bias-linear": "add_bias_linear", "--no-bias-gelu-fusion": "bias_gelu_fusion"}.get(
+        flag, flag[2:].replace("-", "_"))
+
+
+def _megatron_model(src, args) -> ModelConfig:
+    """Our model config of a Megatron checkpoint: its args, with the model flags given over them,
+    and the true vocabulary (--vocab-size, NullTokenizer's from the args, else every stored row)."""
+    from models.megatron_conversion import model_config_from_megatron_args, true_vocab_size
+
+    given = {}
+    for flag, _ in MEGATRON_MODEL_FLAGS:
+        dest = _megatron_flag_dest(flag)
+        if hasattr(args, dest):
+            given[dest] = getattr(args, dest)
+    if not src.args and not given:
+        raise CLIError(f"{src.dir} holds no args: give the model flags (--num-layers, --hidden-size, "
+                       f"--num-attention-heads, ...)")
+    margs = {**src.args, **given}
+    rows = src.rows("embedding.word_embeddings.weight")
+    vocab = true_vocab_size(margs, args.vocab_size) or margs.get("padded_vocab_size") or rows
+    if rows is not None and vocab > rows:
+        raise CLIError(f"vocabulary size {vocab} exceeds the {rows} rows of the checkpoint's word embeddings")
+    return model_config_from_megatron_args(margs, vocab)
+
+
+def cmd_megatron_to_ml(args) -> None:
+    from models.megatron_checkpoint import open_megatron_checkpoint
+    from models.megatron_conversion import MEGATRON_RULES
+
+    src = open_megatron_checkpoint(args.load, args.iteration)
+    cfg = _megatron_model(src, args)
+    src.configure(cfg.vocab_size, cfg.swiglu)
+    _layout(args, cfg)  # a bad layout fails before anything is read
+    wanted = hf_names(cfg, MEGATRON_RULES)
+    missing = [n for n in wanted if not src.has(n)]
+    if missing:
+        raise ConversionError(f"Megatron checkpoint {src.dir} lacks {len(missing)} tensors this model needs, "
+                              f"e.g. {missing[:3]}")
+    tied_copy = set() if cfg.untie_embeddings_and_output_weights else {"output_layer.weight"}  # the last stage's
+    left = sorted(set(src.names()) - set(wanted) - tied_copy)
+    if left:
+        raise ConversionError(f"Megatron checkpoint has {len(left)} tensors no rule reads, e.g. {left[:3]}")
+    dtype = DTYPES[args.dtype] or src.dtype()
+    stream = hf_to_ours_stream(src.get, src.has, cfg, MEGATRON_RULES, our_sizes(cfg))
+    final, (tp, pp, dp, _, _) = _write_converted(
+        args, cfg, stream, our_names(cfg, MEGATRON_RULES), dtype,
+        f"megatron-to-ml {os.path.abspath(src.dir)} ({src.format}, iteration {src.iteration})")
+    rows = src.rows("embedding.word_embeddings.weight")
+    padding = "" if cfg.vocab_size < rows else " (all of Megatron's padded rows: --vocab-size drops the padding)"
+    print(f"wrote Megatron-Core GPT weights ({cfg.num_parameters():,} parameters, {dtype}, vocabulary "
+          f"{cfg.vocab_size}{padding}) from {src.dir} ({src.format}, iteration {src.iteration}) as a training "
+          f"checkpoint for tp={tp} pp={pp} ({tp * pp * dp} files) to {final}")
 
 
 def _ours_from(args):
@@ -366,6 +449,24 @@ def _add_hf_to_ml(sub) -> None:
     p.set_defaults(func=cmd_hf_to_ml)
 
 
+def _add_megatron_to_ml(sub) -> None:
+    p = sub.add_parser("megatron-to-ml", help="Megatron-LM checkpoint (torch_dist or legacy) of a GPT model -> "
+                                              "weights-only training checkpoint")
+    p.add_argument("--load", required=True, help="Megatron-LM --save directory (its latest) or an iteration directory")
+    p.add_argument("--iteration", type=int, default=None, help="this iteration instead of the latest")
+    p.add_argument("--out", required=True, help="output checkpoint root (what --load takes)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="keep", help="stored dtype (keep: the checkpoint's)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="the tokenizer's vocabulary: rows past it are Megatron's padding, dropped (default: "
+                        "NullTokenizer's from the args, else every row of the padded vocabulary)")
+    _add_layout(p, data_parallel=False)
+    g = p.add_argument_group("model (Megatron-LM's flags: for checkpoints without args, or to override theirs)")
+    for flag, kind in MEGATRON_MODEL_FLAGS:
+        kw = dict(action=kind) if isinstance(kind, str) else dict(type=kind)
+        g.add_argument(flag, dest=_megatron_flag_dest(flag), default=argparse.SUPPRESS, **kw)
+    p.set_defaults(func=cmd_megatron_to_ml)
+
+
 def _add_ml_to_hf(sub) -> None:
     p = sub.add_parser("ml-to-hf", help="training (or full) checkpoint -> HF save_pretrained directory")
     _add_checkpoint_source(p, required=False)
@@ -395,7 +496,7 @@ def _add_reshard(sub) -> None:
     p.set_defaults(func=cmd_reshard)
 
 
-PARSERS: List[Callable] = [_add_hf_to_ml, _add_ml_to_hf, _add_consolidate, _add_reshard]
+PARSERS: List[Callable] = [_add_hf_to_ml, _add_megatron_to_ml, _add_ml_to_hf, _add_consolidate, _add_reshard]
 
 
 def build_parser() -> argparse.ArgumentParser:

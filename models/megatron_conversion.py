@@ -1,0 +1,171 @@
+"""Megatron-Core GPT models in megatron-lite terms: the model config from a Megatron-LM run's args,
+the table of Megatron-Core's full-tensor names (hf_conversion's Rule engine), and how Megatron-LM
+splits each tensor over tensor-parallel ranks (to merge the per-rank files of legacy checkpoints).
+
+Names are those of Megatron-Core's distributed checkpoints (also the Transformer Engine spec's):
+the pre-attention and pre-MLP norms are `self_attention.linear_qkv.layer_norm_*` and
+`mlp.linear_fc1.layer_norm_*`; the local spec's state dict calls them `input_layernorm.*` and
+`pre_mlp_layernorm.*` (ALIASES). A full tensor is what every TP rank's piece makes together:
+`linear_qkv` per query group [its query heads; k; v], SwiGLU's `linear_fc1` [gate; up], the
+vocabulary padded (readers trim it to the true vocabulary).
+
+Anything in the args the GPT model cannot compute the same way is a ConversionError naming it.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import torch
+
+from megatron_lite.config import ModelConfig
+
+from .hf_conversion import ConversionError, R
+
+D = "decoder.layers.{i}."
+MEGATRON_RULES = [
+    R("embedding.word_embeddings.weight", "embedding.word_embeddings.weight"),
+    R("embedding.position_embeddings.weight", "embedding.position_embeddings.weight", when="learned_pos"),
+    R("layers.{i}.input_layernorm.weight", D + "self_attention.linear_qkv.layer_norm_weight"),
+    R("layers.{i}.input_layernorm.bias", D + "self_attention.linear_qkv.layer_norm_bias", when="layernorm"),
+    R(("layers.{i}.self_attention.linear_q.weight", "layers.{i}.self_attention.linear_kv.weight"),
+      D + "self_attention.linear_qkv.weight", "qkv"),
+    R(("layers.{i}.self_attention.linear_q.bias", "layers.{i}.self_attention.linear_kv.bias"),
+      D + "self_attention.linear_qkv.bias", "qkv", when="qkv_bias"),
+    R("layers.{i}.self_attention.linear_proj.weight", D + "self_attention.linear_proj.weight"),
+    R("layers.{i}.self_attention.linear_proj.bias", D + "self_attention.linear_proj.bias", when="bias"),
+    R("layers.{i}.self_attention.q_layernorm.weight", D + "self_attention.q_layernorm.weight", when="qk_norm"),
+    R("layers.{i}.self_attention.q_layernorm.bias", D + "self_attention.q_layernorm.bias", when=("qk_norm", "layernorm")),
+    R("layers.{i}.self_attention.k_layernorm.weight", D + "self_attention.k_layernorm.weight", when="qk_norm"),
+    R("layers.{i}.self_attention.k_layernorm.bias", D + "self_attention.k_layernorm.bias", when=("qk_norm", "layernorm")),
+    R("layers.{i}.pre_mlp_layernorm.weight", D + "mlp.linear_fc1.layer_norm_weight"),
+    R("layers.{i}.pre_mlp_layernorm.bias", D + "mlp.linear_fc1.layer_norm_bias", when="layernorm"),
+    R("layers.{i}.mlp.linear_fc1.weight", D + "mlp.linear_fc1.weight"),
+    R("layers.{i}.mlp.linear_fc1.bias", D + "mlp.linear_fc1.bias", when="bias"),
+    R("layers.{i}.mlp.linear_fc2.weight", D + "mlp.linear_fc2.weight"),
+    R("layers.{i}.mlp.linear_fc2.bias", D + "mlp.linear_fc2.bias", when="bias"),
+    R("final_norm.weight", "decoder.final_layernorm.weight"),
+    R("final_norm.bias", "decoder.final_layernorm.bias", when="layernorm"),
+    R("output_layer.weight", "output_layer.weight", when="untied"),
+]
+# Local-spec state-dict names of the norms that the distributed checkpoint (and TE) fold into the
+# next linear layer: canonical fragment -> the local one.
+ALIASES = {".self_attention.linear_qkv.layer_norm_": ".input_layernorm.",
+           ".mlp.linear_fc1.layer_norm_": ".pre_mlp_layernorm."}
+VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
+IGNORED = ("_extra_state",)  # Transformer Engine's FP8 metadata (None in the local spec)
+
+
+# --- tensor parallelism of Megatron-LM's per-rank tensors ---------------------------------------
+_COLUMN = ("linear_qkv", "linear_fc1", "word_embeddings", "output_layer")  # split along dim 0 (weight and bias)
+_ROW = ("linear_proj", "linear_fc2")  # weight split along dim 1, bias whole
+
+
+def tp_split(name: str) -> Tuple[Optional[int], bool]:
+    """(dim along which TP ranks hold pieces, or None if each holds it whole; whether it is an MLP's
+    first linear, whose pieces under SwiGLU are [gate piece; up piece]) of a Megatron-Core name."""
+    parts = name.split(".")
+    module, param = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
+    if param not in ("weight", "bias"):  # layer_norm_weight / layer_norm_bias inside a fused linear: whole
+        return None, False
+    if module in _COLUMN:
+        return 0, module == "linear_fc1"
+    if module in _ROW and param == "weight":
+        return 1, False
+    return None, False
+
+
+def merge_tp(name: str, pieces, swiglu: bool) -> torch.Tensor:
+    """The full tensor from every TP rank's piece of `name` (in TP rank order)."""
+    dim, fc1 = tp_split(name)
+    if dim is None or len(pieces) == 1:
+        return pieces[0]
+    if fc1 and swiglu:  # each rank holds [its gate rows; its up rows]
+        halves = [p.chunk(2, dim=0) for p in pieces]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(list(pieces), dim=dim)
+
+
+# --- model config from Megatron-LM's args ---------------------------------------------------------
+# Megatron-LM settings the GPT model here cannot compute the same way: the arg -> (what it is, the
+# values that are fine: its defaults).
+_OFF = (None, False, 0)
+_UNSUPPORTED = {
+    "use_legacy_models": ("legacy (pre-Megatron-Core) models", _OFF),
+    "multi_latent_attention": ("multi-latent attention", _OFF),
+    "mtp_num_layers": ("multi-token prediction layers", _OFF),
+    "rotary_interleaved": ("interleaved RoPE", _OFF),
+    "rotary_seq_len_interpolation_factor": ("RoPE position interpolation", _OFF + (1, 1.0)),
+    "qk_l2_norm": ("L2 norm of queries and keys", _OFF),
+    "squared_relu": ("squared-ReLU MLP activation", _OFF),
+    "quick_geglu": ("quick-GeGLU MLP activation", _OFF),
+    "glu_linear_offset": ("an offset in the GLU", _OFF + (0.0,)),
+    "activation_func_clamp_value": ("clamped MLP activations", _OFF),
+    "apply_residual_connection_post_layernorm": ("residual connections after the norm", _OFF),
+    "window_size": ("sliding-window attention", _OFF),
+    "softmax_scale": ("a custom attention softmax scale", _OFF),
+    "softmax_type": ("attention sinks (a softmax other than vanilla)", _OFF + ("vanilla",)),
+    "no_rope_freq": ("layers without RoPE", _OFF),
+    "attention_output_gate": ("gated attention output", _OFF),
+    "experimental_attention_variant": ("an experimental attention variant", _OFF),
+    "heterogeneous_layers_config_path": ("heterogeneous layers", _OFF),
+    "heterogeneous_layers_config_encoded_json": ("heterogeneous layers", _OFF),
+}
+
+
+def true_vocab_size(a: Mapping[str, Any], given: Optional[int]) -> Optional[int]:
+    """The tokenizer's vocabulary: `given`, else what Megatron-LM's NullTokenizer has (vocab_size
+    ids + its end of document), else None (keep every row of the padded vocabulary)."""
+    if given is not None:
+        return given
+    if a.get("tokenizer_type") == "NullTokenizer" and a.get("vocab_size"):
+        return int(a["vocab_size"]) + 1
+    return None
+
+
+def model_config_from_megatron_args(a: Mapping[str, Any], vocab_size: int) -> ModelConfig:
+    """Our GPT config of a Megatron-LM run's args (a dict of its Namespace, flags merged in)."""
+    if a.get("num_experts"):
+        raise ConversionError(f"MoE Megatron checkpoints are not supported yet (num_experts={a['num_experts']})")
+    for key, (what, fine) in _UNSUPPORTED.items():
+        if a.get(key) not in fine:
+            raise ConversionError(f"{key}={a[key]!r} ({what}) is not supported")
+    for key in ("num_layers", "hidden_size", "num_attention_heads"):
+        if not a.get(key):
+            raise ConversionError(f"the checkpoint's args lack {key}: give --{key.replace('_', '-')}")
+    norm = a.get("normalization", "LayerNorm")
+    if norm not in ("LayerNorm", "RMSNorm"):
+        raise ConversionError(f"normalization {norm!r} is not supported; supported: LayerNorm, RMSNorm")
+    position = a.get("position_embedding_type", "learned_absolute")
+    if a.get("use_rotary_position_embeddings"):  # Megatron-LM's older switch
+        position = "rope"
+    elif position == "learned_absolute" and a.get("add_position_embedding") is False:
+        position = "none"
+    if position not in ("learned_absolute", "rope", "none"):
+        raise ConversionError(f"position_embedding_type {position!r} is not supported; supported: "
+                              f"learned_absolute, rope, none")
+    swiglu, bias = bool(a.get("swiglu")), a.get("add_bias_linear", True)
+    # Megatron-Core's fused bias-GELU (--bias-gelu-fusion, on by default) is the tanh approximation.
+    tanh = a.get("openai_gelu") or (a.get("bias_gelu_fusion") and bias)
+    heads = a["num_attention_heads"]
+    kw = dict(num_layers=a["num_layers"], hidden_size=a["hidden_size"], num_attention_heads=heads,
+              num_query_groups=a.get("num_query_groups") if a.get("group_query_attention") else heads,
+              ffn_hidden_size=a.get("ffn_hidden_size"), kv_channels=a.get("kv_channels"), vocab_size=vocab_size,
+              max_position_embeddings=a.get("max_position_embeddings") or a.get("seq_length") or 1024,
+              normalization=norm, norm_epsilon=float(a.get("norm_epsilon", a.get("layernorm_epsilon", 1e-5))),
+              position_embedding_type=position, rotary_base=float(a.get("rotary_base", 10000)),
+              rotary_percent=float(a.get("rotary_percent", 1.0)), swiglu=swiglu,
+              activation="gelu_tanh" if tanh and not swiglu else "gelu", add_bias_linear=bool(bias),
+              add_qkv_bias=bool(a.get("add_qkv_bias", False)), qk_layernorm=bool(a.get("qk_layernorm", False)),
+              apply_layernorm_1p=bool(a.get("apply_layernorm_1p", False)),
+              untie_embeddings_and_output_weights=bool(a.get("untie_embeddings_and_output_weights", False)),
+              attention_dropout=float(a.get("attention_dropout", 0.1)), hidden_dropout=float(a.get("hidden_dropout", 0.1)),
+              init_method_std=float(a.get("init_method_std", 0.02)))
+    if a.get("use_rope_scaling"):
+        kw.update(rope_scaling_type="llama3", rope_scaling_factor=float(a.get("rope_scaling_factor", 8.0)))
+    return ModelConfig(**{k: v for k, v in kw.items() if v is not None})
+
+
+def layout_of_args(a: Mapping[str, Any]) -> Dict[str, int]:
+    """The TP / PP / EP sizes the checkpoint was written with (1 where the args do not say)."""
+    return {"tp": int(a.get("tensor_model_parallel_size") or 1), "pp": int(a.get("pipeline_model_parallel_size") or 1),
+            "ep": int(a.get("expert_model_parallel_size") or 1)}
