@@ -183,7 +183,9 @@ class GPTModel(nn.Module):
         if labels is None:
             full = comm.gather_from_tp(logits, self.dims.tp_group, counter=self.dims.comm_counter)
             return full[..., : self.cfg.vocab_size].transpose(0, 1).float()
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.dims, self.cfg.vocab_size)
+        # The logits feed only the loss (the output GEMM saved its input and weight, not them):
+        # the cross entropy may overwrite them.
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.dims, self.cfg.vocab_size, inplace=True)
         return loss.t()
 
 

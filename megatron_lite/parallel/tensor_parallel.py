@@ -195,26 +195,39 @@ class VocabParallelEmbedding(nn.Module):
 
 # --- vocab-parallel cross entropy -------------------------------------------------------------
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Two all-reduces per call: one MAX of [row max; target logit] (a rank that does not hold a
+    token's target sends -inf, so the MAX is that logit, exactly) and one SUM of the exp sums.
+
+    The subtraction of the max and the exponential are done in place in a buffer this function
+    owns: an fp32 copy of the logits (other dtypes, or padded vocab columns to mask), or, with
+    `inplace`, the caller's fp32 logits themselves, which then hold the softmax (and, after
+    backward, the logits gradient). The buffer is saved for backward and consumed by it."""
+
     @staticmethod
-    def forward(ctx, logits, target, group, vocab_start, vocab_size, ignore_index, counter):
-        logits = logits.float()
+    def forward(ctx, logits, target, group, vocab_start, vocab_size, ignore_index, counter, inplace):
         per_rank = logits.shape[-1]
         n_valid = max(0, min(per_rank, vocab_size - vocab_start))
+        buf = logits.float()  # the logits themselves when they are fp32 already
+        owned = inplace or buf is not logits
         if n_valid < per_rank:  # padded vocab rows never take probability mass
-            logits = logits.clone()
-            logits[..., n_valid:] = float("-inf")
-        logits_max = logits.max(dim=-1)[0]
-        comm.all_reduce(logits_max, group, op=dist.ReduceOp.MAX, counter=counter)
-        shifted = logits - logits_max.unsqueeze(-1)
+            if not owned:
+                buf, owned = buf.clone(), True
+            buf[..., n_valid:] = float("-inf")
         local_t = target - vocab_start
         ignored = target == ignore_index
         in_range = (local_t >= 0) & (local_t < per_rank) & ~ignored
         safe_t = local_t.masked_fill(~in_range, 0)
-        predicted = shifted.gather(-1, safe_t.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)
-        comm.all_reduce(predicted, group, counter=counter)
-        exp = shifted.exp()
+        # [max over this rank's columns; target logit or -inf], reduced by MAX in one call.
+        stats = torch.stack([buf.max(dim=-1)[0],
+                             buf.gather(-1, safe_t.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, float("-inf"))])
+        comm.all_reduce(stats, group, op=dist.ReduceOp.MAX, counter=counter)
+        logits_max, target_logit = stats[0], stats[1]
+        exp = buf.sub_(logits_max.unsqueeze(-1)) if owned else buf - logits_max.unsqueeze(-1)
+        exp.exp_()
         sum_exp = exp.sum(dim=-1)
         comm.all_reduce(sum_exp, group, counter=counter)
+        # A target no rank holds a real column for (ignored, out of range) has no target logit.
+        predicted = (target_logit - logits_max).masked_fill(target_logit == float("-inf"), 0.0)
         loss = (sum_exp.log() - predicted).masked_fill(ignored, 0.0)
         exp.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(exp, safe_t, in_range, ignored)
@@ -226,16 +239,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad = softmax
         grad.scatter_add_(-1, safe_t.unsqueeze(-1), -in_range.unsqueeze(-1).to(grad.dtype))
         grad.mul_((g * (~ignored).to(g.dtype)).unsqueeze(-1))
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, dims: ParallelDims,
-                                 vocab_size: int, ignore_index: int = -100) -> torch.Tensor:
+                                 vocab_size: int, ignore_index: int = -100, inplace: bool = False) -> torch.Tensor:
     """Per-token loss (fp32, shaped like target) from logits split over the vocab across TP.
 
     Full logits never exist on one rank. `vocab_size` is the true vocab: padded columns are
-    masked out. Targets equal to `ignore_index` get zero loss and zero gradient."""
+    masked out. Targets equal to `ignore_index` get zero loss and zero gradient.
+
+    `inplace`: the caller gives up `logits` (nothing else reads them, and no autograd node saved
+    them: a linear layer saves its input and weight, not its output), so fp32 logits are
+    overwritten instead of copied. Without it the caller's logits are left untouched and one
+    fp32 copy is made (or none is needed: other dtypes are converted into one anyway)."""
     group = dims.tp_group
     vocab_start = group_rank(group) * logits.shape[-1]
     return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start, vocab_size, ignore_index,
-                                            dims.comm_counter)
+                                            dims.comm_counter, inplace)
