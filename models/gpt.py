@@ -25,7 +25,7 @@ from megatron_lite.parallel.random import recompute
 from megatron_lite.parallel.sharding import replicated, set_spec, spec_of, stored_name, with_tie
 from megatron_lite.parallel.state import ParallelDims
 from megatron_lite.parallel.tensor_parallel import (
-    VocabParallelEmbedding, enter_tp_region, linear, vocab_parallel_cross_entropy, vocab_parallel_weight)
+    VocabParallelEmbedding, column_parallel_linear, vocab_parallel_cross_entropy, vocab_parallel_weight)
 from megatron_lite.transformer.attention import SelfAttention
 from megatron_lite.transformer.block import TransformerLayer
 from megatron_lite.transformer.core_attention import ContextParallelAttention, PackedSeq, core_attention_class
@@ -158,8 +158,9 @@ class GPTModel(nn.Module):
         return x
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        h = enter_tp_region(h, self.dims, self.sequence_parallel)
-        return linear(h, self.output_weight(), None, self.ctx.weight_grad_store)  # [s, b, padded_vocab / tp]
+        logits, = column_parallel_linear(h, [(self.output_weight(), None)], self.dims, self.sequence_parallel,
+                                         self.ctx.weight_grad_store)
+        return logits  # [s, b, padded_vocab / tp]
 
     def forward(self, tokens: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, packed: Optional[PackedSeq] = None) -> torch.Tensor:
