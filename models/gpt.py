@@ -25,7 +25,7 @@ from megatron_lite.parallel.sharding import replicated, set_spec, with_tie
 from megatron_lite.parallel.state import ParallelDims
 from megatron_lite.parallel.tiled_init import TiledInit, defer_, materialize_, materialize_buffers_
 from megatron_lite.parallel.tensor_parallel import (
-    VocabParallelEmbedding, enter_tp_region, linear, vocab_parallel_cross_entropy, vocab_parallel_weight)
+    VocabParallelEmbedding, column_parallel_linear, vocab_parallel_cross_entropy, vocab_parallel_weight)
 from megatron_lite.transformer.attention import SelfAttention
 from megatron_lite.transformer.block import TransformerLayer
 from megatron_lite.transformer.core_attention import ContextParallelAttention, PackedSeq, core_attention_class
@@ -160,8 +160,9 @@ class GPTModel(nn.Module):
         return x
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        h = enter_tp_region(h, self.dims, self.sequence_parallel)
-        return linear(h, self.output_weight(), None, self.ctx.weight_grad_store)  # [s, b, padded_vocab / tp]
+        logits, = column_parallel_linear(h, [(self.output_weight(), None)], self.dims, self.sequence_parallel,
+                                         self.ctx.weight_grad_store)
+        return logits  # [s, b, padded_vocab / tp]
 
     def forward(self, tokens: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, packed: Optional[PackedSeq] = None,
@@ -192,7 +193,9 @@ class GPTModel(nn.Module):
         if labels is None:
             full = comm.gather_from_tp(logits, self.dims.tp_group, counter=self.dims.comm_counter)
             return full[..., : self.cfg.vocab_size].transpose(0, 1).float()
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.dims, self.cfg.vocab_size)
+        # The logits feed only the loss (the output GEMM saved its input and weight, not them):
+        # the cross entropy may overwrite them.
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.dims, self.cfg.vocab_size, inplace=True)
         return loss.t()
 
 

@@ -3,6 +3,10 @@
 Each layer sets the `ShardSpec` (sharding.py) of the parameters it creates: how they are cut from
 their full tensors ([Q | K | V] or [gate | up] segments split evenly over TP, replicated K/V
 groups, padded vocabulary rows), which is all that initialization, checkpoints and conversion read.
+
+Column-parallel GEMMs (`column_parallel_linear`: ColumnParallelLinear, attention's Q with K;V,
+the output layer) own their TP input region, so that backward can all-reduce (SP:
+reduce-scatter) the input gradient asynchronously while it computes the weight gradients.
 """
 from __future__ import annotations
 
@@ -54,14 +58,21 @@ class WeightGradStore:
         self.run(self.take())
 
 
+def _param_grads(x, g, weight_grad: bool, bias_grad: bool):
+    """(weight gradient, bias gradient) of y = x W^T + b from the output gradient g, each None
+    when not wanted."""
+    g2 = g.reshape(-1, g.shape[-1])
+    grad_w = g2.t().matmul(x.reshape(-1, x.shape[-1])) if weight_grad else None
+    return grad_w, (g2.sum(0) if bias_grad else None)
+
+
 @torch.no_grad()
 def _weight_grads(x, g, weight, bias):
-    g2 = g.reshape(-1, g.shape[-1])
-    x2 = x.reshape(-1, x.shape[-1])
-    if weight.requires_grad:
-        accumulate_grad(weight, g2.t().matmul(x2))
-    if bias is not None and bias.requires_grad:
-        accumulate_grad(bias, g2.sum(0))
+    grad_w, grad_b = _param_grads(x, g, weight.requires_grad, bias is not None and bias.requires_grad)
+    if grad_w is not None:
+        accumulate_grad(weight, grad_w)
+    if grad_b is not None:
+        accumulate_grad(bias, grad_b)
 
 
 class _LinearFn(torch.autograd.Function):
@@ -83,9 +94,7 @@ class _LinearFn(torch.autograd.Function):
         if ctx.store is not None and ctx.store.deferring:
             ctx.store.queue.append((x, g, ctx.weight, ctx.bias))
             return grad_x, None, None, None
-        g2 = g.reshape(-1, g.shape[-1])
-        grad_w = g2.t().matmul(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
-        grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_w, grad_b = _param_grads(x, g, ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
         return grad_x, grad_w, grad_b, None
 
 
@@ -96,14 +105,69 @@ def linear(x, weight, bias=None, store: Optional[WeightGradStore] = None):
     return _LinearFn.apply(x, weight, bias, store)
 
 
+class _ColumnParallelFn(torch.autograd.Function):
+    """y_i = x A_i^T + b_i for column-parallel weights A_i over one input x, with the TP input
+    region inside (the f of the Megatron-LM paper, or the SP all-gather / reduce-scatter).
+
+    Forward: the GEMMs on x, or under SP on x all-gathered along the sequence (saved whole, as
+    the separate region did). Backward: the input gradient sum_i g_i A_i; its all-reduce (SP:
+    reduce-scatter) started asynchronously; the weight gradients computed while it runs (gloo
+    and NCCL reduce on their own thread / stream); then the wait. Megatron-Core's
+    LinearWithGradAccumulationAndAsyncCommunication does the same. While a WeightGradStore
+    defers, the weight-gradient GEMMs are queued there exactly as _LinearFn queues them and the
+    collective is waited for at once: nothing is left to hide it behind."""
+
+    @staticmethod
+    def forward(ctx, x, dims, sequence_parallel, store, n, *params):
+        weights, biases = params[:n], params[n:]
+        group, counter = dims.tp_group, dims.comm_counter
+        total = comm.gather_along(x, 0, group, counter) if sequence_parallel else x
+        ctx.save_for_backward(total, *weights)
+        ctx.group, ctx.counter, ctx.sequence_parallel, ctx.store = group, counter, sequence_parallel, store
+        ctx.input_shape = x.shape
+        ctx.weights, ctx.biases = weights, biases  # the parameters themselves (see _LinearFn)
+        return tuple(F.linear(total, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        total, *weights = ctx.saved_tensors
+        n, need = len(weights), ctx.needs_input_grad
+        grad_x = handle = None
+        if need[0]:
+            grad_total = grads[0].matmul(weights[0])
+            for g, w in zip(grads[1:], weights[1:]):
+                grad_total.add_(g.matmul(w))
+            if ctx.sequence_parallel:
+                grad_x = grad_total.new_empty(ctx.input_shape)
+                handle = comm.reduce_scatter(grad_x, grad_total, ctx.group, async_op=True, counter=ctx.counter)
+            else:
+                grad_x = grad_total
+                handle = comm.all_reduce(grad_x, ctx.group, async_op=True, counter=ctx.counter)
+        store = ctx.store
+        if store is not None and store.deferring:
+            for i in reversed(range(n)):  # the order in which separate layers' backwards queued them
+                store.queue.append((total, grads[i], ctx.weights[i], ctx.biases[i]))
+            param_grads = [(None, None)] * n
+        else:
+            param_grads = [_param_grads(total, g, need[5 + i], need[5 + n + i]) for i, g in enumerate(grads)]
+        if handle is not None:
+            handle.wait()
+        return (grad_x, None, None, None, None, *(w for w, _ in param_grads), *(b for _, b in param_grads))
+
+
+def column_parallel_linear(x: torch.Tensor, params, dims: ParallelDims, sequence_parallel: bool = False,
+                           store: Optional[WeightGradStore] = None) -> tuple:
+    """(x A_i^T + b_i for each (A_i, b_i) in params): column-parallel GEMMs over one input that
+    enter the TP region once (x [s, b, in], or [s/tp, b, in] under SP, all-gathered). The input
+    gradient is summed over the outputs and all-reduced (SP: reduce-scattered) once, overlapped
+    with the weight-gradient GEMMs, which `store` may defer."""
+    if dims.tp == 1:
+        return tuple(linear(x, w, b, store) for w, b in params)
+    weights, biases = zip(*params)
+    return _ColumnParallelFn.apply(x, dims, sequence_parallel, store, len(params), *weights, *biases)
+
+
 # --- layers -----------------------------------------------------------------------------------
-def enter_tp_region(x: torch.Tensor, dims: ParallelDims, sequence_parallel: bool) -> torch.Tensor:
-    """Input of column-parallel layers: all-gather the sequence (SP) or mark for grad all-reduce."""
-    if sequence_parallel:
-        return comm.gather_from_sp(x, dims.tp_group, counter=dims.comm_counter)
-    return comm.copy_to_tp(x, dims.tp_group, counter=dims.comm_counter)
-
-
 class ColumnParallelLinear(nn.Module):
     """Y = X A with A split by columns: each TP rank computes its slice of the output features.
 
@@ -126,12 +190,29 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor, input_ready: bool = False) -> torch.Tensor:
-        """input_ready: the caller already entered the TP region (shared by several layers)."""
-        if not input_ready:
-            x = enter_tp_region(x, self.dims, self.sequence_parallel)
-        y = linear(x, self.weight, self.bias, self.weight_grad_store)
+    def forward(self, x: Optional[torch.Tensor] = None):
+        """x [s, b, in] ([s/tp, b, in] under SP) -> [s, b, out/tp] ([s, b, out] with gather_output).
+
+        Called without an input, returns (weight, bias): that is how `shared_input` takes them,
+        through the module call, so that the module's forward hooks (data-parallel parameter
+        gathering with --overlap-param-gather) still run."""
+        if x is None:
+            return self.weight, self.bias
+        y, = column_parallel_linear(x, [(self.weight, self.bias)], self.dims, self.sequence_parallel,
+                                    self.weight_grad_store)
         return comm.gather_from_tp(y, self.dims.tp_group, counter=self.dims.comm_counter) if self.gather_output else y
+
+    @staticmethod
+    def shared_input(x: torch.Tensor, *layers: "ColumnParallelLinear") -> tuple:
+        """The outputs of several column-parallel layers over one input (Q and K;V of attention):
+        one TP input region for all (one gradient all-reduce, or under SP one all-gather and
+        one reduce-scatter), see `column_parallel_linear`."""
+        first = layers[0]
+        for layer in layers:
+            assert (layer.dims is first.dims and layer.sequence_parallel == first.sequence_parallel
+                    and layer.weight_grad_store is first.weight_grad_store and not layer.gather_output)
+        return column_parallel_linear(x, [layer() for layer in layers], first.dims, first.sequence_parallel,
+                                      first.weight_grad_store)
 
 
 class RowParallelLinear(nn.Module):
@@ -195,26 +276,39 @@ class VocabParallelEmbedding(nn.Module):
 
 # --- vocab-parallel cross entropy -------------------------------------------------------------
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Two all-reduces per call: one MAX of [row max; target logit] (a rank that does not hold a
+    token's target sends -inf, so the MAX is that logit, exactly) and one SUM of the exp sums.
+
+    The subtraction of the max and the exponential are done in place in a buffer this function
+    owns: an fp32 copy of the logits (other dtypes, or padded vocab columns to mask), or, with
+    `inplace`, the caller's fp32 logits themselves, which then hold the softmax (and, after
+    backward, the logits gradient). The buffer is saved for backward and consumed by it."""
+
     @staticmethod
-    def forward(ctx, logits, target, group, vocab_start, vocab_size, ignore_index, counter):
-        logits = logits.float()
+    def forward(ctx, logits, target, group, vocab_start, vocab_size, ignore_index, counter, inplace):
         per_rank = logits.shape[-1]
         n_valid = max(0, min(per_rank, vocab_size - vocab_start))
+        buf = logits.float()  # the logits themselves when they are fp32 already
+        owned = inplace or buf is not logits
         if n_valid < per_rank:  # padded vocab rows never take probability mass
-            logits = logits.clone()
-            logits[..., n_valid:] = float("-inf")
-        logits_max = logits.max(dim=-1)[0]
-        comm.all_reduce(logits_max, group, op=dist.ReduceOp.MAX, counter=counter)
-        shifted = logits - logits_max.unsqueeze(-1)
+            if not owned:
+                buf, owned = buf.clone(), True
+            buf[..., n_valid:] = float("-inf")
         local_t = target - vocab_start
         ignored = target == ignore_index
         in_range = (local_t >= 0) & (local_t < per_rank) & ~ignored
         safe_t = local_t.masked_fill(~in_range, 0)
-        predicted = shifted.gather(-1, safe_t.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)
-        comm.all_reduce(predicted, group, counter=counter)
-        exp = shifted.exp()
+        # [max over this rank's columns; target logit or -inf], reduced by MAX in one call.
+        stats = torch.stack([buf.max(dim=-1)[0],
+                             buf.gather(-1, safe_t.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, float("-inf"))])
+        comm.all_reduce(stats, group, op=dist.ReduceOp.MAX, counter=counter)
+        logits_max, target_logit = stats[0], stats[1]
+        exp = buf.sub_(logits_max.unsqueeze(-1)) if owned else buf - logits_max.unsqueeze(-1)
+        exp.exp_()
         sum_exp = exp.sum(dim=-1)
         comm.all_reduce(sum_exp, group, counter=counter)
+        # A target no rank holds a real column for (ignored, out of range) has no target logit.
+        predicted = (target_logit - logits_max).masked_fill(target_logit == float("-inf"), 0.0)
         loss = (sum_exp.log() - predicted).masked_fill(ignored, 0.0)
         exp.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(exp, safe_t, in_range, ignored)
@@ -226,16 +320,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad = softmax
         grad.scatter_add_(-1, safe_t.unsqueeze(-1), -in_range.unsqueeze(-1).to(grad.dtype))
         grad.mul_((g * (~ignored).to(g.dtype)).unsqueeze(-1))
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, dims: ParallelDims,
-                                 vocab_size: int, ignore_index: int = -100) -> torch.Tensor:
+                                 vocab_size: int, ignore_index: int = -100, inplace: bool = False) -> torch.Tensor:
     """Per-token loss (fp32, shaped like target) from logits split over the vocab across TP.
 
     Full logits never exist on one rank. `vocab_size` is the true vocab: padded columns are
-    masked out. Targets equal to `ignore_index` get zero loss and zero gradient."""
+    masked out. Targets equal to `ignore_index` get zero loss and zero gradient.
+
+    `inplace`: the caller gives up `logits` (nothing else reads them, and no autograd node saved
+    them: a linear layer saves its input and weight, not its output), so fp32 logits are
+    overwritten instead of copied. Without it the caller's logits are left untouched and one
+    fp32 copy is made (or none is needed: other dtypes are converted into one anyway)."""
     group = dims.tp_group
     vocab_start = group_rank(group) * logits.shape[-1]
     return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start, vocab_size, ignore_index,
-                                            dims.comm_counter)
+                                            dims.comm_counter, inplace)

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from ..parallel.random import recompute
-from ..parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, enter_tp_region
+from ..parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from .core_attention import PackedSeq
 from .norm import head_norm
 from .rope import apply_rope
@@ -54,9 +54,9 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope=None, packed: Optional[PackedSeq] = None, kv_cache=None) -> torch.Tensor:
         """`kv_cache` (inference only, megatron_lite/inference): x holds the tokens after those
         already cached; their K/V join the cache and the queries attend over all of it."""
-        x = enter_tp_region(x, self.dims, self.sequence_parallel)  # once for both projections
-        q = self.linear_q(x, input_ready=True)  # [s, b, hq d] over the full sequence
-        k, v = self.linear_kv(x, input_ready=True).chunk(2, dim=-1)
+        # [s, b, hq d] and [s, b, 2 hkv d] over the full sequence, through one TP input region
+        q, kv = ColumnParallelLinear.shared_input(x, self.linear_q, self.linear_kv)
+        k, v = kv.chunk(2, dim=-1)
         s, b = q.shape[:2]
         d = self.head_dim
         q = q.reshape(s, b, self.heads, d)
