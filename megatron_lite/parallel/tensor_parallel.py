@@ -99,9 +99,9 @@ class _LinearFn(torch.autograd.Function):
 
 
 def linear(x, weight, bias=None, store: Optional[WeightGradStore] = None):
-    """F.linear whose weight gradient `store` (if given) may defer."""
-    if store is None:
-        return F.linear(x, weight, bias)
+    """F.linear whose weight gradient `store` (if given) may defer. Autograd saves the parameter
+    itself, not F.linear's view of its storage (weight.t()): under ZeRO-3 a layer's gathered
+    weights are then freed after its forward and gathered again for its backward."""
     return _LinearFn.apply(x, weight, bias, store)
 
 

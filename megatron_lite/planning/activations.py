@@ -37,7 +37,8 @@ output layer's weight gradient;
 a layer's forward its largest temporary (RoPE on q: 3 a q); a recomputed layer's backward the
 gradients beside its activations (residual gradient and its gathered copy, the MLP's input
 gradient).
-ZeRO-3 keeps the root unit (embedding, final norm, output layer) and two layers gathered; ZeRO-2/3
+ZeRO-3 keeps the root unit (embedding, final norm, output layer) and two layers gathered (the linear
+layers save the parameters, not views of the gathered storage); ZeRO-2/3
 keep a bucket's full gradient from its first gradient of the step until it is reduced after the
 last micro-batch's (all of them from the second micro-batch on).
 
@@ -294,13 +295,10 @@ def step_memory(cfg: ModelConfig, lay: Layout, pp_rank: int, inventory, tp_rank:
         g = _size(lay.grad_dtype)
         buffers["full_grads"] = sum(b.numel * g for b in rank_buckets(cfg.num_layers, lay, pp_rank, inventory))
     if lay.zero_stage == 3:
-        # A unit is freed after its forward, but autograd keeps the weight views the linear layers
-        # saved (F.linear saves weight.t()), so every unit's gathered buffer lives until its backward.
+        # Gathered at once, forward or backward: the root, the running layer and the prefetched
+        # next one (the linear layers save the parameters, not views of their gathered storage).
         units = _unit_param_bytes(cfg, lay, pp_rank, inventory)
-        buffers["gathered_params"] = sum(units)
-        # Backward gathers the root and a layer (and prefetches the next) into fresh buffers while
-        # the forward's saved views still hold the old ones.
-        buffers["backward_gathered"] = units[0] + sum(sorted(units[1:])[-2:])
+        buffers["gathered_params"] = units[0] + sum(sorted(units[1:])[-2:])
     return StepMemoryEstimate(peak, inflight, buffers)
 
 
