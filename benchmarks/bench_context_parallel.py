@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Context-parallel attention on CPU: step time, per-rank peak memory, and bytes against theory.
 
-    python benchmarks/bench_context_parallel.py [--seqs 4096 8192 16384] [--heads 2] [--kv-heads 1]
-                                                [--head-dim 64] [--repeats 3]
+    python benchmarks/bench_context_parallel.py [--seqs 4096 8192 16384] [--heads 4] [--kv-heads 1]
+                                                [--head-dim 64] [--repeats 3] [--layouts 1:sdpa 2:p2p ...]
 
 For each sequence length, the core attention of one layer (causal, fp32, batch 1) runs forward
 and backward on fresh forked gloo worlds: CP=1 (PyTorch SDPA on the whole sequence, the CPU
@@ -48,8 +48,8 @@ def _inputs(seq, heads, kv_heads, dim, cp, rank):
     return q, k, v
 
 
-def worker(rank, world, seq, heads, kv_heads, dim, comm_type, repeats):
-    torch.set_num_threads(max(1, 2 // world))
+def worker(rank, world, seq, heads, kv_heads, dim, comm_type, repeats, threads=None):
+    torch.set_num_threads(threads or max(1, 2 // world))
     q, k, v = _inputs(seq, heads, kv_heads, dim, world, rank)
     if world == 1:
         def step(counter):
@@ -100,6 +100,11 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=1)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--layouts", nargs="+", default=None, metavar="CP:TYPE",
+                    help="run only these layouts, e.g. 1:sdpa 2:p2p 4:a2a+p2p (default: all; the materialised "
+                         "scores of Ulysses / all-gather at long sequences may not fit a small box)")
+    ap.add_argument("--sdpa-threads", type=int, default=None,
+                    help="torch threads of the CP=1 run (default 2; on a loaded 2-core box 2 threads spin-wait)")
     args = ap.parse_args()
     load = os.getloadavg()[0]
     print(f"machine: {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, load {load:.1f}; "
@@ -107,10 +112,12 @@ def main() -> None:
     print("\n| seq | layout | time fwd+bwd (s) | peak RSS / rank (MiB) | bytes / rank (MiB) | theory (MiB) |")
     print("|---|---|---|---|---|---|")
     configs = [(1, "sdpa")] + [(cp, ct) for ct in ("p2p", "a2a", "all_gather") for cp in (2, 4)] + [(4, "a2a+p2p")]
+    if args.layouts:
+        configs = [(cp, ct) for cp, ct in configs if f"{cp}:{ct}" in args.layouts]
     for seq in args.seqs:
         for cp, ct in configs:
             res = run_distributed(worker, cp, seq, args.heads, args.kv_heads, args.head_dim, ct, args.repeats,
-                                  timeout=1200)
+                                  args.sdpa_threads if cp == 1 else None, timeout=1200)
             slowest = max(res, key=lambda r: r["time"])
             moved = {k: v for k, v in slowest["bytes"].items()}
             shown = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in sorted(moved.items())) or "-"
