@@ -397,6 +397,11 @@ class TrainingConfig:
                                            "(only the first ones)", choices=["uniform", "block"])
     recompute_num_layers: int = arg(1, "layers per recomputed group (uniform) or recomputed layers (block)")
     device: Optional[str] = arg(None, "cpu or cuda; None: cuda when available", choices=["cpu", "cuda"])
+    compile: bool = arg(False, "torch.compile each transformer layer (fuses norms, RoPE, SwiGLU; compile time "
+                               "bounded by the layer, not the model)", store="true")
+    cross_entropy_chunk_size: Optional[int] = arg(
+        None, "tokens per chunk of the vocab-parallel cross entropy (only a chunk's fp32 logits exist at a time); "
+              "0: unchunked; None: chunks of 256 MiB of fp32 logits when they are bf16/fp16, else unchunked")
     metrics_file: Optional[str] = arg(None, "JSON Lines, one record per iteration")
     log_comm_volume: bool = arg(False, "bytes moved per collective kind, in the metrics", store="true")
     tensorboard_dir: Optional[str] = arg(None, "TensorBoard logs")
@@ -509,6 +514,13 @@ class TrainingConfig:
                      f"--profile-step-start ({self.profile_step_start}) must be >= 0 and below --profile-step-end "
                      f"({self.profile_step_end})")
         _require(self.manual_gc_interval >= 0, f"--manual-gc-interval ({self.manual_gc_interval}) must be >= 0")
+        _require(self.cross_entropy_chunk_size is None or self.cross_entropy_chunk_size >= 0,
+                 f"--cross-entropy-chunk-size ({self.cross_entropy_chunk_size}) must be >= 0 (0: unchunked)")
+        if self.compile:
+            from .transformer.fast_paths import compile_problem
+
+            problem = compile_problem(self.device)
+            _require(problem is None, f"--compile: {problem}; install it or drop --compile")
         _require(self.recompute_granularity in (None, "full", "selective"),
                  f"recompute_granularity ({self.recompute_granularity}) must be full or selective")
         _require(self.device in (None, "cpu", "cuda"), f"device ({self.device}) must be cpu or cuda")

@@ -29,6 +29,7 @@ from megatron_lite.parallel.tensor_parallel import (
 from megatron_lite.transformer.attention import SelfAttention
 from megatron_lite.transformer.block import TransformerLayer
 from megatron_lite.transformer.core_attention import ContextParallelAttention, PackedSeq, core_attention_class
+from megatron_lite.transformer.fast_paths import compile_layer, cross_entropy_chunk_tokens
 from megatron_lite.transformer.mlp import MLP
 from megatron_lite.transformer.moe import AuxLossScale, MoELayer
 from megatron_lite.transformer.norm import build_norm
@@ -85,6 +86,9 @@ class GPTModel(nn.Module):
                          replicated((cfg.max_position_embeddings, cfg.hidden_size)))
         self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, ctx, i, layer_spec(cfg, ctx, i))
                                      for i in range(start, end)})
+        if ctx.compile:
+            for layer in self.layers.values():
+                compile_layer(layer)
         if post_process:
             self.final_norm = build_norm(cfg, ctx)
             if not tied or not pre_process:
@@ -195,7 +199,9 @@ class GPTModel(nn.Module):
             return full[..., : self.cfg.vocab_size].transpose(0, 1).float()
         # The logits feed only the loss (the output GEMM saved its input and weight, not them):
         # the cross entropy may overwrite them.
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.dims, self.cfg.vocab_size, inplace=True)
+        chunk = cross_entropy_chunk_tokens(self.ctx.cross_entropy_chunk_size, logits.dtype, logits.shape[-1])
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.dims, self.cfg.vocab_size, inplace=True,
+                                            chunk_tokens=chunk)
         return loss.t()
 
 

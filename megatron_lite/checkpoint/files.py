@@ -92,25 +92,63 @@ def write_safetensors(path: str, tensors: List[Tuple[str, torch.Tensor]], metada
     return os.path.getsize(path)
 
 
+class PinnedHostBuffers:
+    """Page-locked host copies of device tensors, kept from one save to the next (saves never
+    overlap: the manager finishes one before it snapshots again). The device-to-host copies are
+    issued without blocking and waited for once per save, before the files are written."""
+
+    def __init__(self):
+        self.buffers: Dict[str, torch.Tensor] = {}
+
+    def copy(self, name: str, data: torch.Tensor) -> torch.Tensor:
+        buf = self.buffers.get(name)
+        if buf is None or buf.shape != data.shape or buf.dtype != data.dtype:
+            buf = self.buffers[name] = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+        return buf.copy_(data, non_blocking=True)
+
+
+HOST_BUFFERS = PinnedHostBuffers()  # this process's staging memory for checkpoints of device tensors
+
+
 class PieceSet:
     """The pieces one rank writes: tensors named `<key>@<box start>`, and the index that says
     which box of which full tensor each one is (kept in the file's safetensors metadata)."""
 
-    def __init__(self):
+    def __init__(self, host: Optional[PinnedHostBuffers] = None):
         self.tensors: List[Tuple[str, torch.Tensor]] = []
         self.index: Dict[str, list] = {}
         self.checksum_s = 0.0  # time spent computing the checksums (benchmarks)
+        self.host = host if host is not None else HOST_BUFFERS
+        self.pending_device = None  # the device whose copies are still in flight
 
     def add(self, key: str, box: Box, full_shape: Sequence[int], data: torch.Tensor, copy: bool = False) -> None:
         name = f"{key}@" + ",".join(str(s) for s, _ in box)
         data = data.detach()
-        if copy or data.device.type != "cpu":
+        if data.device.type == "cuda":
+            data, self.pending_device = self.host.copy(name, data), data.device
+        elif copy:
             data = data.to("cpu", copy=True)
         self.tensors.append((name, data))
         self.index[name] = [key, [list(d) for d in box], list(full_shape)]
 
+    def copies_issued(self) -> None:
+        """Mark the end of the device-to-host copies (an event on the stream that runs them):
+        training may go on at once; the writer waits for the event, not for the training."""
+        if self.pending_device is not None:
+            self.copied = torch.cuda.Event()
+            self.copied.record(torch.cuda.current_stream(self.pending_device))
+            self.pending_device = None
+
+    def wait_copies(self) -> None:
+        """The writer's one wait of a save: every device-to-host copy has landed."""
+        self.copies_issued()
+        if getattr(self, "copied", None) is not None:
+            self.copied.synchronize()
+            self.copied = None
+
     def write(self, path: str, halfway: Optional[Callable] = None) -> int:
         """Write the file; each piece's index entry gets the CRC-32 of its bytes (verified on load)."""
+        self.wait_copies()
         start = time.perf_counter()
         for name, t in self.tensors:
             self.index[name] = self.index[name][:3] + [tensor_crc32(t)]

@@ -160,5 +160,7 @@ def start_save(trainer, root: str, background: bool, fault=None) -> PendingSave:
         os.makedirs(staging)
     world_min(1, trainer.device)  # nobody writes before the directory is clean
     save = PendingSave(root, iteration, checkpoint_metadata(trainer), trainer.device, started, fault)
-    save.write(snapshot(trainer, copy=background), background)
+    pieces = snapshot(trainer, copy=background)
+    pieces.copies_issued()  # later kernels on the stream (the next update) run after the copies
+    save.write(pieces, background)
     return save

@@ -323,8 +323,78 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None, None, None, None
 
 
+class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
+    """The same loss with only `chunk` tokens' fp32 logits at a time, forward and backward: the
+    logits stay in their own dtype (bf16) and the softmax is recomputed per chunk in backward from
+    the saved per-token max and sum of exp. Still two all-reduces per call: each chunk's local
+    max and exp sum (taken at the local max) are kept; one MAX gives the global max and target
+    logit, and the local sums, rescaled to the global max, go into one SUM."""
+
+    @staticmethod
+    def _chunks(logits, chunk):
+        flat = logits.view(-1, logits.shape[-1])
+        for lo in range(0, flat.shape[0], chunk):
+            yield slice(lo, lo + chunk), flat[lo:lo + chunk]
+
+    @staticmethod
+    def _fp32(rows, n_valid):
+        c = rows.float()  # a copy for bf16/fp16 rows, the rows themselves when fp32
+        if c.data_ptr() == rows.data_ptr():
+            c = c.clone()
+        if n_valid < c.shape[-1]:  # padded vocab rows never take probability mass
+            c[:, n_valid:] = float("-inf")
+        return c
+
+    @staticmethod
+    def forward(ctx, logits, target, group, vocab_start, vocab_size, ignore_index, counter, inplace, chunk):
+        per_rank = logits.shape[-1]
+        n_valid = max(0, min(per_rank, vocab_size - vocab_start))
+        flat_t = target.reshape(-1)
+        ignored = flat_t == ignore_index
+        local_t = flat_t - vocab_start
+        in_range = (local_t >= 0) & (local_t < per_rank) & ~ignored
+        safe_t = local_t.masked_fill(~in_range, 0)
+        n = flat_t.numel()
+        stats = torch.empty(2, n, dtype=torch.float32, device=logits.device)  # [local max; target logit]
+        local_sum = torch.empty(n, dtype=torch.float32, device=logits.device)
+        shift = torch.empty(n, dtype=torch.float32, device=logits.device)  # where each local sum was taken
+        for rows, x in _ChunkedVocabParallelCrossEntropy._chunks(logits, chunk):
+            c = _ChunkedVocabParallelCrossEntropy._fp32(x, n_valid)
+            m = c.max(dim=-1)[0]
+            stats[0, rows] = m
+            stats[1, rows] = c.gather(-1, safe_t[rows].unsqueeze(-1)).squeeze(-1)
+            m = m.masked_fill_(m == float("-inf"), 0.0)  # a rank of padding only: its sum is 0
+            shift[rows] = m
+            local_sum[rows] = c.sub_(m.unsqueeze(-1)).exp_().sum(dim=-1)
+        stats[1].masked_fill_(~in_range, float("-inf"))
+        comm.all_reduce(stats, group, op=dist.ReduceOp.MAX, counter=counter)
+        logits_max, target_logit = stats[0], stats[1]
+        sum_exp = local_sum.mul_(shift.sub_(logits_max).exp_())
+        comm.all_reduce(sum_exp, group, counter=counter)
+        predicted = (target_logit - logits_max).masked_fill(target_logit == float("-inf"), 0.0)
+        loss = (sum_exp.log() - predicted).masked_fill(ignored, 0.0)
+        ctx.save_for_backward(logits, logits_max, sum_exp, safe_t, in_range, ignored)
+        ctx.n_valid, ctx.inplace, ctx.chunk = n_valid, inplace, chunk
+        return loss.view_as(target)
+
+    @staticmethod
+    def backward(ctx, g):
+        logits, logits_max, sum_exp, safe_t, in_range, ignored = ctx.saved_tensors
+        # The caller gave up its logits (inplace): the gradient overwrites them chunk by chunk.
+        grad = logits if ctx.inplace else torch.empty_like(logits)
+        grad_flat = grad.view(-1, grad.shape[-1])
+        scale = g.reshape(-1).float() * (~ignored).float()
+        for rows, x in _ChunkedVocabParallelCrossEntropy._chunks(logits, ctx.chunk):
+            c = _ChunkedVocabParallelCrossEntropy._fp32(x, ctx.n_valid)
+            c.sub_(logits_max[rows].unsqueeze(-1)).exp_().div_(sum_exp[rows].unsqueeze(-1))
+            c.scatter_add_(-1, safe_t[rows].unsqueeze(-1), -in_range[rows].unsqueeze(-1).float())
+            grad_flat[rows] = c.mul_(scale[rows].unsqueeze(-1))
+        return grad, None, None, None, None, None, None, None, None
+
+
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, dims: ParallelDims,
-                                 vocab_size: int, ignore_index: int = -100, inplace: bool = False) -> torch.Tensor:
+                                 vocab_size: int, ignore_index: int = -100, inplace: bool = False,
+                                 chunk_tokens: int = 0) -> torch.Tensor:
     """Per-token loss (fp32, shaped like target) from logits split over the vocab across TP.
 
     Full logits never exist on one rank. `vocab_size` is the true vocab: padded columns are
@@ -333,8 +403,15 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, dim
     `inplace`: the caller gives up `logits` (nothing else reads them, and no autograd node saved
     them: a linear layer saves its input and weight, not its output), so fp32 logits are
     overwritten instead of copied. Without it the caller's logits are left untouched and one
-    fp32 copy is made (or none is needed: other dtypes are converted into one anyway)."""
+    fp32 copy is made (or none is needed: other dtypes are converted into one anyway).
+
+    `chunk_tokens` > 0: never more than that many tokens' fp32 logits at once (for bf16 logits the
+    unchunked path holds an fp32 softmax of the whole micro-batch until backward); the softmax is
+    recomputed per chunk in backward."""
     group = dims.tp_group
     vocab_start = group_rank(group) * logits.shape[-1]
+    if 0 < chunk_tokens < target.numel() or (chunk_tokens > 0 and logits.dtype != torch.float32):
+        return _ChunkedVocabParallelCrossEntropy.apply(logits.contiguous(), target, group, vocab_start, vocab_size,
+                                                       ignore_index, dims.comm_counter, inplace, chunk_tokens)
     return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start, vocab_size, ignore_index,
                                             dims.comm_counter, inplace)

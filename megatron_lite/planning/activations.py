@@ -24,14 +24,16 @@ size, widths per TP rank: q = heads/tp x head dim, kv = groups/tp x head dim, f 
   chunk                its input a h (residual tokens); RoPE's cos and sin 2 a d; under TP the
                        embedding's masked ids and mask, 9
   last stage           final norm as above; the loss keeps the fp32 softmax over this rank's
-                       vocabulary, 4 V/tp, and 14 bytes per token of targets and masks
+                       vocabulary in the fp32 logits' own buffer, 4 V/tp (bf16: the chunked cross
+                       entropy keeps the logits, a V/tp, and 8 bytes of max and exp sum), and 14
+                       bytes per token of targets and masks
   recomputation        full: only each recomputed group's input a h (residual tokens), and while a
                        group's backward runs, its recomputed activations; selective: the attention
                        core's log-sum-exp is not kept
 
-Transients at their worst moment: the loss's forward holds the logits (a V/tp), an fp32 copy
-(bf16, or a rank with padded vocabulary rows) and the shifted logits (4 V/tp); its backward the
-bf16 cast of the logits' gradient, the input gradient a h and the output layer's weight gradient;
+Transients at their worst moment: the chunked loss's fp32 copy of one chunk of logits, forward and
+backward (fp32 logits are worked on in place: none); its backward the input gradient a h and the
+output layer's weight gradient;
 a layer's forward its largest temporary (RoPE on q: 3 a q); a recomputed layer's backward the
 gradients beside its activations (residual gradient and its gathered copy, the MLP's input
 gradient).
@@ -55,6 +57,7 @@ import torch
 from ..config import ModelConfig
 from ..parallel.bucket_plan import plan_buckets
 from ..parallel.pipeline.schedules import Action, compute_orders
+from ..transformer.fast_paths import cross_entropy_chunk_tokens
 from .layout import Layout
 from .state import rank_buckets, stage_chunks
 
@@ -133,15 +136,21 @@ def chunk_extra_bytes(cfg: ModelConfig, lay: Layout, w: Widths, pre: bool, post:
     if pre and lay.tp > 1:
         out += 9 * w.tokens
     if post:
-        out += _norm_internal(cfg, w) * w.residual_tokens + w.a * w.h * w.tokens
-        out += (4 * w.vocab + 14) * w.tokens
+        out += _loss_part(cfg, w)
     return out
 
 
+def _ce_chunk(w: Widths) -> int:
+    """Tokens per chunk of the cross entropy (its automatic setting; 0: unchunked)."""
+    return cross_entropy_chunk_tokens(None, torch.float32 if w.a == 4 else torch.bfloat16, w.vocab)
+
+
 def _loss_part(cfg: ModelConfig, w: Widths) -> int:
-    """What the last stage keeps for the loss (final norm, output layer input, softmax, targets):
-    freed by the time the layers' backward (and any recomputation) starts."""
-    return _norm_internal(cfg, w) * w.residual_tokens + (w.a * w.h + 4 * w.vocab + 14) * w.tokens
+    """What the last stage keeps for the loss (final norm, output layer input, the softmax: fp32
+    in the logits' own buffer, or chunked: the bf16 logits and 8 bytes per token of max and exp
+    sum; targets and masks): freed by the time the layers' backward (and any recomputation) starts."""
+    kept = (w.a * w.vocab + 8) if _ce_chunk(w) else 4 * w.vocab
+    return _norm_internal(cfg, w) * w.residual_tokens + (w.a * w.h + kept + 14) * w.tokens
 
 
 def _layer_forward_transient(cfg: ModelConfig, w: Widths) -> int:
@@ -168,10 +177,13 @@ def _linear_io(cfg: ModelConfig, w: Widths) -> int:
 
 
 def _loss_transients(cfg: ModelConfig, lay: Layout, w: Widths, padded_here: bool) -> Tuple[int, int]:
-    """(forward, backward) bytes alive beyond the saved activations at the loss."""
-    fp32_copy = w.a != 4 or padded_here
-    fwd = (w.a + (4 if fp32_copy else 0) + 4) * w.vocab * w.tokens
-    bwd = ((w.a if w.a != 4 else 0) * w.vocab + w.a * w.h) * w.tokens + w.a * w.vocab * w.h
+    """(forward, backward) bytes alive beyond the saved activations at the loss: fp32 logits are
+    the softmax's buffer (in place); chunked bf16 logits add one chunk's fp32 copy, forward and
+    backward (whose gradient overwrites the logits). Backward: the input gradient a h and the
+    output layer's weight gradient."""
+    chunk = _ce_chunk(w)
+    fwd = 4 * w.vocab * min(chunk, w.tokens) if chunk else 0
+    bwd = fwd + w.a * w.h * w.tokens + w.a * w.vocab * w.h
     return fwd, bwd
 
 
@@ -202,6 +214,10 @@ def chunk_costs(cfg: ModelConfig, lay: Layout, pp_rank: int, tp_rank: int = 0) -
             # One group is recomputed at a time, once the loss's own tensors are gone.
             recomputed = max(sum(g) for g in groups) - (_loss_part(cfg, w) if post else 0) if groups else 0
             recomputed += _layer_backward_working_set(w)
+            if pre and post and not cfg.untie_embeddings_and_output_weights:
+                # The tied weight's gradient from the output layer waits in autograd's input buffer
+                # for the embedding's, through the whole backward of the layers.
+                recomputed += w.a * w.vocab * w.h
         else:
             saved = extra + sum(layers)
         fwd_t, bwd_t = _layer_forward_transient(cfg, w), 0
@@ -280,7 +296,11 @@ def step_memory(cfg: ModelConfig, lay: Layout, pp_rank: int, inventory, tp_rank:
     if lay.zero_stage == 3:
         # A unit is freed after its forward, but autograd keeps the weight views the linear layers
         # saved (F.linear saves weight.t()), so every unit's gathered buffer lives until its backward.
-        buffers["gathered_params"] = sum(_unit_param_bytes(cfg, lay, pp_rank, inventory))
+        units = _unit_param_bytes(cfg, lay, pp_rank, inventory)
+        buffers["gathered_params"] = sum(units)
+        # Backward gathers the root and a layer (and prefetches the next) into fresh buffers while
+        # the forward's saved views still hold the old ones.
+        buffers["backward_gathered"] = units[0] + sum(sorted(units[1:])[-2:])
     return StepMemoryEstimate(peak, inflight, buffers)
 
 

@@ -27,13 +27,19 @@ from ..parallel.context_parallel import split_batch_for_cp
 from ..parallel.pipeline.executor import PipelineExecutor, activation_shape
 from ..parallel.pipeline.schedules import ZERO_BUBBLE, default_schedule
 from ..parallel.tensor_parallel import WeightGradStore
+from ..optim.adam import fused_adamw_available
 from ..transformer.core_attention import describe_attention
+from ..transformer.fast_paths import describe_fast_paths
 from ..transformer.moe import AuxLossScale, MoEMetricsTracker, routers_of, update_expert_bias
 from ..transformer.spec import BuildContext
 from .step import eval_step, forward_backward_no_pipelining, move_batch, pipelined_forward_backward, train_step
 
 
 def choose_device(requested: Optional[str]) -> torch.device:
+    if requested != "cpu":
+        # Megatron-LM's setting (read when the CUDA context is created): one hardware queue, so
+        # kernels start in issue order and a TP/CP collective issued before a GEMM overlaps it.
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if requested == "cuda" or (requested is None and torch.cuda.is_available()):
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
@@ -100,7 +106,8 @@ class Trainer:
                            recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
                            recompute_num_layers=t.recompute_num_layers, device=device,
                            cp_comm_type=[c.replace("allgather", "all_gather") for c in p.cp_comm_type],
-                           aux_loss_scale=self.aux_loss_scale, moe_tracker=self.moe_tracker)
+                           aux_loss_scale=self.aux_loss_scale, moe_tracker=self.moe_tracker, compile=t.compile,
+                           cross_entropy_chunk_size=t.cross_entropy_chunk_size)
         self.chunks = model_provider(cfg, ctx)
         self.optimizer, self.grad_sync = build_optimizer(self.chunks, dims, t, p, t.optimizer_precision(),
                                                          p.num_distributed_optimizer_instances)
@@ -173,6 +180,10 @@ class Trainer:
             f"micro-batches/step {self.num_microbatches} | device {self.device} | attention "
             + describe_attention(self.cfg.model.attention_backend, self.device, params_dtype(self.cfg), dims.cp,
                                  self.cfg.parallel.cp_comm_type))
+        self.logger.info("> fast paths: " + describe_fast_paths(
+            device=self.device, params_dtype=params_dtype(self.cfg), compile=t.compile,
+            chunk_setting=t.cross_entropy_chunk_size, vocab_per_rank=self.cfg.model.padded_vocab_size(dims.tp) // dims.tp,
+            normalization=self.cfg.model.normalization, fused_adamw=fused_adamw_available(self.device.type)))
         self.logger.info("> memory on this rank: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in mem.items()))
         printed = len(self.profiler.notes)
         for note in self.profiler.notes:

@@ -36,6 +36,8 @@ class BuildContext:
     cp_comm_type: Union[str, List[str]] = "p2p"  # context parallelism: one type, or one per layer
     aux_loss_scale: Optional[object] = None  # MoE: moe.AuxLossScale the step sets (gradient of aux losses)
     moe_tracker: Optional[object] = None  # MoE: moe.MoEMetricsTracker of the logged per-layer values
+    compile: bool = False  # torch.compile each transformer layer (--compile)
+    cross_entropy_chunk_size: Optional[int] = None  # tokens per cross-entropy chunk; 0: none; None: automatic
 
     def __post_init__(self):
         self.sequence_parallel = self.sequence_parallel and self.dims.tp > 1
