@@ -221,8 +221,7 @@ def our_sizes(cfg: ModelConfig) -> Dict[str, int]:
     from megatron_lite.transformer.moe import AuxLossScale
     from megatron_lite.transformer.spec import BuildContext
 
-    with torch.device("meta"):
-        model = build_model(cfg, BuildContext(ParallelDims(), aux_loss_scale=AuxLossScale()))[0]
+    model = build_model(cfg, BuildContext(ParallelDims(), aux_loss_scale=AuxLossScale()), materialize=False)[0]
     return {n: spec_of(p).stored_shape[0] for n, p in model.named_parameters() if spec_of(p).stored_shape}
 
 

@@ -3,7 +3,8 @@
 For every family: save_pretrained -> hf-to-ml at TP1, at TP2 x PP2 (and EP2 for MoE) -> the
 training run started from that checkpoint has the first-iteration loss of HF's own model on the
 same tokens; -> ml-to-hf -> from_pretrained (no missing or unexpected keys) gives back the
-original tensors. Conversion streams: peak memory stays near the largest tensor. Unsupported or
+original tensors. Conversion streams: peak memory stays near the largest tensor (no target rank's
+model is materialized; ml-to-hf writes each tensor before it reads the next). Unsupported or
 broken inputs are one-line errors."""
 from __future__ import annotations
 
@@ -130,6 +131,47 @@ def test_conversion_streams_tensor_by_tensor(tmp_path):
         sizes[name] = peak
     largest = 4096 * 512 * 4 / 2**20
     assert sizes["big"] < sizes["small"] + 1.5 * largest + 16, sizes
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "mixtral"])
+def test_layout_conversions_never_draw_initial_weights(saved, tmp_path, monkeypatch, name):
+    """hf-to-ml and reshard build every target rank's model for its shapes and shard specs only: the
+    parameters stay on the meta device (a materialized model per rank held the whole model)."""
+    from megatron_lite.parallel.tiled_init import TiledInit
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a conversion drew initial weights")
+
+    monkeypatch.setattr(TiledInit, "fill_local", refuse)
+    monkeypatch.setattr(TiledInit, "fill_box", refuse)
+    ckpt, flags = tmp_path / "ckpt", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    assert _convert("hf-to-ml", "--hf-dir", saved[name], "--out", ckpt, *flags) == 0
+    assert _convert("reshard", "--load", ckpt, "--out", tmp_path / "tp1") == 0
+
+
+def test_ml_to_hf_writes_each_tensor_before_reading_the_next(saved, tmp_path, monkeypatch):
+    """One file of everything (the default 5 GB shards): still, whenever ml-to-hf reads a tensor,
+    every tensor it read before is already in the output file (a few KiB of buffered writes aside)."""
+    from megatron_lite.checkpoint.reader import CheckpointReader
+
+    ckpt, back = tmp_path / "ckpt", tmp_path / "back"
+    assert _convert("hf-to-ml", "--hf-dir", saved["llama_gqa"], "--out", ckpt, "--tensor-model-parallel-size", "2") == 0
+    read_full, pending = CheckpointReader.read_full, []
+
+    def on_disk() -> int:
+        return sum(f.stat().st_size for f in back.glob("*.safetensors")) if back.exists() else 0
+
+    def watched(self, key, dtype=None):
+        pending.append(watched.read - on_disk())  # bytes read before this call, not yet written
+        out = read_full(self, key, dtype)
+        watched.read += out.numel() * out.element_size()
+        return out
+
+    watched.read = 0
+    monkeypatch.setattr(CheckpointReader, "read_full", watched)
+    assert _convert("ml-to-hf", "--load", ckpt, "--out", back) == 0
+    assert len(pending) > 10 and watched.read > 100_000, (len(pending), watched.read)
+    assert max(pending) <= 16 * 1024, max(pending)
 
 
 def test_bad_inputs_are_one_line_errors(saved, tmp_path, capsys):

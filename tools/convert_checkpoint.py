@@ -13,7 +13,9 @@ from (sharded) safetensors, so peak memory stays near one tensor; `pretrain_gpt.
 --use-checkpoint-args` trains from it at any layout. `ml-to-hf` writes a save_pretrained directory
 (config.json, generation_config.json, sharded model*.safetensors with an index, the tokenizer) from
 any training checkpoint (any layout, any precision) or a full checkpoint (`--ml-dir`: the
-`model.safetensors` + `config.json` that `consolidate` writes). Families: models/hf_families.py.
+`model.safetensors` + `config.json` that `consolidate` writes), streaming too: the conversion runs
+on the meta device first, so every file's header is written before its tensors, each as it is read.
+Families: models/hf_families.py.
 `megatron-to-ml` does what hf-to-ml does for a Megatron-LM `--save` directory of a GPT model
 (torch_dist or legacy per-rank files, any TP / PP / virtual PP layout), its model config from the
 checkpoint's args (models/megatron_conversion.py, models/megatron_checkpoint.py).
@@ -28,8 +30,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import pickle
+import struct
 import sys
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -194,9 +198,10 @@ def _target_ranks(cfg: ModelConfig, tp: int, pp: int, dp: int, vpp: int, ep: int
 
     for rank in range(tp * pp * dp):
         dims = ParallelDims(tp=tp, dp=dp, pp=pp, vpp=vpp, ep=ep, etp=etp, rank=rank)
-        with torch.device("meta"):  # shapes and sharding metadata only: no memory, no init
-            chunks = build_model(cfg, BuildContext(dims, aux_loss_scale=AuxLossScale()))
-        yield dims, chunks  # outside the device context, which a suspended generator would leak
+        # Shapes and sharding metadata only: parameters left on the meta device (build_model
+        # materializes and initializes them otherwise, whatever device context it is called in).
+        chunks = build_model(cfg, BuildContext(dims, aux_loss_scale=AuxLossScale()), materialize=False)
+        yield dims, chunks
 
 
 def _layout(args, cfg: ModelConfig) -> Tuple[int, int, int, int, int]:
@@ -324,52 +329,86 @@ def cmd_megatron_to_ml(args) -> None:
 
 
 def _ours_from(args):
-    """(ModelConfig, getter of our full tensors by stored name, closer) of --load or --ml-dir."""
+    """(ModelConfig, getter of our full tensors by stored name, getter of the same on the meta
+    device (shape and dtype, nothing read), closer) of --load or --ml-dir."""
     if args.ml_dir:
         cfg, state = read_ml_checkpoint(args.ml_dir)
-        return cfg, state.__getitem__, lambda: None
+        return cfg, state.__getitem__, lambda name: torch.empty_like(state[name], device="meta"), lambda: None
     from megatron_lite.checkpoint.offline import open_checkpoint
 
     reader = open_checkpoint(args.load, args.iteration, args.verify_checkpoint)
     cfg = ModelConfig(**reader.meta["model_config"])
 
-    def get(name: str) -> torch.Tensor:  # fp32 main params where bf16/fp16 training kept them
+    def key_of(name: str) -> str:  # fp32 main params where bf16/fp16 training kept them
         main = f"optim/{name}/main"
-        return reader.read_full(main if reader.has(main) else f"model/{name}")
+        return main if reader.has(main) else f"model/{name}"
 
-    return cfg, get, reader.close
+    def meta(name: str) -> torch.Tensor:
+        key = key_of(name)
+        return torch.empty(reader.shapes[key], dtype=reader.dtype(key), device="meta")
+
+    return cfg, (lambda name: reader.read_full(key_of(name))), meta, reader.close
 
 
-def _shards(tensors: Iterator[Tuple[str, torch.Tensor]], max_bytes: int):
-    """Groups of (name, tensor) of at most max_bytes (a tensor larger than that alone)."""
+def _shards(plan: List[Tuple[str, Tuple[int, ...], torch.dtype]], max_bytes: int):
+    """Groups of (name, shape, dtype) of at most max_bytes of data (a tensor larger than that alone)."""
     group, size = [], 0
-    for name, t in tensors:
-        n = t.numel() * t.element_size()
+    for entry in plan:
+        n = _nbytes(entry)
         if group and size + n > max_bytes:
             yield group
             group, size = [], 0
-        group.append((name, t))
+        group.append(entry)
         size += n
     if group:
         yield group
 
 
+def _nbytes(entry) -> int:
+    _, shape, dtype = entry
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def _write_safetensors_stream(path: str, plan, tensors: Iterator[Tuple[str, torch.Tensor]]) -> None:
+    """The tensors `plan` lists (name, shape, dtype) as one safetensors file, its header written first
+    and then each tensor as `tensors` (a stream in plan order) yields it: one tensor in memory."""
+    from megatron_lite.checkpoint.files import _header
+
+    header = _header(plan, {"format": "pt"})
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        for name, shape, dtype in plan:
+            got, t = next(tensors)
+            if (got, tuple(t.shape), t.dtype) != (name, tuple(shape), dtype):
+                raise ConversionError(f"{got} {tuple(t.shape)} {t.dtype} arrived where {name} {shape} {dtype} "
+                                      f"was planned")
+            if t.numel():
+                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+
 def cmd_ml_to_hf(args) -> None:
-    cfg, get, close = _ours_from(args)
+    cfg, get, meta, close = _ours_from(args)
     try:
         fam = family_of(cfg, args.family)
         hf_config = model_config_to_hf_config(cfg, fam.name)
         os.makedirs(args.out, exist_ok=True)
         dtype = DTYPES[args.dtype]
-        stream = ((n, (t if dtype is None else t.to(dtype)).contiguous()) for n, t in
-                  ours_to_hf_stream(get, cfg, fam.rules))
-        files, weight_map, total = [], {}, 0
-        for i, group in enumerate(_shards(stream, int(args.max_shard_size_gb * 2**30))):
+
+        def converted(getter):
+            return ((n, (t if dtype is None else t.to(dtype)).contiguous()) for n, t in
+                    ours_to_hf_stream(getter, cfg, fam.rules))
+
+        # The same conversion on the meta device first: every file's header (names, shapes, dtypes)
+        # is known before any data is read, so each tensor is written as it arrives.
+        plan = [(n, tuple(t.shape), t.dtype) for n, t in converted(meta)]
+        stream = converted(get)
+        files, weight_map = [], {}
+        for i, group in enumerate(_shards(plan, int(args.max_shard_size_gb * 2**30))):
             fname = f"model-{i + 1:05d}.safetensors"
-            save_file(dict(group), os.path.join(args.out, fname), metadata={"format": "pt"})
+            _write_safetensors_stream(os.path.join(args.out, fname), group, stream)
             files.append(fname)
-            weight_map.update({n: fname for n, _ in group})
-            total += sum(t.numel() * t.element_size() for _, t in group)
+            weight_map.update({n: fname for n, _, _ in group})
+        total = sum(_nbytes(e) for e in plan)
     finally:
         close()
     _name_shards(args.out, files, weight_map, total)
