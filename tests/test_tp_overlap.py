@@ -178,11 +178,14 @@ def test_overlapped_column_parallel_backward_is_bitwise_the_synchronous_one(tp, 
             if mode != "recompute":
                 assert all(torch.equal(a, b) for a, b in zip(xg + wg, direct[0] + direct[1])), what
             # One collective per micro-batch for all the layers, in both: the bytes of [S, B, IN]
-            # fp32 (SP: all-gathered forward, again in recomputation, reduce-scattered backward).
-            assert moved == ref_moved, what
+            # fp32 (SP: all-gathered forward, again in recomputation, reduce-scattered backward);
+            # the fused path under SP keeps only the shard and gathers it once more in backward.
             full = 2 * S * B * IN * 4
             forwards = 2 if mode == "recompute" else 1
-            assert moved == ({"all_gather": forwards * full, "reduce_scatter": full} if sp else {"all_reduce": full})
+            assert ref_moved == ({"all_gather": forwards * full, "reduce_scatter": full} if sp
+                                 else {"all_reduce": full})
+            assert moved == ({"all_gather": (forwards + 1) * full, "reduce_scatter": full} if sp
+                             else {"all_reduce": full}), what
 
 
 # --- in the model -----------------------------------------------------------------------------
@@ -201,15 +204,17 @@ def _gpt_step_bytes(rank, world, sp):
 
 @pytest.mark.parametrize("sp", [False, True])
 def test_gpt_step_moves_the_same_collectives(sp):
-    """One GPT forward/backward at TP 2 counts what the separate TP regions counted: per layer
+    """One GPT forward/backward at TP 2 counts what the separate TP regions counted (plus, under
+    SP, the backward re-gather of each column-parallel input, as Megatron-LM does): per layer
     two forward collectives (attention and MLP outputs) and two backward ones (the input gradient
     of Q with K;V, and of fc1), one each for the embedding and the output layer, and the
     cross entropy's three [s, b] fp32 statistics."""
     counted = run_distributed(_gpt_step_bytes, 2, sp)[0]
     layers, act, stats = 2, 16 * 2 * 64 * 4, 3 * 16 * 2 * 4
     per_direction = (2 * layers + 1) * act
-    if sp:  # all-gathers forward become reduce-scatters backward and the other way round
-        assert counted == {"all_gather": 2 * per_direction, "reduce_scatter": 2 * per_direction, "all_reduce": stats}
+    if sp:  # all-gathers forward become reduce-scatters backward and the other way round; each
+        # column-parallel input is gathered again in backward (only its shard is kept)
+        assert counted == {"all_gather": 3 * per_direction, "reduce_scatter": 2 * per_direction, "all_reduce": stats}
     else:
         assert counted == {"all_reduce": 2 * per_direction + stats}
 

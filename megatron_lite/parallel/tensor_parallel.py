@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from . import comm
 from .sharding import ShardSpec, replicated, set_spec, tp_split
-from .state import ParallelDims, group_rank
+from .state import ParallelDims, group_rank, group_size
 
 
 # --- weight-gradient deferral (zero-bubble pipeline schedules) --------------------------------
@@ -109,10 +109,11 @@ class _ColumnParallelFn(torch.autograd.Function):
     """y_i = x A_i^T + b_i for column-parallel weights A_i over one input x, with the TP input
     region inside (the f of the Megatron-LM paper, or the SP all-gather / reduce-scatter).
 
-    Forward: the GEMMs on x, or under SP on x all-gathered along the sequence (saved whole, as
-    the separate region did). Backward: the input gradient sum_i g_i A_i; its all-reduce (SP:
-    reduce-scatter) started asynchronously; the weight gradients computed while it runs (gloo
-    and NCCL reduce on their own thread / stream); then the wait. Megatron-Core's
+    Forward: the GEMMs on x, or under SP on x all-gathered along the sequence (only the local
+    shard is saved). Backward: under SP the all-gather of the shard again, started first; the
+    input gradient sum_i g_i A_i; its all-reduce (SP: reduce-scatter) started asynchronously;
+    the weight gradients computed while it runs (gloo and NCCL reduce on their own thread /
+    stream); then the wait. Megatron-Core's
     LinearWithGradAccumulationAndAsyncCommunication does the same. While a WeightGradStore
     defers, the weight-gradient GEMMs are queued there exactly as _LinearFn queues them and the
     collective is waited for at once: nothing is left to hide it behind."""
@@ -122,7 +123,8 @@ class _ColumnParallelFn(torch.autograd.Function):
         weights, biases = params[:n], params[n:]
         group, counter = dims.tp_group, dims.comm_counter
         total = comm.gather_along(x, 0, group, counter) if sequence_parallel else x
-        ctx.save_for_backward(total, *weights)
+        # Under SP only this rank's sequence shard is kept: backward gathers it again (as Megatron).
+        ctx.save_for_backward(x if sequence_parallel else total, *weights)
         ctx.group, ctx.counter, ctx.sequence_parallel, ctx.store = group, counter, sequence_parallel, store
         ctx.input_shape = x.shape
         ctx.weights, ctx.biases = weights, biases  # the parameters themselves (see _LinearFn)
@@ -130,9 +132,14 @@ class _ColumnParallelFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        total, *weights = ctx.saved_tensors
+        saved, *weights = ctx.saved_tensors
         n, need = len(weights), ctx.needs_input_grad
         grad_x = handle = None
+        total, gathering = saved, None
+        if ctx.sequence_parallel:  # the input again, gathered behind the input-gradient GEMMs
+            x = saved.contiguous()
+            total = x.new_empty((x.shape[0] * group_size(ctx.group),) + tuple(x.shape[1:]))
+            gathering = comm.all_gather(total, x, ctx.group, async_op=True, counter=ctx.counter)
         if need[0]:
             grad_total = grads[0].matmul(weights[0])
             for g, w in zip(grads[1:], weights[1:]):
@@ -143,6 +150,8 @@ class _ColumnParallelFn(torch.autograd.Function):
             else:
                 grad_x = grad_total
                 handle = comm.all_reduce(grad_x, ctx.group, async_op=True, counter=ctx.counter)
+        if gathering is not None:
+            gathering.wait()
         store = ctx.store
         if store is not None and store.deferring:
             for i in reversed(range(n)):  # the order in which separate layers' backwards queued them

@@ -9,8 +9,8 @@ size, widths per TP rank: q = heads/tp x head dim, kv = groups/tp x head dim, f 
 
   norm (x2 per layer)  RMSNorm: its fp32 input copy (bf16) and normalized value, 1/rms: (8 - a) h + 4;
                        LayerNorm: mean and 1/std: 8; on the residual stream's tokens (1/tp of them
-                       under SP); plus its output as the next linear's input, a h on every token
-                       (under SP: the all-gathered copy)
+                       under SP); plus its output as the next linear's input, a h on the same
+                       tokens (under SP the shard: backward all-gathers it again)
   attention            q and k after RoPE, the [k | v] projection: a (q + 3 kv) (without RoPE: a (q + 2 kv));
                        the attention output a q and its log-sum-exp, 4 per head (fused kernels: no
                        [s, s] scores are kept)
@@ -120,11 +120,12 @@ def _moe_mlp(cfg: ModelConfig, lay: Layout, w: Widths) -> int:
 def layer_bytes(cfg: ModelConfig, lay: Layout, w: Widths, moe: bool) -> int:
     """Activation bytes one transformer layer keeps for backward, one micro-batch."""
     rope = cfg.position_embedding_type == "rope"
-    per_token = 2 * w.a * w.h  # the two norms' outputs as linear inputs (all tokens)
-    per_token += w.a * (w.q + (3 if rope else 2) * w.kv) + w.a * w.q
+    per_token = w.a * (w.q + (3 if rope else 2) * w.kv) + w.a * w.q
     per_token += 4 * w.heads if lay.recompute != "selective" else 0
     per_token += _moe_mlp(cfg, lay, w) if moe else _mlp(w, cfg.swiglu, w.f)
-    per_residual = 2 * _norm_internal(cfg, w) + 2 * w.a * w.h
+    # the two sums of the residual stream, and the two norms' outputs as the column-parallel
+    # inputs (under SP only the shard: backward gathers it again)
+    per_residual = 2 * _norm_internal(cfg, w) + 4 * w.a * w.h
     if cfg.hidden_dropout > 0:
         per_residual += 2 * w.h  # the masks, one byte per element
     return per_token * w.tokens + per_residual * w.residual_tokens
@@ -151,7 +152,7 @@ def _loss_part(cfg: ModelConfig, w: Widths) -> int:
     in the logits' own buffer, or chunked: the bf16 logits and 8 bytes per token of max and exp
     sum; targets and masks): freed by the time the layers' backward (and any recomputation) starts."""
     kept = (w.a * w.vocab + 8) if _ce_chunk(w) else 4 * w.vocab
-    return _norm_internal(cfg, w) * w.residual_tokens + (w.a * w.h + kept + 14) * w.tokens
+    return (_norm_internal(cfg, w) + w.a * w.h) * w.residual_tokens + (kept + 14) * w.tokens
 
 
 def _layer_forward_transient(cfg: ModelConfig, w: Widths) -> int:

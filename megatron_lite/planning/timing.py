@@ -114,7 +114,9 @@ def step_time(cfg: ModelConfig, lay: Layout, hw: Hardware, inventory, pp_rank: i
     tokens_mb = lay.seq_length // lay.cp * lay.micro_batch_size
     act = a * tokens_mb * cfg.hidden_size  # one [s, b, h] activation of this rank's sequence part
     tp = 0.0
-    if lay.tp > 1:  # 4 all-reduce equivalents per layer and micro-batch (2 forward, 2 backward)
+    if lay.tp > 1:  # 4 all-reduce equivalents per layer and micro-batch (2 forward, 2 backward);
+        # under SP the column-parallel inputs are gathered again in backward, but asynchronously
+        # behind the input-gradient GEMMs (tensor_parallel._ColumnParallelFn): not counted as exposed
         per = 2 * (lay.tp - 1) / lay.tp * act * (4 + (2 if lay.recompute == "full" else 0))
         tp = per * layers_here * m / _bw(hw, lay.tp)
     cp = 0.0

@@ -219,6 +219,8 @@ class Trainer:
         t, dims = self.cfg.training, self.dims
         self.checkpointing.poll()  # commit a background save every rank has finished
         self.iteration += 1
+        if self.profiler.starts_or_stops(self.iteration, at_start=True):
+            self.grad_sync.wait_param_gather()  # --overlap-param-gather's collectives end outside the trace
         self.profiler.on_step_start(self.iteration)
         gbs = self.batch_schedule.running_global_batch_size(self.consumed_samples)
         num_microbatches = gbs // (t.micro_batch_size * dims.dp)
@@ -253,6 +255,8 @@ class Trainer:
             if self.moe_tracker is not None:
                 update_expert_bias(routers_of(self.chunks), dims)  # aux-loss-free balancing, if on
         self.consumed_samples += gbs
+        if self.profiler.starts_or_stops(self.iteration, at_start=False):
+            self.grad_sync.wait_param_gather()  # ... and inside it
         self.profiler.on_step_end(self.iteration)
         moe = self.moe_tracker.reduce(dims) if self.moe_tracker is not None else None  # collective
         rec = self._record(out, lrs[DEFAULT_GROUP], step_time, tokens_per_step, gbs, mem, moe)

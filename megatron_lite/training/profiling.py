@@ -59,6 +59,16 @@ class StepProfiler:
             self._start_memory_history()
 
     # --- the loop's calls ---------------------------------------------------------------------
+    def starts_or_stops(self, step: int, at_start: bool) -> bool:
+        """Whether the trace starts before step `step` (at_start) or stops after it: the loop
+        lets in-flight asynchronous collectives finish first (gloo's work objects record into
+        the profiler from their own thread: one that ends after the profiler stopped crashes)."""
+        if not self.profiling:
+            return False
+        if at_start:
+            return self._prof is None and self.start < step <= self.end
+        return self._prof is not None and step >= self.end
+
     def on_step_start(self, step: int) -> None:
         """Before training step `step` (1-based)."""
         if not self.profiling or not self.start < step <= self.end:
