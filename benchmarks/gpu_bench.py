@@ -117,8 +117,8 @@ def ours_parameter_count(argv: List[str]) -> int:
 
 
 # --- processes with a timeout each -------------------------------------------------------------
-def subprocess_env() -> dict:
-    env = dict(os.environ)
+def subprocess_env(extra: Optional[dict] = None) -> dict:
+    env = dict(os.environ, **(extra or {}))
     env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -127,11 +127,11 @@ def subprocess_env() -> dict:
     return env
 
 
-def run_process(cmd: List[str], timeout: float, log_path: str) -> dict:
+def run_process(cmd: List[str], timeout: float, log_path: str, env: Optional[dict] = None) -> dict:
     """Run in its own process group (torchrun's workers die with it); output to log_path."""
     start = time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=subprocess_env(), cwd=REPO,
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=subprocess_env(env), cwd=REPO,
                                 start_new_session=True)
         timed_out = False
         try:
@@ -238,7 +238,8 @@ class Bench:
             os.replace(tmp, out + suffix)
 
     # one run of our trainer
-    def run_ours(self, name: str, argv: List[str], cap: float, nproc: int = 1, metrics: Optional[str] = None) -> dict:
+    def run_ours(self, name: str, argv: List[str], cap: float, nproc: int = 1, metrics: Optional[str] = None,
+                 env: Optional[dict] = None) -> dict:
         """{"ok", "reason", "records", "wall_s", "proc"} of pretrain_gpt.py with these flags."""
         metrics = metrics or os.path.join(self.work, f"{name}.jsonl")
         if os.path.exists(metrics):
@@ -249,7 +250,7 @@ class Bench:
         launcher = [sys.executable] if nproc == 1 else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
         cmd = launcher + [PRETRAIN] + argv + ["--metrics-file", metrics]
-        proc = run_process(cmd, timeout, os.path.join(self.work, f"{name}.log"))
+        proc = run_process(cmd, timeout, os.path.join(self.work, f"{name}.log"), env)
         self.log(name, proc, cmd)
         recs = read_metrics(metrics)
         out = {"ok": False, "reason": "", "records": recs, "wall_s": proc["wall_s"], "proc": proc}
@@ -297,6 +298,7 @@ def smoke_rows() -> Dict[str, List[str]]:
         "checkpoint": ["--bf16"],
         "moe": ["--bf16", "--num-experts", "4", "--moe-router-topk", "2", "--moe-grouped-gemm"],
         "cp": ["--bf16", "--context-parallel-size", "2"],
+        "host-syncs": ["--bf16"],
     }
 
 
@@ -309,12 +311,25 @@ def smoke_one(b: Bench, name: str, extra: List[str]) -> dict:
         nproc = 2
         if a.device == "cuda" and a.gpus < 2:
             return b.skip("smoke", name, f"skipped: needs 2 GPUs (NCCL refuses two ranks on one GPU; {a.gpus} visible)")
+    env = None
+    if name == "host-syncs":  # torch.cuda's sync debug mode over the steps after warm-up
+        if a.device != "cuda":
+            return b.skip("smoke", name, "skipped: CUDA only (torch.cuda.set_sync_debug_mode)")
+        env = {"MEGATRON_LITE_SYNC_DEBUG_FROM": "3"}
     r = b.run_ours(f"smoke-{name}", argv, a.smoke_compile_timeout_s if name == "compile" else a.smoke_timeout_s,
-                   nproc=nproc)
+                   nproc=nproc, env=env)
     if r.get("skip"):
         return b.skip("smoke", name, r["reason"])
     row.update(status="PASS" if r["ok"] else "FAIL", reason=r["reason"], wall_s=r["wall_s"],
                losses=losses_of(r["records"]))
+    if r["ok"] and name == "host-syncs":
+        counted = [x for x in r["records"] if "host_syncs" in x]
+        if not counted:
+            row.update(status="FAIL", reason="no step reported host_syncs")
+        else:  # measured, not judged here: the logged scalars (loss, grad norm) are expected
+            sites = sorted({s for x in counted for s in x["host_sync_sites"]})
+            row.update(host_syncs=[x["host_syncs"] for x in counted], host_sync_sites=sites,
+                       reason=f"host syncs per step {[x['host_syncs'] for x in counted]} at {', '.join(sites)}")
     if r["ok"] and name == "moe" and not any("moe_aux_loss" in x or "moe_load_imbalance" in x for x in r["records"]):
         row.update(status="FAIL", reason="no MoE statistics in the metrics: did the MoE layers run?")
     return b.add(row)

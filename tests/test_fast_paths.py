@@ -162,3 +162,26 @@ def test_start_up_line_names_the_fast_paths():
     line = fast_paths.describe_fast_paths(device="cpu", params_dtype=torch.float32, compile=False, chunk_setting=None,
                                           vocab_per_rank=256, normalization="LayerNorm", fused_adamw=False)
     assert "compile off (eager)" in line and "cross entropy whole micro-batch" in line and "F.layer_norm" in line
+
+
+# --- host synchronizations (the device check's counter) ------------------------------------------
+def test_host_sync_counter_counts_the_warnings_of_the_sync_debug_mode(monkeypatch):
+    import warnings
+
+    from megatron_lite.training.profiling import HostSyncCounter
+
+    monkeypatch.setenv("MEGATRON_LITE_SYNC_DEBUG_FROM", "2")
+    assert HostSyncCounter(torch.device("cpu")).start is None  # CUDA only
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    counter = HostSyncCounter(torch.device("cuda"))  # built without touching a GPU
+    with counter.step(1):
+        warnings.warn("called a synchronizing CUDA operation")
+    assert counter.fields() == {} and modes == []  # before the first counted step
+    with counter.step(2):
+        warnings.warn("called a synchronizing CUDA operation")  # e.g. the logged loss
+        warnings.warn("something else")
+        warnings.warn("called a synchronizing CUDA operation")
+    fields = counter.fields()
+    assert fields["host_syncs"] == 2 and modes == ["warn", "default"]
+    assert fields["host_sync_sites"] and all(site.startswith("test_fast_paths.py:") for site in fields["host_sync_sites"])

@@ -22,7 +22,7 @@ from ..parallel.random import RNGStatesTracker, model_parallel_seed
 from ..parallel.state import ParallelDims
 from .flops import device_peak_tflops, flops_per_token
 from .metrics import MetricsLogger
-from .profiling import StepProfiler, default_trace_dir, empty_unused_memory
+from .profiling import HostSyncCounter, StepProfiler, default_trace_dir, empty_unused_memory
 from ..parallel.context_parallel import split_batch_for_cp
 from ..parallel.pipeline.executor import PipelineExecutor, activation_shape
 from ..parallel.pipeline.schedules import ZERO_BUBBLE, default_schedule
@@ -145,6 +145,7 @@ class Trainer:
         self.logger = MetricsLogger(t, self.logs_here, cfg.to_dict(), append=self.iteration > 0)
         self.flops_per_token = flops_per_token(m, t.seq_length)  # active parameters of an MoE model
         self.peak_tflops = device_peak_tflops(device)
+        self.host_syncs = HostSyncCounter(device)
         self.profiler = StepProfiler(dims.rank, profile=t.profile, step_start=t.profile_step_start,
                                      step_end=t.profile_step_end, ranks=t.profile_ranks,
                                      trace_dir=default_trace_dir(t.tensorboard_dir),
@@ -240,10 +241,11 @@ class Trainer:
             self.moe_tracker.clear()
         level = t.empty_unused_memory_level
         try:
-            out = train_step(self.chunks, batches, dims, self.optimizer, self.grad_sync, lrs, self.forward_step,
-                             self.forward_backward, loss_normalizer=float(tokens_per_step),
-                             per_token_loss=t.calculate_per_token_loss, weight_decay=weight_decay,
-                             after_backward=lambda: empty_unused_memory(level, "forward_backward"))
+            with self.host_syncs.step(self.iteration):
+                out = train_step(self.chunks, batches, dims, self.optimizer, self.grad_sync, lrs, self.forward_step,
+                                 self.forward_backward, loss_normalizer=float(tokens_per_step),
+                                 per_token_loss=t.calculate_per_token_loss, weight_decay=weight_decay,
+                                 after_backward=lambda: empty_unused_memory(level, "forward_backward"))
         except NonFiniteError as e:  # raised on every rank at once: stop before any save
             self._stop_on_nonfinite(e)
         empty_unused_memory(level, "optimizer")
@@ -304,6 +306,7 @@ class Trainer:
             rec["max_memory_gb"] = rss / (2**30 if sys.platform == "darwin" else 2**20)
         if mem is not None:
             rec.update(mem)
+        rec.update(self.host_syncs.fields())
         if self.cfg.training.log_comm_volume:
             rec["comm_bytes"] = self.dims.comm_counter.reset()
         if moe is not None:  # MoE: per-layer router statistics, and their means / worst over layers

@@ -18,8 +18,10 @@ at pytorch.org/memory_viz. CPU runs have no such allocator: `notes` says so in o
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import warnings
 from typing import List, Optional, Sequence
 
 import torch
@@ -147,3 +149,37 @@ def empty_unused_memory(level: int, after: str) -> None:
     needed = 2 if after == "optimizer" else 1
     if level >= needed and torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+class HostSyncCounter:
+    """`MEGATRON_LITE_SYNC_DEBUG_FROM=N` on CUDA: from step N on, every host synchronization inside
+    the training step is reported by torch.cuda's sync debug mode and counted; the step's record
+    gets `host_syncs` and their `host_sync_sites` (file:line). A step should have none but the
+    logged scalars (benchmarks/gpu_bench.py's host-syncs row)."""
+
+    def __init__(self, device: torch.device):
+        start = os.environ.get("MEGATRON_LITE_SYNC_DEBUG_FROM")
+        self.start = int(start) if start and device.type == "cuda" else None
+        self.caught: Optional[list] = None
+
+    @contextlib.contextmanager
+    def step(self, step: int):
+        if self.start is None or step < self.start:
+            self.caught = None
+            yield
+            return
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        self.caught = [w for w in caught if "synchroniz" in str(w.message)]
+
+    def fields(self) -> dict:
+        if self.caught is None:
+            return {}
+        return {"host_syncs": len(self.caught),
+                "host_sync_sites": sorted({f"{os.path.basename(w.filename)}:{w.lineno}" for w in self.caught})}
+
