@@ -226,7 +226,7 @@ class _RingAttention(torch.autograd.Function):
                     dout[:, rows], q[:, rows], kv[0][:, cols], kv[1][:, cols], lse[:, :, rows], delta[:, :, rows],
                     q_index=all_index[rank][rows], k_index=all_index[src][cols],
                     q_doc=None if q_doc is None else q_doc[:, rows], k_doc=None if k_doc is None else k_doc[:, cols],
-                    **ctx.opts)
+                    out=out[:, rows], **ctx.opts)  # out: the fused kernels' backward takes it, not delta
                 dq[:, rows] += gq
                 dkv[0][:, cols] += gk
                 dkv[1][:, cols] += gv

@@ -19,17 +19,36 @@ Scores, softmax and accumulation run in float32 (float64 for float64 inputs): th
 dtype", which is also the dtype of lse and of the backward helper's gradients. Rows with no
 visible key give out 0 and lse -inf, and zero gradients (never NaN).
 
-This is the pure-PyTorch reference path and runs on any device. It materializes the
-[b, hq, sq, sk] scores of one block, which is fine for the blocks of CP tests and small runs; a
-fused CUDA kernel returning the LSE can replace the inside of `_block_forward` /
-`attention_block_backward` without changing this interface.
+Two paths behind one interface:
+- fused: PyTorch's flash-attention kernels, which return the LSE and never materialize the
+  scores. Used automatically when the visible pairs split into sub-blocks that are either fully
+  visible or plain causal over one and the same run of consecutive indices (`_fused_blocks`):
+  that is every causal or non-causal block without window, documents or dropout, whatever the
+  index layout (zigzag chunks, all-gathered K/V), as long as it cuts into at most
+  _MAX_FUSED_BLOCKS sub-blocks. CPU: `_scaled_dot_product_flash_attention_for_cpu` in the
+  accumulation dtype (GQA native). CUDA (opt-in, `fused_cuda`, not yet checked on a GPU):
+  `_scaled_dot_product_flash_attention` for bf16/fp16, `_scaled_dot_product_efficient_attention`
+  for fp32, K/V expanded per group. The backward feeds the kernel's backward the FINAL out and
+  lse (it recomputes P = exp(S - lse) and delta = rowsum(dout * out)), as ring flash attention
+  does; that needs `out`, so a nonzero gradient on the returned lse takes the reference backward.
+- reference: pure PyTorch, any device and any visibility; it materializes the [b, hq, sq, sk]
+  scores of a block. Set `use_fused = False` (or MEGATRON_LITE_FUSED_ATTENTION=0) to force it.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+import os
+from typing import List, Optional, Tuple
 
 import torch
+
+# Module switches, read at every call (tests flip them with monkeypatch).
+use_fused = os.environ.get("MEGATRON_LITE_FUSED_ATTENTION", "1") != "0"
+# The CUDA kernels are written against the aten schemas of torch 2.11-2.13 but not yet run on a
+# GPU here: opt in with MEGATRON_LITE_FUSED_ATTENTION_CUDA=1 (tests/test_block_attention_fused.py
+# has the CUDA checks) until they are.
+fused_cuda = os.environ.get("MEGATRON_LITE_FUSED_ATTENTION_CUDA", "0") == "1"
+_MAX_FUSED_BLOCKS = 512  # beyond this many sub-blocks (scattered indices) the reference is used
 
 NEG_INF = float("-inf")
 
@@ -129,10 +148,178 @@ def _block_forward(q, k, v, mask, scale, dropout_p, dropout_seed):
     return torch.matmul(probs, vg), lse
 
 
-def attention_block_backward(dout, q, k, v, lse, delta, *, q_index, k_index, q_doc=None, k_doc=None,
+# --- fused path: flash-attention kernels over fully visible / plain causal sub-blocks ------------
+Block = Tuple[slice, slice, bool]  # (query rows, key rows, causal over the same index run)
+
+
+def _runs(index: torch.Tensor) -> List[Tuple[int, int, int]]:
+    """Maximal runs of consecutive increasing indices as (first row, first index, last index)."""
+    idx = index.detach().to("cpu", torch.int64)
+    n = idx.numel()
+    if n == 0:
+        return []
+    cuts = ((idx[1:] != idx[:-1] + 1).nonzero().flatten() + 1).tolist()
+    starts, stops = [0] + cuts, cuts + [n]
+    first = idx[starts].tolist()
+    return [(a, lo, lo + (z - a) - 1) for a, z, lo in zip(starts, stops, first)]
+
+
+def _cut(run: Tuple[int, int, int], lo: int, hi: int) -> List[Tuple[int, int, int]]:
+    """A run cut at the edges of the index range [lo, hi]: pieces inside it or disjoint from it."""
+    start, a, z = run
+    edges = sorted({a, z + 1} | {e for e in (lo, hi + 1) if a < e <= z})
+    return [(start + e0 - a, e0, e1 - 1) for e0, e1 in zip(edges, edges[1:])]
+
+
+def fused_kernel(device, dtype: torch.dtype, head_dim: int = 64) -> Optional[str]:
+    """The fused kernel block attention uses for these inputs ("cpu", "flash", "efficient"), or None
+    (reference path). The visibility of a block decides the rest (`_fused_blocks`)."""
+    if not use_fused:
+        return None
+    device = torch.device(device)
+    if device.type == "cpu":
+        return "cpu" if dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16) else None
+    if device.type == "cuda" and fused_cuda and head_dim % 8 == 0:
+        if dtype in (torch.bfloat16, torch.float16) and head_dim <= 256:
+            return "flash"
+        if dtype == torch.float32:
+            return "efficient"
+    return None
+
+
+def _kernel_kind(x: torch.Tensor) -> Optional[str]:
+    return fused_kernel(x.device, x.dtype, x.shape[-1])
+
+
+def _fused_blocks(q, k, q_index, k_index, q_doc, causal, window, dropout_p) -> Optional[List[Block]]:
+    """The sub-blocks that hold exactly the visible pairs, each fully visible or plain causal (the
+    same run of consecutive indices for queries and keys, so visibility is j <= i); None when the
+    fused path does not apply (switched off, no kernel, window, documents, dropout, scattered
+    indices). Rows in no sub-block see no key."""
+    if q_doc is not None or window is not None or dropout_p > 0 or _kernel_kind(q) is None:
+        return None
+    sq, sk = q.shape[1], k.shape[1]
+    if not causal:
+        return [(slice(0, sq), slice(0, sk), False)]
+    q_runs, k_runs = _runs(q_index), _runs(k_index)
+    if len(q_runs) * len(k_runs) > _MAX_FUSED_BLOCKS:
+        return None
+    blocks: List[Block] = []
+    for q_run in q_runs:
+        for k_run in k_runs:
+            lo, hi = max(q_run[1], k_run[1]), min(q_run[2], k_run[2])
+            q_parts = _cut(q_run, lo, hi) if lo <= hi else [q_run]
+            k_parts = _cut(k_run, lo, hi) if lo <= hi else [k_run]
+            for qs, qa, qz in q_parts:
+                rows = slice(qs, qs + qz - qa + 1)
+                for ks, ka, kz in k_parts:
+                    cols = slice(ks, ks + kz - ka + 1)
+                    if (ka, kz) == (qa, qz):
+                        blocks.append((rows, cols, True))
+                    elif kz < qa:  # every key before every query: fully visible
+                        prev = blocks[-1] if blocks else None
+                        if prev is not None and not prev[2] and prev[0] == rows and prev[1].stop == cols.start:
+                            blocks[-1] = (rows, slice(prev[1].start, cols.stop), False)
+                        else:
+                            blocks.append((rows, cols, False))
+                    # else every key after every query: nothing visible
+    return blocks if len(blocks) <= _MAX_FUSED_BLOCKS else None
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(1, 2)  # [b, s, h, d] -> [b, h, s, d] (a view, last dim contiguous)
+
+
+def _kernel_forward(q, k, v, causal: bool, scale: float):
+    """One sub-block: q [b, sq, hq, d], k/v [b, sk, hkv, d] -> (out [b, sq, hq, d], lse [b, hq, sq]),
+    both in the accumulation dtype."""
+    acc = accumulation_dtype(q.dtype)
+    kind = _kernel_kind(q)
+    if kind == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            *(_heads_first(t.to(acc)) for t in (q, k, v)), 0.0, causal, attn_mask=None, scale=scale)
+        return out.transpose(1, 2), lse.to(acc)
+    rep = q.shape[2] // k.shape[2]
+    qh, kh, vh = (_heads_first(t) for t in (q, k, v))
+    if rep > 1:
+        kh, vh = kh.repeat_interleave(rep, dim=1), vh.repeat_interleave(rep, dim=1)
+    if kind == "flash":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(qh, kh, vh, 0.0, causal, False, scale=scale)[:2]
+    else:  # efficient (fp32); its lse is padded to a multiple of 32 rows
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(qh, kh, vh, None, True, 0.0, causal,
+                                                                          scale=scale)[:2]
+        lse = lse[:, :, :q.shape[1]]
+    return out.transpose(1, 2).to(acc), lse.to(acc)
+
+
+def _kernel_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """Gradients of one sub-block from the FINAL out [b, sq, hq, d] and lse [b, hq, sq] of its query
+    rows: (dq, dk, dv) in the accumulation dtype, dk/dv with the hkv heads of k/v."""
+    acc = accumulation_dtype(q.dtype)
+    kind = _kernel_kind(q)
+    lse = lse.to(torch.float32 if kind != "cpu" else acc).contiguous()
+    if kind == "cpu":
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            *(_heads_first(t.to(acc)) for t in (dout, q, k, v, out)), lse, 0.0, causal, attn_mask=None, scale=scale)
+        return tuple(g.transpose(1, 2) for g in grads)
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    rep = hq // hkv
+    qh, kh, vh = (_heads_first(t) for t in (q, k, v))
+    if rep > 1:
+        kh, vh = kh.repeat_interleave(rep, dim=1), vh.repeat_interleave(rep, dim=1)
+    doh, oh = _heads_first(dout.to(q.dtype)), _heads_first(out.to(q.dtype))
+    if kind == "flash":
+        # Dense (not varlen) call: cum_seq None; the philox seed/offset are read only with dropout.
+        seed = torch.empty(2, dtype=torch.uint64, device=q.device)
+        offset = torch.empty((), dtype=torch.uint64, device=q.device)
+        gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            doh, qh, kh, vh, oh, lse, None, None, sq, sk, 0.0, causal, seed, offset, scale=scale)
+    else:
+        padded = lse.new_zeros(b, hq, -(-sq // 32) * 32)
+        padded[:, :, :sq] = lse
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        gq, gk, gv = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            doh, qh, kh, vh, None, oh, padded, seed, seed.clone(), 0.0, [True, True, True, False], causal,
+            scale=scale)[:3]
+    if rep > 1:
+        gk, gv = (g.unflatten(1, (hkv, rep)).sum(2) for g in (gk.to(acc), gv.to(acc)))
+    return gq.transpose(1, 2).to(acc), gk.transpose(1, 2).to(acc), gv.transpose(1, 2).to(acc)
+
+
+def _fused_forward(q, k, v, blocks: List[Block], scale: float):
+    """(out [b, sq, hq, d], lse [b, hq, sq]) in the accumulation dtype, merged over the sub-blocks."""
+    acc = accumulation_dtype(q.dtype)
+    b, sq, hq, d = q.shape
+    if len(blocks) == 1 and blocks[0][0] == slice(0, sq):
+        rows, cols, causal = blocks[0]
+        return _kernel_forward(q, k[:, cols], v[:, cols], causal, scale)
+    out = torch.zeros(b, sq, hq, d, dtype=acc, device=q.device)
+    lse = torch.full((b, hq, sq), NEG_INF, dtype=acc, device=q.device)
+    for rows, cols, causal in blocks:
+        o, l = _kernel_forward(q[:, rows], k[:, cols], v[:, cols], causal, scale)
+        out[:, rows], lse[:, :, rows] = merge_partials(out[:, rows], lse[:, :, rows], o, l)
+    return out, lse
+
+
+def _fused_backward(dout, q, k, v, out, lse, blocks: List[Block], scale: float):
+    acc = accumulation_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    for rows, cols, causal in blocks:
+        gq, gk, gv = _kernel_backward(dout[:, rows], q[:, rows], k[:, cols], v[:, cols], out[:, rows],
+                                      lse[:, :, rows], causal, scale)
+        dq[:, rows] += gq
+        dk[:, cols] += gk
+        dv[:, cols] += gv
+    return dq, dk, dv
+
+
+def attention_block_backward(dout, q, k, v, lse, delta=None, *, q_index, k_index, q_doc=None, k_doc=None,
                              causal: bool = True, window: Optional[int] = None,
                              softmax_scale: Optional[float] = None, dropout_p: float = 0.0,
-                             dropout_seed: Optional[int] = None):
+                             dropout_seed: Optional[int] = None, out: Optional[torch.Tensor] = None):
     """Gradients (dq, dk, dv) of one key block, recomputed from the FINAL row statistics.
 
     lse [b, hq, sq]: log-sum-exp over ALL keys each query sees (the merged result, not this
@@ -140,11 +327,30 @@ def attention_block_backward(dout, q, k, v, lse, delta, *, q_index, k_index, q_d
     any incoming gradient of the final lse. Then P = exp(S - lse) is this block's slice of the
     global softmax and dS = P * (dP - delta), so the per-block gradients of disjoint key blocks
     sum to the gradient of the whole attention. Returned in the accumulation dtype (dq [b, sq, hq, d],
-    dk/dv [b, sk, hkv, d]) so callers can sum blocks without rounding."""
+    dk/dv [b, sk, hkv, d]) so callers can sum blocks without rounding.
+
+    out [b, sq, hq, d]: the final output of these query rows. Pass it (with or without delta; delta
+    must then be softmax_delta(dout, out)) to let the fused kernel run, which takes out, not delta;
+    with delta alone (e.g. a gradient on the lse folded in) the reference path runs."""
+    b, sq, hq, d = q.shape
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    if out is not None:
+        blocks = _fused_blocks(q, k, q_index, k_index, q_doc, causal, window, dropout_p)
+        if blocks is not None:
+            return _fused_backward(dout, q, k, v, out, lse, blocks, scale)
+        if delta is None:
+            delta = softmax_delta(dout, out)
+    if delta is None:
+        raise ValueError("attention_block_backward needs delta or out")
+    return _reference_backward(dout, q, k, v, lse, delta, q_index, k_index, q_doc, k_doc, causal, window, scale,
+                               dropout_p, dropout_seed)
+
+
+def _reference_backward(dout, q, k, v, lse, delta, q_index, k_index, q_doc, k_doc, causal, window, scale,
+                        dropout_p, dropout_seed):
     acc = accumulation_dtype(q.dtype)
     b, sq, hq, d = q.shape
     hkv = k.shape[2]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     mask = visibility_mask(q_index, k_index, q_doc, k_doc, causal=causal, window=window)
     qg, kg, vg = _grouped(q.to(acc), hkv), k.to(acc).transpose(1, 2), v.to(acc).transpose(1, 2)
     dog = _grouped(dout.to(acc), hkv)
@@ -174,24 +380,33 @@ class _AttentionBlock(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, q_index, k_index, q_doc, k_doc, causal, window, scale, dropout_p, dropout_seed,
                 out_dtype):
-        mask = visibility_mask(q_index, k_index, q_doc, k_doc, causal=causal, window=window)
-        out, lse = _block_forward(q, k, v, mask, scale, dropout_p, dropout_seed)
+        blocks = _fused_blocks(q, k, q_index, k_index, q_doc, causal, window, dropout_p)
         b, sq, hq, _ = q.shape
-        out = _ungrouped(out, sq).to(out_dtype)
-        lse = lse.reshape(b, hq, sq)
+        if blocks is not None:
+            out, lse = _fused_forward(q, k, v, blocks, scale)
+            out = out.to(out_dtype)
+        else:
+            mask = visibility_mask(q_index, k_index, q_doc, k_doc, causal=causal, window=window)
+            out, lse = _block_forward(q, k, v, mask, scale, dropout_p, dropout_seed)
+            out = _ungrouped(out, sq).to(out_dtype)
+            lse = lse.reshape(b, hq, sq)
         # Saved: inputs, output and lse; the mask and probabilities are recomputed in backward.
         ctx.save_for_backward(q, k, v, q_index, k_index, q_doc, k_doc, out, lse)
         ctx.opts = dict(causal=causal, window=window, softmax_scale=scale, dropout_p=dropout_p,
                         dropout_seed=dropout_seed)
+        ctx.set_materialize_grads(False)  # an unused lse gives dlse None: the fused backward may run
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, q_index, k_index, q_doc, k_doc, out, lse = ctx.saved_tensors
-        # d lse / dS = P, so a gradient on lse enters as -dlse in delta.
-        delta = softmax_delta(dout, out) - dlse
-        dq, dk, dv = attention_block_backward(dout, q, k, v, lse, delta, q_index=q_index, k_index=k_index,
-                                              q_doc=q_doc, k_doc=k_doc, **ctx.opts)
+        if dout is None:
+            dout = torch.zeros_like(out)
+        kw = dict(q_index=q_index, k_index=k_index, q_doc=q_doc, k_doc=k_doc, **ctx.opts)
+        if dlse is None:
+            dq, dk, dv = attention_block_backward(dout, q, k, v, lse, out=out, **kw)
+        else:  # d lse / dS = P, so a gradient on lse enters as -dlse in delta (reference path)
+            dq, dk, dv = attention_block_backward(dout, q, k, v, lse, softmax_delta(dout, out) - dlse, **kw)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 10
 
 
@@ -237,4 +452,4 @@ def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor
 
 
 __all__ = ["attention_block", "attention_block_backward", "merge_partials", "softmax_delta",
-           "visibility_mask", "dropout_keep_mask", "accumulation_dtype"]
+           "visibility_mask", "dropout_keep_mask", "accumulation_dtype", "fused_kernel"]

@@ -136,8 +136,17 @@ def describe_attention(backend: str, device, dtype, cp: int = 1, cp_comm_type=("
         blocks = [t for t in types if t != "a2a"]
         name = (f"context parallel {'/'.join(types)} over {cp} ranks"
                 + (f"; Ulysses core {name}" if "a2a" in types else "")
-                + ("; ring / all-gather blocks: local LSE kernel" if blocks else ""))
+                + ("; ring / all-gather blocks: " + _block_kernel(device, dtype) if blocks else ""))
     return name
+
+
+def _block_kernel(device, dtype) -> str:
+    """What block attention runs for CP blocks on this device (block_attention's fused switches)."""
+    from .block_attention import fused_kernel
+    kind = fused_kernel(device, dtype)
+    if kind is None:
+        return "local LSE kernel (materialises each block's scores)"
+    return f"{kind} flash LSE kernel where the blocks allow (no window / documents / dropout), else local"
 
 
 def core_attention_class(backend: str):
