@@ -242,6 +242,11 @@ def config_from_args(args: argparse.Namespace, zoo: Zoo) -> Config:
     named = zoo.model_config(args.model or zoo.default_run["model"]) if args.model or default_run else {}
     seq_length = named.pop("seq_length", None)
     model = _model_config(args, named)
+    if not named and "activation" not in vars(args) and not model.swiglu and model.add_bias_linear \
+            and not args.no_bias_gelu_fusion:
+        # Megatron-LM's defaults: --bias-gelu-fusion is on, and its fused bias-GELU kernel is the
+        # tanh approximation (--no-bias-gelu-fusion gives the exact GELU).
+        model.activation = "gelu_tanh"
     if args.no_position_embedding and model.position_embedding_type != "rope":
         raise ConfigError("--no-position-embedding is deprecated (Megatron-LM accepts it only with rope); use "
                           "--position-embedding-type rope or none")

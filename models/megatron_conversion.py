@@ -159,7 +159,8 @@ def model_config_from_megatron_args(a: Mapping[str, Any], vocab_size: int) -> Mo
               apply_layernorm_1p=bool(a.get("apply_layernorm_1p", False)),
               untie_embeddings_and_output_weights=bool(a.get("untie_embeddings_and_output_weights", False)),
               attention_dropout=float(a.get("attention_dropout", 0.1)), hidden_dropout=float(a.get("hidden_dropout", 0.1)),
-              init_method_std=float(a.get("init_method_std", 0.02)))
+              init_method_std=float(a.get("init_method_std", 0.02)),
+              make_vocab_size_divisible_by=a.get("make_vocab_size_divisible_by"))
     if a.get("use_rope_scaling"):
         kw.update(rope_scaling_type="llama3", rope_scaling_factor=float(a.get("rope_scaling_factor", 8.0)))
     return ModelConfig(**{k: v for k, v in kw.items() if v is not None})

@@ -15,6 +15,9 @@ Core puts on "cuda" at the CPU:
   forked rank) becomes a plain queue (the writer's results are read by the same process), and its
   memory probe (needs psutil, only for a debug log line) returns 0.
 The ranks must not be daemonic: the writer forks a process per file (run_distributed(daemon=False)).
+A model with --apply-layernorm-1p runs Megatron-Core's FusedLayerNorm as with apex installed, apex's
+kernel standing in as F.layer_norm (`apex_layer_norm()`, in that rank only): the local spec's other
+LayerNorm, torch's, refuses zero-centred weights.
 """
 from __future__ import annotations
 
@@ -112,7 +115,9 @@ def transformer_config(shape: dict, tp: int, pp: int, vpp: int = 1):
         bias_activation_fusion=shape.get("bias_gelu_fusion", False), hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, params_dtype=torch.float32,
         pipeline_dtype=torch.float32, use_cpu_initialization=True, gradient_accumulation_fusion=False,
-        bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False)
+        bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+        layernorm_zero_centered_gamma=shape.get("apply_layernorm_1p", False),
+        qk_layernorm=shape.get("qk_layernorm", False))
 
 
 def megatron_args(shape: dict, tp: int, pp: int, padded_vocab: int, ckpt_format: str,
@@ -127,14 +132,17 @@ def megatron_args(shape: dict, tp: int, pp: int, padded_vocab: int, ckpt_format:
         num_attention_heads=shape["num_attention_heads"], group_query_attention=gqa,
         num_query_groups=shape.get("num_query_groups") if gqa else 1, kv_channels=shape.get("kv_channels"),
         max_position_embeddings=shape["max_position_embeddings"], seq_length=shape["max_position_embeddings"],
-        position_embedding_type=shape["position_embedding_type"], rotary_base=10000, rotary_percent=1.0,
-        rotary_interleaved=False, use_rope_scaling=False, rope_scaling_factor=8.0,
+        position_embedding_type=shape["position_embedding_type"], rotary_base=shape.get("rotary_base", 10000),
+        rotary_percent=shape.get("rotary_percent", 1.0), rotary_interleaved=False,
+        use_rope_scaling=shape.get("use_rope_scaling", False),
+        rope_scaling_factor=shape.get("rope_scaling_factor", 8.0),
         normalization=shape["normalization"], norm_epsilon=shape["norm_epsilon"], swiglu=shape["swiglu"],
         openai_gelu=False, bias_gelu_fusion=shape.get("bias_gelu_fusion", False),
         add_bias_linear=shape["add_bias_linear"], add_qkv_bias=shape.get("add_qkv_bias", False),
-        qk_layernorm=False, apply_layernorm_1p=False,
+        qk_layernorm=shape.get("qk_layernorm", False), apply_layernorm_1p=shape.get("apply_layernorm_1p", False),
         untie_embeddings_and_output_weights=shape["untie_embeddings_and_output_weights"],
-        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, make_vocab_size_divisible_by=128,
+        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
+        make_vocab_size_divisible_by=shape.get("make_vocab_size_divisible_by", 128),
         padded_vocab_size=padded_vocab, vocab_size=None, tokenizer_type="GPT2BPETokenizer",
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
@@ -149,9 +157,10 @@ def _seed(name: str, *extra) -> int:
 
 
 @torch.no_grad()
-def randomize(model, tp_rank: int, pp_rank: int, tied: bool, post_process: bool) -> None:
+def randomize(model, tp_rank: int, pp_rank: int, tied: bool, post_process: bool, zero_centered: bool = False) -> None:
     """Every parameter random (norm weights and biases too), the same on all TP ranks where
-    Megatron-Core keeps a tensor whole, and a tied output layer equal to the embedding."""
+    Megatron-Core keeps a tensor whole, and a tied output layer equal to the embedding. Norm weights
+    lie around 1, or around 0 where they are `zero_centered` (applied as 1 + w)."""
     for name, p in model.named_parameters():
         key = name
         if tied and post_process and name == "output_layer.weight":
@@ -161,12 +170,39 @@ def randomize(model, tp_rank: int, pp_rank: int, tied: bool, post_process: bool)
         split = getattr(p, "tensor_model_parallel", False)
         g = torch.Generator().manual_seed(_seed(key, stage, tp_rank if split else "whole"))
         scale = 0.3 if p.dim() == 1 else 0.15
-        p.copy_(torch.randn(p.shape, generator=g) * scale + (1.0 if "norm" in name and "weight" in name else 0.0))
+        centre = 1.0 if "norm" in name and "weight" in name and not zero_centered else 0.0
+        p.copy_(torch.randn(p.shape, generator=g) * scale + centre)
+
+
+def apex_layer_norm() -> None:
+    """Megatron-Core's norms as with apex installed (in this rank's process only): its
+    FusedLayerNorm (the one local-spec LayerNorm that has --apply-layernorm-1p: weight applied as
+    1 + w; torch's LayerNorm refuses it) for every LayerNorm of the spec and the final norm, apex's
+    kernel standing in as its math, F.layer_norm."""
+    from megatron.core.fusions import fused_layer_norm
+    from megatron.core.models import backends
+    from megatron.core.transformer import transformer_block
+
+    class FusedLayerNormAffineFunction:  # apex.normalization.fused_layer_norm's, as plain PyTorch
+        @staticmethod
+        def forward(ctx, input, weight, bias, normalized_shape, eps):
+            return F.layer_norm(input, normalized_shape, weight, bias, eps)
+
+        @staticmethod
+        def apply(input, weight, bias, normalized_shape, eps):
+            return F.layer_norm(input, normalized_shape, weight, bias, eps)
+
+    fused_layer_norm.FusedLayerNormAffineFunction = FusedLayerNormAffineFunction
+    fused_layer_norm.HAVE_FUSED_LAYER_NORM = True
+    backends.LNImpl = transformer_block.LayerNormImpl = fused_layer_norm.FusedLayerNorm
 
 
 def build_gpt(shape: dict, tp: int, pp: int, padded_vocab: int, vpp: int = 1):
     """This rank's Megatron-Core GPTModel chunks (local spec; one per virtual pipeline stage),
-    random weights; parallel_state set up."""
+    random weights; parallel_state set up. The shape's model flags reach Megatron-Core as
+    Megatron-LM passes them: qk_layernorm and apply_layernorm_1p (layernorm_zero_centered_gamma)
+    through the config and the spec, rotary_percent, rotary_base, use_rope_scaling and
+    rope_scaling_factor as GPTModel's arguments."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -175,16 +211,22 @@ def build_gpt(shape: dict, tp: int, pp: int, padded_vocab: int, vpp: int = 1):
                                              virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
     pp_rank, tp_rank = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
     tied = not shape["untie_embeddings_and_output_weights"]
+    one_p = shape.get("apply_layernorm_1p", False)
+    if one_p:
+        apex_layer_norm()
     config = transformer_config(shape, tp, pp, vpp)
+    spec = get_gpt_layer_local_spec(normalization=shape["normalization"], qk_layernorm=shape.get("qk_layernorm", False))
     chunks = []
     for v in range(vpp):
         first, last = pp_rank == 0 and v == 0, pp_rank == pp - 1 and v == vpp - 1
-        model = GPTModel(config, get_gpt_layer_local_spec(normalization=shape["normalization"]),
-                         vocab_size=padded_vocab, max_sequence_length=shape["max_position_embeddings"],
+        model = GPTModel(config, spec, vocab_size=padded_vocab, max_sequence_length=shape["max_position_embeddings"],
                          pre_process=first, post_process=last, parallel_output=False,
                          share_embeddings_and_output_weights=tied,
-                         position_embedding_type=shape["position_embedding_type"], vp_stage=v if vpp > 1 else None)
-        randomize(model, tp_rank, pp_rank * vpp + v, tied, last)
+                         position_embedding_type=shape["position_embedding_type"],
+                         rotary_percent=shape.get("rotary_percent", 1.0), rotary_base=shape.get("rotary_base", 10000),
+                         rope_scaling=shape.get("use_rope_scaling", False),
+                         rope_scaling_factor=shape.get("rope_scaling_factor", 8.0), vp_stage=v if vpp > 1 else None)
+        randomize(model, tp_rank, pp_rank * vpp + v, tied, last, zero_centered=one_p)
         chunks.append(model.eval())
     return chunks
 

@@ -266,6 +266,7 @@ MEGATRON_MODEL_FLAGS = [
     ("--num-query-groups", int), ("--kv-channels", int), ("--max-position-embeddings", int),
     ("--normalization", str), ("--norm-epsilon", float), ("--position-embedding-type", str), ("--rotary-base", int),
     ("--rotary-percent", float), ("--rope-scaling-factor", float), ("--padded-vocab-size", int),
+    ("--make-vocab-size-divisible-by", int),
     ("--group-query-attention", "store_true"), ("--swiglu", "store_true"), ("--openai-gelu", "store_true"),
     ("--disable-bias-linear", "store_false"), ("--add-qkv-bias", "store_true"), ("--qk-layernorm", "store_true"),
     ("--apply-layernorm-1p", "store_true"), ("--untie-embeddings-and-output-weights", "store_true"),

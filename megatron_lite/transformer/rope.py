@@ -20,18 +20,17 @@ def llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
 
 
 def rope_inv_freq(cfg, device="cpu") -> torch.Tensor:
-    """The rotation frequencies of the model config (rotary_percent of each head rotated); on the
-    CPU unless told (a model built under torch.device("meta") still needs real values)."""
-    dim = rotary_dim(cfg)
-    inv_freq = 1.0 / (cfg.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+    """The rotation frequencies of the model config, one per rotated pair of each head's first
+    channels; on the CPU unless told (a model built under torch.device("meta") still needs real
+    values). As Megatron-Core's RotaryEmbedding (and Hugging Face's partial_rotary_factor): for the
+    n = int(kv_channels * rotary_percent) channels asked, base^(-2i / n) for i < ceil(n / 2), so an
+    odd n rotates n + 1 channels."""
+    n = int(cfg.kv_channels * cfg.rotary_percent)
+    inv_freq = 1.0 / (cfg.rotary_base ** (torch.arange(0, n, 2, dtype=torch.float32, device=device) / n))
     if cfg.rope_scaling_type == "llama3":
         inv_freq = llama3_scaled(inv_freq, cfg.rope_scaling_factor, cfg.rope_scaling_low_freq_factor,
                                  cfg.rope_scaling_high_freq_factor, cfg.rope_scaling_original_max_position)
     return inv_freq
-
-
-def rotary_dim(cfg) -> int:
-    return int(cfg.kv_channels * cfg.rotary_percent) // 2 * 2
 
 
 def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, dtype) -> tuple:
