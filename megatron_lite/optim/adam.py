@@ -29,6 +29,15 @@ def fused_adamw_available(device_type: str) -> bool:
     except (RuntimeError, NotImplementedError):
         return False
     return True
+
+
+@functools.cache
+def _step_tensor(device: torch.device) -> torch.Tensor:
+    """The fused kernel's step count on the device, refilled each call (a fill kernel, where a new
+    tensor from a Python number would be a host-to-device copy every step)."""
+    return torch.zeros((), device=device)
+
+
 _SLICE = 1 << 18  # elements per slice of the unfused formula
 
 
@@ -49,7 +58,7 @@ def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_a
         for lo, hi in decay_ranges:
             param[lo:hi].mul_(1.0 - lr * weight_decay)
     if fused_adamw_available(param.device.type):
-        steps = [torch.tensor(float(step), device=param.device)]
+        steps = [_step_tensor(param.device).fill_(float(step))]
         _FUSED([param], [grad], [exp_avg], [exp_avg_sq], [], steps, lr=lr, beta1=beta1, beta2=beta2,
                weight_decay=0.0, eps=eps, amsgrad=False, maximize=False)
         return
