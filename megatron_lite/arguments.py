@@ -27,7 +27,7 @@ SECTIONS = (("model", ModelConfig), ("moe", MoEConfig), ("parallel", ParallelCon
 # behaviour is always on here: accepted so that existing launch scripts run unchanged; they do not
 # change the math.
 COMPAT_NOOP_FLAGS = [
-    "--use-mcore-models", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
+    "--use-mcore-models", "--no-masked-softmax-fusion", "--no-bias-dropout-fusion",
     "--no-gradient-accumulation-fusion", "--accumulate-allreduce-grads-in-fp32", "--attention-softmax-in-fp32",
     "--no-async-tensor-model-parallel-allreduce", "--no-rope-fusion",
     "--bias-swiglu-fusion", "--no-bias-swiglu-fusion", "--no-create-attention-mask-in-dataloader",
@@ -129,6 +129,9 @@ def build_parser(zoo: Zoo) -> argparse.ArgumentParser:
     m, par, t = groups["model"], groups["parallel"], groups["training"]
     # Megatron's switches that set a field to a value, or read one only when given together.
     m.add_argument("--group-query-attention", action="store_true", help="use --num-query-groups")
+    m.add_argument("--no-bias-gelu-fusion", action="store_true",
+                   help="exact GELU: without it a command line with a model shape gets Megatron-LM's default "
+                        "fused bias-GELU, which is the tanh approximation (with biases, without --swiglu)")
     m.add_argument("--openai-gelu", action="store_const", const="gelu_tanh", dest="activation",
                    default=argparse.SUPPRESS, help="= --activation gelu_tanh")
     m.add_argument("--use-flash-attn", action="store_const", const="flash", dest="attention_backend",

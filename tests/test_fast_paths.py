@@ -65,6 +65,21 @@ def test_chunked_cross_entropy_equals_the_whole_micro_batch(tp, vocab, padded, d
                 assert got["calls"] == ref["calls"], f"chunk {chunk}: {got['calls']} vs {ref['calls']} bytes"
 
 
+def _ce_far_below_zero(rank, world):
+    dims = ParallelDims.from_world(tp=world)
+    gen = torch.Generator().manual_seed(3)
+    full = torch.randn(5, 2, 64, generator=gen) - 200.0  # every logit far below exp's range
+    target = torch.randint(0, 37, (5, 2), generator=gen)
+    local = full.chunk(world, dim=-1)[dims.tp_rank]  # 37 of 64 columns real: rank 3 holds padding only
+    return [vocab_parallel_cross_entropy(local.clone(), target, dims, 37, chunk_tokens=c) for c in (0, 3)]
+
+
+def test_chunked_cross_entropy_with_a_padding_only_rank_and_very_negative_logits():
+    for whole, chunked in run_distributed(_ce_far_below_zero, 4):
+        assert torch.isfinite(chunked).all()
+        torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
+
+
 def test_automatic_chunk_size():
     assert fast_paths.cross_entropy_chunk_tokens(None, torch.float32, 50304) == 0  # in place already
     chunk = fast_paths.cross_entropy_chunk_tokens(None, torch.bfloat16, 32000)
@@ -116,15 +131,64 @@ def _compiled_layers(rank, world, argv):
     trainer = make_trainer(cfg, tokenizer, torch.device("cpu"))
     layers = [m for c in trainer.chunks for m in c.layers.values()]
     names = sorted(n for c in trainer.chunks for n, _ in c.named_parameters())
-    return [getattr(m.forward, "__wrapped__", None) is not None or "compile" in type(m.forward).__name__.lower()
-            or hasattr(m.forward, "_torchdynamo_orig_callable") for m in layers], names
+    return [m.compiled for m in layers], names
 
 
-def test_compile_wraps_every_layer_and_keeps_parameter_names():
+def test_compile_marks_every_layer_and_keeps_parameter_names():
     compiled, names = run_distributed(_compiled_layers, 1, COMPILE_BASE + ["--compile"])[0]
     _, eager_names = run_distributed(_compiled_layers, 1, COMPILE_BASE)[0]
     assert compiled and all(compiled)
     assert names == eager_names, "checkpoints must not see the compile (no _orig_mod prefixes)"
+
+
+def _tiny_compiled_model(monkeypatch, store=None):
+    """A 2-layer Llama with --compile's layers, compiled by Dynamo's eager backend (Dynamo's
+    tracing rules, without the C++ compile time)."""
+    from megatron_lite.config import ModelConfig
+    from megatron_lite.transformer import block
+    from models.gpt import build_model
+
+    compiled = torch.compile(block.TransformerLayer._forward, backend="eager")
+    monkeypatch.setattr(block, "compiled_layer_forward", lambda: compiled)
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
+                      vocab_size=64, normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+                      add_bias_linear=False, untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
+                      attention_dropout=0.0)
+    return build_model(cfg, ParallelDims(), seed=5, compile=True, weight_grad_store=store)[0]
+
+
+def test_compiled_layers_still_defer_weight_gradients(monkeypatch):
+    """Zero-bubble's B pass under --compile queues the same weight-gradient work as eager: the
+    deferral is decided in eager backward, not frozen into a compiled one."""
+    from megatron_lite.parallel.tensor_parallel import WeightGradStore
+
+    queued = {}
+    for compiled in (False, True):
+        store = WeightGradStore()
+        model = _tiny_compiled_model(monkeypatch, store)
+        for layer in model.layers.values():
+            layer.compiled = compiled
+        tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+        loss = model(tokens[:, :-1], labels=tokens[:, 1:]).mean()
+        store.deferring = True
+        loss.backward()
+        store.deferring = False
+        queued[compiled] = len(store.take())
+    assert queued[True] == queued[False] > 2 * 4  # q, kv, proj, fc1, fc2 per layer (and the output layer)
+
+
+def test_a_compiled_model_deepcopies_and_pickles(monkeypatch):
+    import copy
+    import io
+
+    model = _tiny_compiled_model(monkeypatch)
+    tokens = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(1))
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+        assert not torch.allclose(twin(tokens), model(tokens)), "the copy must compute with its own weights"
+    torch.save(model, io.BytesIO())
 
 
 def test_compile_without_a_compiler_is_a_one_line_error(monkeypatch):

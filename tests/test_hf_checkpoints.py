@@ -159,7 +159,7 @@ def test_ml_to_hf_writes_each_tensor_before_reading_the_next(saved, tmp_path, mo
     read_full, pending = CheckpointReader.read_full, []
 
     def on_disk() -> int:
-        return sum(f.stat().st_size for f in back.glob("*.safetensors")) if back.exists() else 0
+        return sum(f.stat().st_size for f in back.glob("*.safetensors*")) if back.exists() else 0  # .tmp while written
 
     def watched(self, key, dtype=None):
         pending.append(watched.read - on_disk())  # bytes read before this call, not yet written

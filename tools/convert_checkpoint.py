@@ -376,7 +376,8 @@ def _write_safetensors_stream(path: str, plan, tensors: Iterator[Tuple[str, torc
     from megatron_lite.checkpoint.files import _header
 
     header = _header(plan, {"format": "pt"})
-    with open(path, "wb") as f:
+    tmp = path + ".tmp"  # renamed into place once complete: a crash never leaves a truncated file
+    with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(header)) + header)
         for name, shape, dtype in plan:
             got, t = next(tensors)
@@ -385,6 +386,9 @@ def _write_safetensors_stream(path: str, plan, tensors: Iterator[Tuple[str, torc
                                       f"was planned")
             if t.numel():
                 f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def cmd_ml_to_hf(args) -> None:

@@ -93,9 +93,10 @@ def write_safetensors(path: str, tensors: List[Tuple[str, torch.Tensor]], metada
 
 
 class PinnedHostBuffers:
-    """Page-locked host copies of device tensors, kept from one save to the next (saves never
-    overlap: the manager finishes one before it snapshots again). The device-to-host copies are
-    issued without blocking and waited for once per save, before the files are written."""
+    """Page-locked host copies of device tensors for --async-save, kept from one save to the next
+    (saves never overlap: the manager finishes one before it snapshots again). The device-to-host
+    copies are issued without blocking and waited for once per save, by the writer. A synchronous
+    save copies into ordinary memory instead (nothing stays locked between saves)."""
 
     def __init__(self):
         self.buffers: Dict[str, torch.Tensor] = {}
@@ -124,9 +125,9 @@ class PieceSet:
     def add(self, key: str, box: Box, full_shape: Sequence[int], data: torch.Tensor, copy: bool = False) -> None:
         name = f"{key}@" + ",".join(str(s) for s, _ in box)
         data = data.detach()
-        if data.device.type == "cuda":
+        if data.device.type == "cuda" and copy:  # an asynchronous save: training goes on at once
             data, self.pending_device = self.host.copy(name, data), data.device
-        elif copy:
+        elif copy or data.device.type != "cpu":
             data = data.to("cpu", copy=True)
         self.tensors.append((name, data))
         self.index[name] = [key, [list(d) for d in box], list(full_shape)]

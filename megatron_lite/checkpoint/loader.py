@@ -46,7 +46,9 @@ def config_diffs(saved: dict, current: dict, prefix: str = "") -> List[str]:
         if isinstance(value, dict) and isinstance(saved[name], dict):
             out += config_diffs(saved[name], value, f"{prefix}{name}.")
         elif saved[name] != value:
-            out.append(f"{prefix}{name} is {saved[name]!r} there and {value!r} here")
+            hint = (" (a shape command line now gets Megatron's tanh GELU: add --activation gelu or "
+                    "--no-bias-gelu-fusion for the exact one)" if name == "activation" else "")
+            out.append(f"{prefix}{name} is {saved[name]!r} there and {value!r} here{hint}")
     return out
 
 

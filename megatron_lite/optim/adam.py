@@ -35,7 +35,7 @@ def fused_adamw_available(device_type: str) -> bool:
 def _step_tensor(device: torch.device) -> torch.Tensor:
     """The fused kernel's step count on the device, refilled each call (a fill kernel, where a new
     tensor from a Python number would be a host-to-device copy every step)."""
-    return torch.zeros((), device=device)
+    return torch.zeros((), dtype=torch.float32, device=device)
 
 
 _SLICE = 1 << 18  # elements per slice of the unfused formula

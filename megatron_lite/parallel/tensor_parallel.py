@@ -102,6 +102,15 @@ def linear(x, weight, bias=None, store: Optional[WeightGradStore] = None):
     """F.linear whose weight gradient `store` (if given) may defer. Autograd saves the parameter
     itself, not F.linear's view of its storage (weight.t()): under ZeRO-3 a layer's gathered
     weights are then freed after its forward and gathered again for its backward."""
+    if store is not None:
+        return _deferrable_linear(x, weight, bias, store)
+    return _LinearFn.apply(x, weight, bias, store)
+
+
+@torch.compiler.disable
+def _deferrable_linear(x, weight, bias, store):
+    """Outside torch.compile (--compile): a compiled backward would fix `store.deferring` at its
+    value when the forward was traced, and the W pass of zero-bubble schedules would get nothing."""
     return _LinearFn.apply(x, weight, bias, store)
 
 
@@ -173,7 +182,14 @@ def column_parallel_linear(x: torch.Tensor, params, dims: ParallelDims, sequence
     if dims.tp == 1:
         return tuple(linear(x, w, b, store) for w, b in params)
     weights, biases = zip(*params)
-    return _ColumnParallelFn.apply(x, dims, sequence_parallel, store, len(params), *weights, *biases)
+    apply = _ColumnParallelFn.apply if store is None else _deferrable_column_parallel
+    return apply(x, dims, sequence_parallel, store, len(params), *weights, *biases)
+
+
+@torch.compiler.disable
+def _deferrable_column_parallel(*args):
+    """As _deferrable_linear: the deferral decision stays in eager backward."""
+    return _ColumnParallelFn.apply(*args)
 
 
 # --- layers -----------------------------------------------------------------------------------
@@ -372,9 +388,10 @@ class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
             m = c.max(dim=-1)[0]
             stats[0, rows] = m
             stats[1, rows] = c.gather(-1, safe_t[rows].unsqueeze(-1)).squeeze(-1)
-            m = m.masked_fill_(m == float("-inf"), 0.0)  # a rank of padding only: its sum is 0
-            shift[rows] = m
+            padding_only = m == float("-inf")  # this rank holds no real column: its sum is 0
+            m = m.masked_fill_(padding_only, 0.0)
             local_sum[rows] = c.sub_(m.unsqueeze(-1)).exp_().sum(dim=-1)
+            shift[rows] = m.masked_fill_(padding_only, float("-inf"))  # its rescale is exp(-inf) = 0
         stats[1].masked_fill_(~in_range, float("-inf"))
         comm.all_reduce(stats, group, op=dist.ReduceOp.MAX, counter=counter)
         logits_max, target_logit = stats[0], stats[1]

@@ -207,6 +207,7 @@ class Trainer:
         finally:
             if t.manual_gc:
                 gc.enable()
+        self.grad_sync.wait_param_gather()  # in-flight gathers end inside a trace cut short by the end
         self.profiler.close()
         for note in self.profiler.notes[printed:]:  # each tracing rank says where its trace is
             print(f"> rank {dims.rank}: {note}", flush=True)

@@ -2,6 +2,7 @@
 from a TransformerLayerSpec (spec.py)."""
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -32,6 +33,21 @@ class TransformerLayer(nn.Module):
                 return residual + F.dropout(x, p, True)
         return residual + F.dropout(x, p, True)
 
+    compiled = False  # --compile (transformer/fast_paths.py:compile_layer): this layer runs compiled
+
     def forward(self, x: torch.Tensor, rope=None, packed: Optional[PackedSeq] = None, kv_cache=None) -> torch.Tensor:
+        if self.compiled and kv_cache is None:
+            return compiled_layer_forward()(self, x, rope, packed)
+        return self._forward(x, rope, packed, kv_cache)
+
+    def _forward(self, x: torch.Tensor, rope=None, packed: Optional[PackedSeq] = None, kv_cache=None) -> torch.Tensor:
         x = self._dropout_add(self.self_attention(self.input_layernorm(x), rope, packed, kv_cache), x)
         return self._dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x)
+
+
+@functools.cache
+def compiled_layer_forward():
+    """One torch.compile of the layer's forward function, shared by every compiled layer (one code
+    object: the layers differ only in their parameters, so one graph serves them all). A flag on
+    the layer selects it, so a deepcopy or a pickle of the model stays a plain module."""
+    return torch.compile(TransformerLayer._forward)

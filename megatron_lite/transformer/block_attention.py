@@ -89,7 +89,9 @@ def _check_inputs(q, k, v, q_index, k_index, q_doc, k_doc, window):
     if q_index.shape != (sq,) or k_index.shape != (k.shape[1],):
         raise ValueError(f"q_index {tuple(q_index.shape)} / k_index {tuple(k_index.shape)} must be 1-D with "
                          f"one absolute token index per query ({sq}) / key ({k.shape[1]})")
-    if q_doc is not None and (q_doc.shape != (b, sq) or k_doc is None or k_doc.shape != (b, k.shape[1])):
+    if (q_doc is None) != (k_doc is None):
+        raise ValueError("pass both q_doc and k_doc (document ids of queries and keys), or neither")
+    if q_doc is not None and (q_doc.shape != (b, sq) or k_doc.shape != (b, k.shape[1])):
         raise ValueError(f"q_doc / k_doc must be [b, sq] = {(b, sq)} / [b, sk] = {(b, k.shape[1])} document ids")
     if k.shape[1] == 0:
         raise ValueError("a key block needs at least one key (skip empty blocks instead)")

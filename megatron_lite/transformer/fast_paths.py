@@ -34,10 +34,12 @@ def compile_problem(device=None) -> Optional[str]:
 
 
 def compile_layer(layer: nn.Module) -> None:
-    """torch.compile one transformer layer's forward, in place. The module's own call (and with it
-    its hooks: ZeRO-3's parameter gathering) stays eager and its parameter names stay as they are
-    (checkpoints do not see the compile); collectives inside the layer are graph breaks."""
-    layer.forward = torch.compile(layer.forward)
+    """Run one transformer layer's forward through torch.compile (transformer/block.py: one
+    compiled function for every layer, selected by a flag). The module's own call (and with it its
+    hooks: ZeRO-3's parameter gathering) stays eager, its parameter names stay as they are
+    (checkpoints do not see the compile), deepcopy and pickle keep working; collectives inside the
+    layer, and the zero-bubble schedules' deferred weight gradients, are graph breaks."""
+    layer.compiled = True
 
 
 def cross_entropy_chunk_tokens(setting: Optional[int], logits_dtype: torch.dtype, vocab_per_rank: int) -> int:
