@@ -23,7 +23,7 @@ than 2%) runs without --compile, then the best micro-batch again with --compile.
 (the trainer synchronizes CUDA before reading the clock). The whole run keeps to --budget-s:
 each row's timeout is cut to what is left, and a row with too little left is skipped.
 
-Peers, same model and batch, each in its own process: the model written plainly in PyTorch
+Peers, same model and batch, each in its own process (benchmarks/gpu_bench_peers.py): the model written plainly in PyTorch
 (below: F.rms_norm, SDPA causal, SwiGLU, RoPE), eager and torch.compile'd, and Hugging Face
 `LlamaForCausalLM` (attn_implementation="sdpa", torch.compile'd), compiled per transformer block
 as our --compile is (--peer-compile-scope model: the whole model); fp32 weights under bf16
@@ -55,6 +55,7 @@ from typing import Dict, List, Optional
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 sys.path.insert(0, REPO)
 PRETRAIN = os.path.join(REPO, "pretrain_gpt.py")
+PEERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_bench_peers.py")
 
 FLOP_CONVENTION = ("FLOPs/token = 6N + 12*L*H*Q*T (PaLM appendix B, megatron_lite/training/flops.py): N the parameters "
                    "without the input embedding (output layer counted), L layers, H heads, Q head dim, T seq length; "
@@ -446,141 +447,7 @@ def run_mfu(b: Bench) -> None:
         mfu_ours(b, f"ours-compile-mb{mb}", mb, True)
 
 
-# --- peers: the same model, plainly in PyTorch and in Hugging Face -------------------------------
-def build_plain(shape: dict):
-    """The Llama of `shape` written the ordinary way (nanoGPT style): fp32 parameters."""
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
-
-    h, n, f, s, V = shape["hidden"], shape["heads"], shape["ffn"], shape["seq"], shape["vocab"]
-    d, eps = h // n, 1e-5
-
-    def rope(x, cos, sin):  # rotate-half RoPE over each head's channels (as Llama / HF)
-        x1, x2 = x.chunk(2, dim=-1)
-        return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.attn_norm, self.mlp_norm = nn.Parameter(torch.ones(h)), nn.Parameter(torch.ones(h))
-            self.wq, self.wk, self.wv = (nn.Linear(h, n * d, bias=False) for _ in range(3))
-            self.wo = nn.Linear(n * d, h, bias=False)
-            self.w_gate, self.w_up = nn.Linear(h, f, bias=False), nn.Linear(h, f, bias=False)
-            self.w_down = nn.Linear(f, h, bias=False)
-
-        def forward(self, x, cos, sin):
-            B, T, _ = x.shape
-            y = F.rms_norm(x, (h,), self.attn_norm, eps)
-            q, k, v = (w(y).view(B, T, n, d).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-            o = F.scaled_dot_product_attention(rope(q, cos, sin), rope(k, cos, sin), v, is_causal=True)
-            x = x + self.wo(o.transpose(1, 2).reshape(B, T, n * d))
-            y = F.rms_norm(x, (h,), self.mlp_norm, eps)
-            return x + self.w_down(F.silu(self.w_gate(y)) * self.w_up(y))
-
-    class PlainLlama(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Embedding(V, h)
-            self.blocks = nn.ModuleList(Block() for _ in range(shape["layers"]))
-            self.norm = nn.Parameter(torch.ones(h))
-            self.lm_head = nn.Linear(h, V, bias=False)
-            inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-            ang = torch.outer(torch.arange(s, dtype=torch.float32), inv)
-            ang = torch.cat([ang, ang], dim=-1)
-            self.register_buffer("cos", ang.cos(), persistent=False)
-            self.register_buffer("sin", ang.sin(), persistent=False)
-            for mod in self.modules():
-                if isinstance(mod, (nn.Linear, nn.Embedding)):
-                    nn.init.normal_(mod.weight, std=0.02)
-
-        def forward(self, tokens):
-            T = tokens.shape[1]
-            x = self.embed(tokens)
-            cos, sin = self.cos[:T], self.sin[:T]
-            for blk in self.blocks:
-                x = blk(x, cos, sin)
-            return self.lm_head(F.rms_norm(x, (h,), self.norm, eps))
-
-    return PlainLlama()
-
-
-def build_hf(shape: dict):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["ffn"],
-                      num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
-                      num_key_value_heads=shape["heads"], max_position_embeddings=shape["seq"], rms_norm_eps=1e-5,
-                      rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
-                      attention_dropout=0.0, use_cache=False)
-    cfg._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(cfg)
-    impl = getattr(model.config, "_attn_implementation", None)
-    if impl != "sdpa":
-        raise RuntimeError(f"Hugging Face chose attention {impl!r}, not sdpa")
-    return model
-
-
-def peer_main(spec_path: str) -> int:
-    """Inside a peer's own process: build, step, time; the result as JSON next to the spec."""
-    import torch
-    import torch.nn.functional as F
-
-    with open(spec_path) as f:
-        spec = json.load(f)
-    shape, dev = spec["shape"], torch.device(spec["device"])
-    cuda = dev.type == "cuda"
-    torch.manual_seed(0)
-    with torch.device(dev):
-        model = build_plain(shape) if spec["kind"] == "plain" else build_hf(shape)
-    model.train()
-    n_params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01, fused=cuda)
-    fwd = model
-    if spec["compile"] == "model":
-        fwd = torch.compile(model)
-    elif spec["compile"]:  # each transformer block, as our --compile: one compiled graph serves every layer
-        for blk in (model.blocks if spec["kind"] == "plain" else model.model.layers):
-            blk.compile()
-    mb, T, V = spec["micro_batch"], shape["seq"], shape["vocab"]
-    g = torch.Generator(device=dev).manual_seed(1)
-    data = [torch.randint(0, V, (mb, T + 1), device=dev, generator=g) for _ in range(4)]
-
-    def logits_of(tokens):
-        out = fwd(tokens) if spec["kind"] == "plain" else fwd(input_ids=tokens, use_cache=False).logits
-        return out
-
-    def step(i):
-        batch = data[i % len(data)]
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
-            logits = logits_of(batch[:, :-1])
-        loss = F.cross_entropy(logits.float().view(-1, V), batch[:, 1:].reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-
-    times, losses = [], []  # peak memory from the process start: weights, gradients, Adam state, activations
-    for i in range(spec["warmup"] + spec["iters"]):
-        if cuda:
-            torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        losses.append(step(i))
-        if cuda:
-            torch.cuda.synchronize(dev)
-        times.append(time.perf_counter() - t0)
-    if cuda:
-        peak = torch.cuda.max_memory_allocated(dev) / 2**30
-    else:
-        import resource
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    res = {"param_count": n_params, "step_times": times, "losses": losses, "peak_memory_gib": peak}
-    with open(spec["result"], "w") as f:
-        json.dump(res, f)
-    return 0
-
-
+# --- peers: the same model, plainly in PyTorch and in Hugging Face (benchmarks/gpu_bench_peers.py) --
 def run_peer(b: Bench, kind: str, compile_: bool, mb: int) -> dict:
     a, m = b.args, b.mfu
     name = f"{kind}-{'compile' if compile_ else 'eager'}-mb{mb}"
@@ -599,7 +466,7 @@ def run_peer(b: Bench, kind: str, compile_: bool, mb: int) -> dict:
     spec_path = os.path.join(b.work, f"peer-{name}.spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    cmd = [sys.executable, os.path.abspath(__file__), "--peer-spec", spec_path]
+    cmd = [sys.executable, PEERS, spec_path]
     proc = run_process(cmd, timeout, os.path.join(b.work, f"peer-{name}.log"))
     b.log(f"peer-{name}", proc, cmd)
     row["wall_s"] = proc["wall_s"]
@@ -741,10 +608,7 @@ def parse_args(argv=None):
                    help="the sweep stops when a micro-batch gains less than this factor of tokens/s")
     p.add_argument("--resume-rtol", type=float, default=1e-3, help="CUDA: checkpoint round-trip loss tolerance")
     p.add_argument("--log-lines", type=int, default=60, help="lines of each row's output kept in OUT.log")
-    p.add_argument("--peer-spec", default=None, help=argparse.SUPPRESS)  # internal: run one peer
     args = p.parse_args(argv)
-    if args.peer_spec:
-        return args
     if args.iters < 1 or args.warmup < 0:
         p.error("--iters must be >= 1 and --warmup >= 0")
     if args.device is None:
@@ -791,8 +655,6 @@ def machine_info(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.peer_spec:
-        return peer_main(args.peer_spec)
     b = Bench(args)
     b.info = machine_info(args)
     print(f"gpu_bench: device {args.device}{' (tiny)' if args.tiny else ''}, budget {args.budget_s:.0f} s, "

@@ -19,19 +19,13 @@ from megatron_lite.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from megatron_lite.testing import assert_same_run, run_distributed
 from megatron_lite.transformer import fast_paths
 from pretrain_gpt import resolve
+from test_tp_overlap import ce_inputs
 from training_utils import LLAMA_SWITCHES, TINY, merged_params, records_of, train_and_gather, train_in_process
 
 
 # --- chunked cross entropy ----------------------------------------------------------------------
 def _ce_chunked_vs_whole(rank, world, vocab, padded, dtype, chunks):
-    dims = ParallelDims.from_world(tp=world)
-    gen = torch.Generator().manual_seed(11)
-    full = (4 * torch.randn(7, 3, padded, generator=gen)).to(dtype)
-    target = torch.randint(0, vocab, (7, 3), generator=gen)
-    target[0, 1] = -100  # ignored
-    target[5, 2] = -1  # outside the vocabulary but not ignore_index
-    weights = torch.rand(7, 3, generator=gen)
-    local = full.chunk(world, dim=-1)[dims.tp_rank]
+    dims, local, target, weights = ce_inputs(world, vocab, padded, dtype, seed=11, rows=7, scale=4.0)
     out = {}
     for chunk in (0, *chunks):
         for inplace in (False, True):
@@ -88,15 +82,20 @@ def test_automatic_chunk_size():
     assert fast_paths.cross_entropy_chunk_tokens(0, torch.bfloat16, 32000) == 0
 
 
-BF16_TP = TINY + LLAMA_SWITCHES + ["--bf16", "--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                   "--train-iters", "3"]
+BF16 = TINY + LLAMA_SWITCHES + ["--bf16", "--train-iters", "3"]
+BF16_LAYOUTS = {"tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+                "pp2-cp2": (4, ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"])}
 
 
-def test_chunked_cross_entropy_in_bf16_training_keeps_the_losses():
-    whole = run_distributed(train_in_process, 2, BF16_TP + ["--cross-entropy-chunk-size", "0"])
-    chunked = run_distributed(train_in_process, 2, BF16_TP + ["--cross-entropy-chunk-size", "48"])
+@pytest.mark.parametrize("layout", list(BF16_LAYOUTS))
+def test_chunked_cross_entropy_in_bf16_training_keeps_the_losses(layout):
+    world, extra = BF16_LAYOUTS[layout]
+    whole = run_distributed(train_in_process, world, BF16 + extra + ["--cross-entropy-chunk-size", "0"])
+    chunked = run_distributed(train_in_process, world, BF16 + extra + ["--cross-entropy-chunk-size", "48"])
     # bf16 weights: the logits gradient is rounded to bf16 either way; the losses agree closely.
-    for a, b in zip(whole[0], chunked[0]):
+    whole, chunked = (next(h for h in runs if h and h[0]["lm_loss"] is not None) for runs in (whole, chunked))
+    assert len(whole) == len(chunked) == 3
+    for a, b in zip(whole, chunked):
         assert abs(a["lm_loss"] - b["lm_loss"]) <= 2e-3 * abs(a["lm_loss"]), (a["lm_loss"], b["lm_loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 2e-2 * a["grad_norm"]
 

@@ -50,15 +50,21 @@ def _former_ce_loss(logits, target, dims, vocab_size, ignore_index=-100):
     return (sum_exp.log() - predicted).masked_fill(ignored, 0.0)
 
 
-def _ce_variants(rank, world, tp, vocab, padded, dtype):
+def ce_inputs(tp, vocab, padded, dtype, seed=5, rows=6, scale=3.0):
+    """(dims, this TP rank's logits [rows, 3, padded / tp], targets, loss weights): one target
+    ignored, one outside the vocabulary but not ignore_index (no rank holds it)."""
     dims = ParallelDims.from_world(tp=tp)
-    gen = torch.Generator().manual_seed(5)
-    full = (3 * torch.randn(6, 3, padded, generator=gen)).to(dtype)
-    target = torch.randint(0, vocab, (6, 3), generator=gen)
-    target[0, 1] = -100  # ignored
-    target[4, 2] = -1  # outside the vocabulary but not ignore_index: no rank holds it
-    weights = torch.rand(6, 3, generator=gen)
-    local = full.chunk(tp, dim=-1)[dims.tp_rank]
+    gen = torch.Generator().manual_seed(seed)
+    full = (scale * torch.randn(rows, 3, padded, generator=gen)).to(dtype)
+    target = torch.randint(0, vocab, (rows, 3), generator=gen)
+    target[0, 1] = -100
+    target[rows - 2, 2] = -1
+    weights = torch.rand(rows, 3, generator=gen)
+    return dims, full.chunk(tp, dim=-1)[dims.tp_rank], target, weights
+
+
+def _ce_variants(rank, world, tp, vocab, padded, dtype):
+    dims, local, target, weights = ce_inputs(tp, vocab, padded, dtype)
     out = {"former": _former_ce_loss(local.clone(), target, dims, vocab)}
     for inplace in (False, True):
         logits = local.clone().requires_grad_(True)
