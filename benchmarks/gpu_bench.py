@@ -23,8 +23,8 @@ than 2%) runs without --compile, then the best micro-batch again with --compile.
 (the trainer synchronizes CUDA before reading the clock). The whole run keeps to --budget-s:
 each row's timeout is cut to what is left, and a row with too little left is skipped.
 
-Peers, same model and batch, each in its own process (benchmarks/gpu_bench_peers.py): the model written plainly in PyTorch
-(below: F.rms_norm, SDPA causal, SwiGLU, RoPE), eager and torch.compile'd, and Hugging Face
+Peers, same model and batch, each in its own process (benchmarks/gpu_bench_peers.py): the model
+written plainly in PyTorch (F.rms_norm, SDPA causal, SwiGLU, RoPE), eager and torch.compile'd, and Hugging Face
 `LlamaForCausalLM` (attn_implementation="sdpa", torch.compile'd), compiled per transformer block
 as our --compile is (--peer-compile-scope model: the whole model); fp32 weights under bf16
 autocast, torch.optim.AdamW (fused on CUDA), weight decay 0.01, gradient clipping at 1.0,
