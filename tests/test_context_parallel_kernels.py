@@ -16,8 +16,8 @@ from megatron_lite.parallel import comm
 from megatron_lite.parallel.context_parallel import (check_ulysses, cp_attention, ring_block_plan, split_batch_for_cp,
                                                      zigzag_indices, zigzag_split, zigzag_unsplit)
 from megatron_lite.testing import assert_close, run_distributed
-from megatron_lite.transformer.block_attention import (attention_block, attention_block_backward, dropout_keep_mask,
-                                                       merge_partials, softmax_delta)
+from megatron_lite.kernels.block_attention import (attention_block, attention_block_backward, dropout_keep_mask,
+                                                   merge_partials, softmax_delta)
 
 F64 = torch.float64
 

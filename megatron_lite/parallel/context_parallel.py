@@ -4,7 +4,7 @@ Layout. The sequence is cut into 2*cp equal chunks and CP rank r holds chunks r 
 concatenated ("zigzag"): under a causal mask every rank then has the same amount of work.
 `split_batch_for_cp` applies that split to a batch once and returns the absolute index of
 every local token. The attention entry `cp_attention` takes those indices: visibility is
-decided by absolute indices and document ids (see transformer/block_attention.py), never by
+decided by absolute indices and document ids (see kernels/block_attention.py), never by
 local positions, so every comm type is exact for any layout; the zigzag only makes it balanced.
 
 Comm types (Megatron-Core's --cp-comm-type names), all autograd-correct:
@@ -26,8 +26,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..transformer.block_attention import (NEG_INF, accumulation_dtype, attention_block, attention_block_backward,
-                                           merge_partials, softmax_delta)
+from ..kernels.block_attention import (NEG_INF, accumulation_dtype, attention_block, attention_block_backward,
+                                       merge_partials, softmax_delta)
 from . import comm
 from .state import group_rank, group_size
 

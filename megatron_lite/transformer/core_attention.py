@@ -17,7 +17,7 @@ attend only within their document. There is no dense [b, s, s] mask in the inter
 Backends:
   sdpa  torch.nn.functional.scaled_dot_product_attention (flash / efficient / cuDNN / math kernels
         as PyTorch picks them; is_causal without a mask on the fast path). The default.
-  local the pure-PyTorch block attention (block_attention.py): the reference, returns the LSE.
+  local the pure-PyTorch block attention (kernels/block_attention.py): the reference, returns the LSE.
   flash flash-attn on CUDA in bf16/fp16 when installed (plain causal self-attention), else sdpa.
 Each returns the LSE through the local path when asked (context parallelism needs it).
 """
@@ -31,7 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .block_attention import attention_block, visibility_mask
+from ..kernels.block_attention import attention_block, fused_kernel, visibility_mask
+from ..parallel.context_parallel import cp_attention, ulysses_attention, zigzag_indices
 
 BACKENDS = ("auto", "sdpa", "local", "flash", "fused", "unfused")  # Megatron's names map onto ours
 
@@ -142,7 +143,6 @@ def describe_attention(backend: str, device, dtype, cp: int = 1, cp_comm_type=("
 
 def _block_kernel(device, dtype) -> str:
     """What block attention runs for CP blocks on this device (block_attention's fused switches)."""
-    from .block_attention import fused_kernel
     kind = fused_kernel(device, dtype)
     if kind is None:
         return "local LSE kernel (materialises each block's scores)"
@@ -182,8 +182,6 @@ class ContextParallelAttention(nn.Module):
 
     def forward(self, q, k, v, packed: Optional[PackedSeq] = None, q_offset: int = 0, k_offset: int = 0,
                 return_lse: bool = False):
-        from ..parallel.context_parallel import cp_attention, ulysses_attention, zigzag_indices
-
         assert q_offset == 0 and k_offset == 0 and not return_lse, "context-parallel attention is for training"
         dims = self.dims
         index = zigzag_indices(q.shape[1] * dims.cp, dims.cp, dims.cp_rank, device=q.device)
