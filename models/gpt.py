@@ -9,6 +9,7 @@ parallelism. `gpt_forward_step` is the forward-step protocol of megatron_lite.tr
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import Callable, List, Optional, Tuple
@@ -52,8 +53,9 @@ def gpt_layer_spec(cfg: C.ModelConfig, ctx: BuildContext, layer_number: int) -> 
     configured core-attention backend (wrapped for context parallelism when cp > 1), a dense MLP
     or, where --moe-layer-freq says so, an MoE layer."""
     core = ContextParallelAttention if ctx.dims.cp > 1 else core_attention_class(cfg.attention_backend)
+    attention = SelfAttention  # the self-attention slot: standard attention (its AttentionConfig from cfg)
     mlp = moe_mlp if cfg.moe_layers()[layer_number] else MLP
-    return TransformerLayerSpec(input_layernorm=build_norm, self_attention=SelfAttention, core_attention=core,
+    return TransformerLayerSpec(input_layernorm=build_norm, self_attention=attention, core_attention=core,
                                 pre_mlp_layernorm=build_norm, mlp=mlp)
 
 
@@ -138,12 +140,12 @@ class GPTModel(nn.Module):
                 x = F.dropout(x, p, True)
         return x
 
-    def _run_layers(self, x: torch.Tensor, rope, packed, kv_cache=None) -> torch.Tensor:
+    def _run_layers(self, x: torch.Tensor, rope, packed) -> torch.Tensor:
         layers = list(self.layers.values())
         ctx = self.ctx
-        if kv_cache is not None or not (ctx.recompute_granularity == "full" and self.training):
+        if not (ctx.recompute_granularity == "full" and self.training):
             for layer in layers:
-                x = layer(x, rope, packed, kv_cache)
+                x = layer(x, rope, packed)
             return x
         n = max(1, ctx.recompute_num_layers)
 
@@ -173,8 +175,8 @@ class GPTModel(nn.Module):
                 kv_cache=None) -> torch.Tensor:
         """tokens/position_ids/labels [b, s]; `packed`: document ids (tokens attend only within
         their document). A later pipeline stage reads its input from set_input_tensor.
-        `kv_cache` (megatron_lite.inference.KVCache): generation; `tokens` follow those already
-        cached, and only the last position's logits [b, 1, vocab] are computed.
+        `kv_cache` (megatron_lite.inference.KVCache): generation (in eval mode); `tokens` follow those
+        already cached, and only the last position's logits [b, 1, vocab] are computed.
 
         Returns per-token loss [b, s] (fp32) on the last stage when labels are given, full logits
         [b, s, vocab] when they are not, else the hidden states [s, b, h] for the next stage."""
@@ -188,7 +190,8 @@ class GPTModel(nn.Module):
         rope = None
         if self.cfg.position_embedding_type == "rope":
             rope = rope_cos_sin(position_ids, self.inv_freq, x.dtype)
-        x = self._run_layers(x, rope, packed, kv_cache)
+        with kv_cache.attached(self) if kv_cache is not None else contextlib.nullcontext():
+            x = self._run_layers(x, rope, packed)
         if not self.post_process:
             return x
         if kv_cache is not None:

@@ -12,9 +12,9 @@ import torch
 
 from megatron_lite.parallel.context_parallel import zigzag_indices
 from megatron_lite.testing import assert_close
-from megatron_lite.transformer import block_attention as ba
-from megatron_lite.transformer.block_attention import (attention_block, attention_block_backward, merge_partials,
-                                                       softmax_delta, visibility_mask)
+from megatron_lite.kernels import block_attention as ba
+from megatron_lite.kernels.block_attention import (attention_block, attention_block_backward, merge_partials,
+                                                   softmax_delta, visibility_mask)
 
 
 @pytest.fixture

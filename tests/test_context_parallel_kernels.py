@@ -3,7 +3,8 @@
 Block attention (with LSE) against plain float64 softmax and PyTorch's SDPA; merge_partials and
 the final-LSE backward helper against attention over the union of key sets; every CP comm type
 (p2p ring, a2a Ulysses, all_gather, a2a+p2p) on forked gloo ranks against full-sequence
-attention, forward and dq/dk/dv; the ring's p2p byte count against its formula.
+attention, forward and dq/dk/dv; with a value head size other than the query/key one (MLA's kind),
+block attention and every comm type against SDPA; the ring's p2p byte count against its formula.
 """
 from functools import lru_cache
 
@@ -16,8 +17,9 @@ from megatron_lite.parallel import comm
 from megatron_lite.parallel.context_parallel import (check_ulysses, cp_attention, ring_block_plan, split_batch_for_cp,
                                                      zigzag_indices, zigzag_split, zigzag_unsplit)
 from megatron_lite.testing import assert_close, run_distributed
-from megatron_lite.transformer.block_attention import (attention_block, attention_block_backward, dropout_keep_mask,
-                                                       merge_partials, softmax_delta)
+from megatron_lite.kernels import block_attention as ba
+from megatron_lite.kernels.block_attention import (attention_block, attention_block_backward, dropout_keep_mask,
+                                                   merge_partials, softmax_delta)
 
 F64 = torch.float64
 
@@ -59,6 +61,13 @@ def _qkv(b, sq, sk, hq, hkv, d, dtype=F64, seed=0):
     k = torch.randn(b, sk, hkv, d, generator=gen, dtype=dtype)
     v = torch.randn(b, sk, hkv, d, generator=gen, dtype=dtype)
     return q, k, v
+
+
+def _sdpa(q, k, v, mask):
+    """PyTorch's SDPA (an oracle that takes a value head size of its own) on [b, s, h, d] layouts;
+    mask [1 or b, sq, sk] bool."""
+    return F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask[:, None],
+                                          enable_gqa=True).transpose(1, 2)
 
 
 def _docs(lengths_per_row):
@@ -217,6 +226,39 @@ def test_merge_partials_and_final_lse_backward_equal_the_union(causal, window, w
         assert_close(a, ref.grad, rtol=1e-12, what=f"{name} from the final lse")
 
 
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("d,dv", [(4, 6), (6, 3)])
+def test_block_attention_with_its_own_value_head_size_matches_sdpa(d, dv, fused, monkeypatch):
+    """q/k head size d, v head size dv: out, lse and gradients of one block against SDPA (the fused
+    path pads to one head size), and two key blocks merged and differentiated from the final lse."""
+    monkeypatch.setattr(ba, "use_fused", fused)
+    q, k, _ = _qkv(2, 9, 9, 4, 2, d)
+    v = torch.randn(2, 9, 2, dv, generator=torch.Generator().manual_seed(1), dtype=F64)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    idx = torch.arange(9)
+    mask = reference_mask(idx, idx)
+    out, lse = attention_block(q, k, v, q_index=idx, k_index=idx)
+    ref = _sdpa(q, k, v, mask)
+    assert out.shape == ref.shape == (2, 9, 4, dv)
+    assert (out - ref).abs().max() <= 1e-10
+    assert (lse - reference_attention(q, k, v, mask)[1]).abs().max() <= 1e-10
+    dout = torch.randn_like(ref)
+    expected = torch.autograd.grad(ref, (q, k, v), dout)
+    for name, got, want in zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), dout), expected):
+        assert (got - want).abs().max() <= 1e-10, name
+    parts = [torch.tensor([0, 2, 3, 7]), torch.tensor([1, 4, 5, 6, 8])]
+    merged, _ = merge_partials(*attention_block(q, k[:, parts[0]], v[:, parts[0]], q_index=idx, k_index=parts[0]),
+                               *attention_block(q, k[:, parts[1]], v[:, parts[1]], q_index=idx, k_index=parts[1]))
+    assert (merged - ref).abs().max() <= 1e-10
+    dq, dk, dv_ = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for c in parts:
+        gq, gk, gv = attention_block_backward(dout, q.detach(), k.detach()[:, c], v.detach()[:, c], lse.detach(),
+                                              q_index=idx, k_index=c, out=out.detach())
+        dq, dk[:, c], dv_[:, c] = dq + gq, dk[:, c] + gk, dv_[:, c] + gv
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv_), expected):
+        assert (got - want).abs().max() <= 1e-10, f"{name} from the final lse"
+
+
 def test_merge_partials_handles_empty_rows():
     out_a, out_b = torch.randn(1, 3, 1, 2), torch.randn(1, 3, 1, 2)
     inf = float("-inf")
@@ -311,6 +353,8 @@ def test_ring_block_plan_is_the_zigzag_rule():
 # --- every comm type against full-sequence attention ---------------------------------------------
 TIMEOUT = 60  # seconds; a ring that deadlocks fails here instead of after the harness's 300 s
 SEQ, BATCH, DIM = 24, 2, 4  # divisible by 2 * cp for cp in {2, 4}; chunks of 3 or 6 tokens
+DV = 6  # the value head size of DV_CASES (MLA's kind of attention): not DIM
+DV_CASES = {"dv_gqa_docs": (4, 2, True, True, None), "dv_mqa_causal": (4, 1, False, True, None)}
 CP_CASES = {  # name: (hq, hkv, packed documents?, causal, window)
     "mha_causal": (4, 4, False, True, None),
     "gqa_causal": (4, 1, False, True, None),  # fewer K/V heads than cp (replicated for a2a)
@@ -323,12 +367,13 @@ DOC_LENGTHS = [[5, 9, 3, 7], [11, 13]]  # boundaries at 5, 14, 17 / 11: inside c
 
 
 def _cp_inputs(name):
-    hq, hkv, with_docs, causal, window = CP_CASES[name]
+    hq, hkv, with_docs, causal, window = CP_CASES.get(name) or DV_CASES[name]
+    dv = DV if name in DV_CASES else DIM
     gen = torch.Generator().manual_seed(sum(map(ord, name)))
     q = torch.randn(BATCH, SEQ, hq, DIM, generator=gen)
     k = torch.randn(BATCH, SEQ, hkv, DIM, generator=gen)
-    v = torch.randn(BATCH, SEQ, hkv, DIM, generator=gen)
-    dout = torch.randn(BATCH, SEQ, hq, DIM, generator=gen)
+    v = torch.randn(BATCH, SEQ, hkv, dv, generator=gen)
+    dout = torch.randn(BATCH, SEQ, hq, dv, generator=gen)
     docs = _docs(DOC_LENGTHS) if with_docs else None
     return q, k, v, dout, docs, dict(causal=causal, window=window)
 
@@ -339,7 +384,7 @@ def _cp_reference(name):
     idx = torch.arange(SEQ)
     mask = reference_mask(idx, idx, docs, docs, opts["causal"], opts["window"], batch=BATCH)
     q, k, v = (t.double().requires_grad_() for t in (q, k, v))
-    out, _ = reference_attention(q, k, v, mask)
+    out = _sdpa(q, k, v, mask) if name in DV_CASES else reference_attention(q, k, v, mask)[0]
     out.backward(dout.double())
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -404,6 +449,14 @@ def test_cp_attention_matches_full_sequence(comm_type, cp, layout):
     assert "gqa_causal" in names  # GQA with fewer K/V heads than ranks is always covered
     results = run_distributed(_cp_worker, cp, comm_type, layout, "zigzag", names, timeout=TIMEOUT)
     _check_against_reference(results, names, f"{comm_type} cp={cp} {layout}")
+
+
+@pytest.mark.parametrize("comm_type,cp,layout", [("p2p", 4, "flat"), ("a2a", 2, "flat"), ("all_gather", 2, "flat"),
+                                                 ("a2a+p2p", 4, "consecutive")])
+def test_cp_attention_with_its_own_value_head_size_matches_sdpa(comm_type, cp, layout):
+    names = list(DV_CASES)
+    results = run_distributed(_cp_worker, cp, comm_type, layout, "zigzag", names, timeout=TIMEOUT)
+    _check_against_reference(results, names, f"{comm_type} cp={cp} {layout} d_v={DV}")
 
 
 def test_ring_is_exact_for_a_contiguous_split_too():

@@ -190,6 +190,33 @@ def test_moe_model_decodes_exactly_at_tp1():
         check_generation_layout(cfg, tp=2)
 
 
+def test_the_cache_holds_what_the_attention_module_asks_for():
+    """An attention module with a value head size of its own (MLA's kind) in the self-attention slot:
+    the cache allocates its K [kv heads, d] and V [kv heads, dv] per layer, and decoding through the
+    cache equals recomputation."""
+    from dataclasses import replace
+
+    from megatron_lite.config import ModelConfig
+    from megatron_lite.inference import KVCache
+    from megatron_lite.transformer.attention import AttentionConfig, SelfAttention
+    from megatron_lite.transformer.spec import BuildContext
+    from models.gpt import GPTModel, gpt_layer_spec
+
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=VOCAB,
+                      normalization="RMSNorm", swiglu=True, position_embedding_type="rope", add_bias_linear=False,
+                      attention_dropout=0.0, hidden_dropout=0.0)
+    attention = functools.partial(SelfAttention, config=replace(AttentionConfig.from_model(cfg), v_head_dim=24))
+    model = GPTModel(cfg, BuildContext(ParallelDims().build_groups()),
+                     layer_spec=lambda cfg, ctx, i: replace(gpt_layer_spec(cfg, ctx, i), self_attention=attention))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(p.numel()))
+    cache = KVCache.for_model(model, batch_size=3, max_length=10)
+    assert {layer: [tuple(t.shape) for t in entry] for layer, entry in cache.buffers.items()} == {
+        i: [(3, 10, 2, 16), (3, 10, 2, 24)] for i in range(2)}
+    assert _recomputation_gap(model) < 1e-5
+
+
 def test_generation_errors_are_clear():
     cfg, state = converted("gpt2")
     model = our_model(cfg, state)

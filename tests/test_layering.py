@@ -1,6 +1,7 @@
 """The dependency rules of DESIGN.md, read from the imports (function-level ones included):
 megatron_lite/ never imports models/, tools/ or the entry point; megatron_lite/parallel/ imports
-nothing from config, training or models (its primitives take explicit arguments); and nothing in
+nothing from config, transformer, training or models (its primitives take explicit arguments);
+megatron_lite/kernels/ (what both parallel/ and transformer/ compute with) imports neither; and nothing in
 the library, the models or the tools keeps hidden state through `global` statements."""
 import ast
 import pathlib
@@ -44,6 +45,12 @@ def test_parallel_imports_no_config_training_or_models():
     assert _violations("megatron_lite/parallel", ("megatron_lite.config", "megatron_lite.training", "models")) == []
 
 
+def test_parallel_imports_no_transformer_and_kernels_import_neither():
+    assert _violations("megatron_lite/parallel", ("megatron_lite.transformer",)) == []
+    assert _violations("megatron_lite/kernels", ("megatron_lite.parallel", "megatron_lite.transformer",
+                                                 "megatron_lite.config", "megatron_lite.training", "models")) == []
+
+
 @pytest.mark.parametrize("sub", ["megatron_lite", "models", "tools"])
 def test_no_global_statements(sub):
     found = [f"{p.relative_to(ROOT)}:{n.lineno}" for p in _files(sub) for n in ast.walk(ast.parse(p.read_text()))
@@ -54,6 +61,9 @@ def test_no_global_statements(sub):
 def test_the_checker_sees_violations(tmp_path):
     probe = tmp_path / "megatron_lite" / "parallel" / "probe.py"
     probe.parent.mkdir(parents=True)
-    probe.write_text("def f():\n    from ..config import ModelConfig\n    from models.gpt import GPTModel\n")
-    found = _violations("megatron_lite/parallel", ("megatron_lite.config", "models"), tmp_path)
+    probe.write_text("def f():\n    from ..config import ModelConfig\n    from models.gpt import GPTModel\n"
+                     "from ..transformer.attention import SelfAttention\n")
+    found = _violations("megatron_lite/parallel", ("megatron_lite.config", "models", "megatron_lite.transformer"),
+                        tmp_path)
     assert any("megatron_lite.config" in v for v in found) and any("models.gpt" in v for v in found), found
+    assert any("megatron_lite.transformer.attention" in v for v in found), found

@@ -5,8 +5,9 @@
                            sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=1), eod=tokenizer.eod)
 
 The model takes the cache as `model(tokens, position_ids, packed=..., kv_cache=cache)`: each
-SelfAttention writes its new K/V into the cache and attends over everything cached
-(kv_cache.py); `DecodingSession` drives prefill and decode steps for a left-padded batch.
+attention module writes its new tokens' entry (K/V for standard attention) into the cache and
+attends over everything cached (kv_cache.py); `DecodingSession` drives prefill and decode steps
+for a left-padded batch.
 """
 from .generation import Completion, DecodingSession, PromptBatch, generate, inference_context
 from .kv_cache import KVCache

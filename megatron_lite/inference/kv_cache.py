@@ -1,59 +1,79 @@
-"""A static key/value cache: per self-attention layer, two buffers [b, max_length, kv_heads, d]
-allocated once, before the prompt goes in, and filled in place as tokens are decoded.
+"""A static cache for generation: per attention layer, the buffers [b, max_length, ...] that its
+attention module asks for (`cache_entry()`: the per-token shape of each tensor it stores; K
+[kv heads, d] and V [kv heads, dv] for standard attention, latents for MLA), allocated once, before
+the prompt goes in, and filled in place as tokens are decoded.
 
-`kv_heads` is the layer's K/V heads on this rank (`SelfAttention.groups`): under tensor
-parallelism each rank caches the heads it computes, so the cache is TP-sharded like the heads
-(a K/V group replicated over several TP ranks is cached on each of them).
+Under tensor parallelism each rank caches what its own heads need, so the cache is TP-sharded like
+the heads (a K/V group replicated over several TP ranks is cached on each of them).
 
 Every sequence of the batch has the same number of cached tokens (`offset`): prompts are
 left-padded to one length (megatron_lite/inference/generation.py), so one decoding step writes
-every sequence's new token at the same index. The model's forward calls `update` once per
-layer; the caller calls `advance` once the forward is done.
+every sequence's new token at the same index. The model's forward runs its layers with the cache
+`attached` (each attention module's `cache_update` then stores its new tokens through `update`);
+the caller calls `advance` once the forward is done.
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+import contextlib
+import functools
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
 from ..errors import ConfigError
-from ..transformer.attention import SelfAttention
+
+
+def _cache_owners(model: nn.Module) -> List[nn.Module]:
+    """The attention modules of `model` that keep a cache entry."""
+    return [m for m in model.modules() if hasattr(m, "cache_entry")]
 
 
 class KVCache:
-    def __init__(self, shapes: Dict[int, Tuple[int, int]], batch_size: int, max_length: int,
+    def __init__(self, entries: Dict[int, Sequence[Tuple[int, ...]]], batch_size: int, max_length: int,
                  dtype: torch.dtype = torch.float32, device=None):
-        """`shapes`: layer number -> (K/V heads on this rank, head dim)."""
+        """`entries`: layer number -> the per-token shape of each tensor that layer caches."""
         self.batch_size, self.max_length = batch_size, max_length
         self.offset = 0  # tokens cached so far, the same for every sequence
-        self.buffers = {layer: tuple(torch.zeros(batch_size, max_length, heads, d, dtype=dtype, device=device)
-                                     for _ in range(2))
-                        for layer, (heads, d) in shapes.items()}
+        self.buffers = {layer: tuple(torch.zeros(batch_size, max_length, *shape, dtype=dtype, device=device)
+                                     for shape in shapes)
+                        for layer, shapes in entries.items()}
 
     @classmethod
     def for_model(cls, model: nn.Module, batch_size: int, max_length: int) -> "KVCache":
-        """A cache for every self-attention layer of `model` (one model chunk), in its dtype and
-        on its device."""
-        layers = [m for m in model.modules() if isinstance(m, SelfAttention)]
+        """A cache for every attention layer of `model` (one model chunk), in its dtype and on its
+        device."""
         param = next(model.parameters())
-        return cls({m.layer_number: (m.groups, m.head_dim) for m in layers}, batch_size, max_length,
+        return cls({m.layer_number: m.cache_entry() for m in _cache_owners(model)}, batch_size, max_length,
                    param.dtype, param.device)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pair in self.buffers.values() for t in pair)
+        return sum(t.numel() * t.element_size() for entry in self.buffers.values() for t in entry)
 
-    def update(self, layer_number: int, k: torch.Tensor, v: torch.Tensor):
-        """Store the new tokens' k, v [b, s, kv_heads, d] after the cached ones; return every
-        cached key and value [b, offset + s, kv_heads, d] (views of the buffers) and the number
-        of tokens cached before these (the queries' absolute position offset)."""
-        end = self.offset + k.shape[1]
+    def update(self, layer_number: int, *new: torch.Tensor) -> Tuple:
+        """Store the new tokens' tensors [b, s, ...] after the cached ones; return every cached one
+        [b, offset + s, ...] (views of the buffers) and the number of tokens cached before these
+        (the queries' absolute position offset)."""
+        end = self.offset + new[0].shape[1]
         if end > self.max_length:
             raise ConfigError(f"KV cache overflow: {end} tokens do not fit the {self.max_length} it was built for")
-        k_buf, v_buf = self.buffers[layer_number]
-        k_buf[:, self.offset:end] = k
-        v_buf[:, self.offset:end] = v
-        return k_buf[:, :end], v_buf[:, :end], self.offset
+        entry = self.buffers[layer_number]
+        for buffer, tensor in zip(entry, new):
+            buffer[:, self.offset:end] = tensor
+        return (*(buffer[:, :end] for buffer in entry), self.offset)
+
+    @contextlib.contextmanager
+    def attached(self, model: nn.Module):
+        """Within, every cache-owning attention module of `model` stores its new tokens here: the
+        cache reaches the attention without passing through the layers' (training) forwards."""
+        owners = _cache_owners(model)
+        for m in owners:
+            m.cache_update = functools.partial(self.update, m.layer_number)
+        try:
+            yield
+        finally:
+            for m in owners:
+                m.cache_update = None
 
     def advance(self, n: int) -> None:
         """The forward that cached `n` more tokens per sequence is complete."""

@@ -4,7 +4,7 @@ Layout. The sequence is cut into 2*cp equal chunks and CP rank r holds chunks r 
 concatenated ("zigzag"): under a causal mask every rank then has the same amount of work.
 `split_batch_for_cp` applies that split to a batch once and returns the absolute index of
 every local token. The attention entry `cp_attention` takes those indices: visibility is
-decided by absolute indices and document ids (see transformer/block_attention.py), never by
+decided by absolute indices and document ids (see kernels/block_attention.py), never by
 local positions, so every comm type is exact for any layout; the zigzag only makes it balanced.
 
 Comm types (Megatron-Core's --cp-comm-type names), all autograd-correct:
@@ -26,8 +26,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..transformer.block_attention import (NEG_INF, accumulation_dtype, attention_block, attention_block_backward,
-                                           merge_partials, softmax_delta)
+from ..kernels.block_attention import (NEG_INF, accumulation_dtype, attention_block, attention_block_backward,
+                                       merge_partials, softmax_delta)
 from . import comm
 from .state import group_rank, group_size
 
@@ -184,16 +184,17 @@ class _RingAttention(torch.autograd.Function):
         size, rank = group_size(group), group_rank(group)
         acc = accumulation_dtype(q.dtype)
         b, s, hq, d = q.shape
-        out = torch.zeros(b, s, hq, d, dtype=acc, device=q.device)
+        out = torch.zeros(b, s, hq, v.shape[-1], dtype=acc, device=q.device)
         lse = torch.full((b, hq, s), NEG_INF, dtype=acc, device=q.device)
         q_doc = None if all_docs is None else all_docs[rank]
-        kv = torch.stack([k, v])  # one transfer per step: only the K/V heads travel
+        # One transfer per step: only the K/V heads travel, K and V side by side (head sizes may differ).
+        kv, halves = torch.cat([k, v], dim=-1), (d, v.shape[-1])
         for step in range(size):
             src = (rank - step) % size
             pending = _RingExchange(kv, group, _TAG_KV, counter) if step < size - 1 else None  # overlaps the compute
             k_doc = None if all_docs is None else all_docs[src]
             for rows, cols in plans[step]:
-                o, l = attention_block(q[:, rows], kv[0][:, cols], kv[1][:, cols], q_index=all_index[rank][rows],
+                o, l = attention_block(q[:, rows], *kv[:, cols].split(halves, -1), q_index=all_index[rank][rows],
                                        k_index=all_index[src][cols], q_doc=None if q_doc is None else q_doc[:, rows],
                                        k_doc=None if k_doc is None else k_doc[:, cols], out_dtype=acc, **opts)
                 out[:, rows], lse[:, :, rows] = merge_partials(out[:, rows], lse[:, :, rows], o, l)
@@ -214,7 +215,7 @@ class _RingAttention(torch.autograd.Function):
         delta = softmax_delta(dout, out)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         q_doc = None if all_docs is None else all_docs[rank]
-        kv = torch.stack([k, v])
+        kv, halves = torch.cat([k, v], dim=-1), (k.shape[-1], v.shape[-1])
         incoming_dkv = None  # the gradient of the K/V now held, accumulated by the ranks before
         for step in range(size):
             src = (rank - step) % size
@@ -223,13 +224,12 @@ class _RingAttention(torch.autograd.Function):
             dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
             for rows, cols in plans[step]:
                 gq, gk, gv = attention_block_backward(
-                    dout[:, rows], q[:, rows], kv[0][:, cols], kv[1][:, cols], lse[:, :, rows], delta[:, :, rows],
+                    dout[:, rows], q[:, rows], *kv[:, cols].split(halves, -1), lse[:, :, rows], delta[:, :, rows],
                     q_index=all_index[rank][rows], k_index=all_index[src][cols],
                     q_doc=None if q_doc is None else q_doc[:, rows], k_doc=None if k_doc is None else k_doc[:, cols],
                     out=out[:, rows], **ctx.opts)  # out: the fused kernels' backward takes it, not delta
                 dq[:, rows] += gq
-                dkv[0][:, cols] += gk
-                dkv[1][:, cols] += gv
+                dkv[:, cols] += torch.cat([gk, gv], dim=-1)
             if incoming_dkv is not None:
                 dkv += incoming_dkv.wait()
             # dK/dV travel with their K/V; after the last step one more hop brings them home.
@@ -238,7 +238,8 @@ class _RingAttention(torch.autograd.Function):
                 kv = pending_kv.wait()
         if incoming_dkv is not None:
             dkv = incoming_dkv.wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+        dk, dv = dkv.split(halves, -1)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 def _gather_positions(q_index: torch.Tensor, q_doc: Optional[torch.Tensor], group, counter=None):
@@ -251,7 +252,8 @@ def _gather_positions(q_index: torch.Tensor, q_doc: Optional[torch.Tensor], grou
 def ring_attention(q, k, v, *, group, q_index, q_doc=None, causal: bool = True, window: Optional[int] = None,
                    softmax_scale: Optional[float] = None, counter=None) -> torch.Tensor:
     """Ring attention (p2p) of this rank's queries over the keys of every rank of `group`.
-    q [b, s, hq, d], k/v [b, s, hkv, d], q_index [s], q_doc [b, s] or None -> out [b, s, hq, d]."""
+    q [b, s, hq, d], k [b, s, hkv, d], v [b, s, hkv, dv], q_index [s], q_doc [b, s] or None
+    -> out [b, s, hq, dv]."""
     size = group_size(group)
     index, docs = _gather_positions(q_index, q_doc, group, counter)
     all_index = index.view(size, -1)
@@ -317,8 +319,8 @@ CoreAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
 def ulysses_attention(q, k, v, *, group, q_index, q_doc=None, causal: bool = True, window: Optional[int] = None,
                       softmax_scale: Optional[float] = None, core: Optional[CoreAttention] = None,
                       counter=None) -> torch.Tensor:
-    """Ulysses (a2a): q/k/v [b, s, h, d] sequence-sharded -> head-sharded over the whole gathered
-    sequence -> core(q, k, v, index, docs) -> back to [b, s, hq, d]. K/V heads are replicated first
+    """Ulysses (a2a): q/k/v [b, s, h, d or dv] sequence-sharded -> head-sharded over the whole gathered
+    sequence -> core(q, k, v, index, docs) -> back to [b, s, hq, dv]. K/V heads are replicated first
     when there are fewer of them than ranks. `core` defaults to one attention_block over the
     gathered (zigzag-ordered) sequence with the gathered absolute indices."""
     n = group_size(group)
@@ -326,11 +328,12 @@ def ulysses_attention(q, k, v, *, group, q_index, q_doc=None, causal: bool = Tru
     check_ulysses(hq, hkv, n)
     if hkv < n:  # each rank needs the K/V head of its query heads: replicate (autograd sums the grads)
         k, v = k.repeat_interleave(n // hkv, dim=2), v.repeat_interleave(n // hkv, dim=2)
-    hkv = k.shape[2]
-    # One all-to-all for q, k and v: per destination rank, its query heads then its K and V heads.
-    qkv = torch.cat([t.unflatten(2, (n, -1)) for t in (q, k, v)], dim=3).flatten(2, 3)
-    qkv = _UlyssesAllToAll.apply(qkv, group, True, counter)
-    q, k, v = qkv.split([hq // n, hkv // n, hkv // n], dim=2)
+    # One all-to-all for q, k and v: per destination rank, its query heads then its K and V heads,
+    # each flattened with its own head size (the value head size may differ).
+    parts = [t.unflatten(2, (n, -1)).flatten(3) for t in (q, k, v)]  # [b, s, n, heads / n * head size]
+    qkv = _UlyssesAllToAll.apply(torch.cat(parts, dim=3), group, True, counter).squeeze(2)  # [b, n s, ...]
+    q, k, v = (x.unflatten(-1, (-1, t.shape[-1])) for x, t in zip(qkv.split([p.shape[-1] for p in parts], -1),
+                                                                  (q, k, v)))
     index, docs = _gather_positions(q_index, q_doc, group, counter)
     if core is None:
         out = attention_block(q, k, v, q_index=index, k_index=index, q_doc=docs, k_doc=docs, causal=causal,
@@ -345,10 +348,10 @@ def all_gather_attention(q, k, v, *, group, q_index, q_doc=None, causal: bool = 
                          softmax_scale: Optional[float] = None, counter=None) -> torch.Tensor:
     """Local queries attend the K/V all-gathered over `group`; the backward reduce-scatters dK/dV
     (every rank's queries contribute to every key's gradient)."""
-    hkv = k.shape[2]
-    kv = torch.cat([k, v], dim=2).transpose(0, 1)  # [s, b, 2 hkv, d]: one gather, along dim 0
+    d = k.shape[-1]
+    kv = torch.cat([k, v], dim=-1).transpose(0, 1)  # [s, b, hkv, d + dv]: one gather, along dim 0
     kv = comm.gather_from_sp(kv, group, tensor_parallel_output_grad=True, counter=counter).transpose(0, 1)
-    k, v = kv.split(hkv, dim=2)
+    k, v = kv[..., :d], kv[..., d:]
     k_index, k_doc = _gather_positions(q_index, q_doc, group, counter)
     return attention_block(q, k, v, q_index=q_index, k_index=k_index, q_doc=q_doc, k_doc=k_doc, causal=causal,
                            window=window, softmax_scale=softmax_scale)[0]
@@ -361,13 +364,13 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm_type
                  softmax_scale: Optional[float] = None, counter=None) -> torch.Tensor:
     """Context-parallel core attention of this rank's local chunk.
 
-    q [b, s_local, hq, d], k/v [b, s_local, hkv, d]: this rank's tokens (zigzag chunks), heads
-    already TP-local. q_index [s_local] int64: their absolute indices (split_batch_for_cp);
+    q [b, s_local, hq, d], k [b, s_local, hkv, d], v [b, s_local, hkv, dv]: this rank's tokens
+    (zigzag chunks), heads already TP-local. q_index [s_local] int64: their absolute indices (split_batch_for_cp);
     q_doc [b, s_local]: their document ids, or None. K/V are the same tokens (self-attention).
     Groups: cp_group for "p2p", "a2a", "all_gather"; for "a2a+p2p" a2a_group (inner, Ulysses,
     size A) and p2p_group (outer, ring, size B), whose product is the CP group. None = one rank.
     `counter`: the comm.CommCounter to count the bytes in (dims.comm_counter), or None.
-    Returns out [b, s_local, hq, d] in q.dtype."""
+    Returns out [b, s_local, hq, dv] in q.dtype."""
     if comm_type not in CP_COMM_TYPES:
         raise ValueError(f"unknown cp comm type {comm_type!r}; choose one of {', '.join(CP_COMM_TYPES)}")
     if comm_type == "a2a+p2p" and cp_group is not None:
@@ -375,7 +378,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm_type
     if comm_type != "a2a+p2p" and (a2a_group is not None or p2p_group is not None):
         raise ValueError(f"a2a_group / p2p_group are for a2a+p2p; {comm_type} takes cp_group")
     if q.dim() != 4 or k.shape[:2] != q.shape[:2] or q_index.shape != (q.shape[1],):
-        raise ValueError(f"expected q [b, s, hq, d], k/v [b, s, hkv, d] and q_index [s] for the same local "
+        raise ValueError(f"expected q [b, s, hq, d], k/v [b, s, hkv, d/dv] and q_index [s] for the same local "
                          f"tokens; got q {tuple(q.shape)}, k {tuple(k.shape)}, q_index {tuple(q_index.shape)}")
     opts = dict(q_index=q_index, q_doc=q_doc, causal=causal, window=window, softmax_scale=softmax_scale,
                 counter=counter)

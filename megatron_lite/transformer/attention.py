@@ -1,10 +1,16 @@
 """Self-attention with grouped-query heads and RoPE, split across TP by heads, around a pluggable
 core attention (core_attention.py; a context-parallel wrapper has the same interface).
 Selective recomputation checkpoints only the core.
+
+What any module in a layer's self-attention slot (this one, or MLA) provides: its own config of
+knobs (here `AttentionConfig`, built from the model config as MoEConfig is kept apart from it);
+`forward(x, rope, packed)`; and, for generation, `cache_entry()` (the per-token shapes of what it
+caches) and `cache_update`, which the KV cache sets while the model decodes (inference/kv_cache.py).
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -16,34 +22,60 @@ from .norm import head_norm
 from .rope import apply_rope
 
 
+@dataclass(frozen=True)
+class AttentionConfig:
+    """The knobs of standard (grouped-query) self-attention."""
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int  # query / key head size
+    v_head_dim: int  # value head size (kv_channels in every model built from flags)
+    qkv_bias: bool
+    proj_bias: bool
+    qk_layernorm: bool
+
+    @classmethod
+    def from_model(cls, cfg) -> "AttentionConfig":
+        return cls(cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels, cfg.kv_channels,
+                   cfg.add_bias_linear or cfg.add_qkv_bias, cfg.add_bias_linear, cfg.qk_layernorm)
+
+
 class SelfAttention(nn.Module):
-    def __init__(self, cfg, ctx, layer_number: int, core_attention):
+    # Generation only: stores this layer's new K/V in the KV cache, returns (every cached K, V, the
+    # number of tokens cached before these). Set by KVCache.attached while the model decodes.
+    cache_update: Optional[Callable[..., Tuple]] = None
+
+    def __init__(self, cfg, ctx, layer_number: int, core_attention, config: Optional[AttentionConfig] = None):
         super().__init__()
+        config = config or AttentionConfig.from_model(cfg)
         dims, sp, dt = ctx.dims, ctx.sequence_parallel, ctx.params_dtype
         tp = dims.tp
-        d = cfg.kv_channels
-        self.head_dim, self.heads = d, cfg.num_attention_heads // tp
+        heads, groups = config.num_attention_heads, config.num_query_groups
+        d, dv = config.kv_channels, config.v_head_dim
+        self.head_dim, self.v_head_dim, self.heads = d, dv, heads // tp
         self.tracker, self.tp, self.sequence_parallel, self.dims = ctx.tracker, tp, sp, dims
         self.layer_number = layer_number  # names this layer's buffers in a KV cache
         self.recompute_core = ctx.recompute_granularity == "selective"
-        q_size, kv_size = cfg.num_attention_heads * d, cfg.num_query_groups * d
+        q_size, k_size, v_size = heads * d, groups * d, groups * dv
         # With fewer query groups than TP ranks, each K/V group is replicated on tp / groups
         # consecutive ranks (their weight gradients are summed over those ranks after backward).
-        kv_replicas = max(1, tp // cfg.num_query_groups)
-        self.groups = max(1, cfg.num_query_groups // tp)
-        qkv_bias = cfg.add_bias_linear or cfg.add_qkv_bias
+        kv_replicas = max(1, tp // groups)
+        self.groups = max(1, groups // tp)
         store = ctx.weight_grad_store
-        self.linear_q = ColumnParallelLinear(cfg.hidden_size, q_size, dims, bias=qkv_bias, sequence_parallel=sp,
+        self.linear_q = ColumnParallelLinear(cfg.hidden_size, q_size, dims, bias=config.qkv_bias, sequence_parallel=sp,
                                              dtype=dt, weight_grad_store=store)
-        self.linear_kv = ColumnParallelLinear(cfg.hidden_size, 2 * kv_size, dims, bias=qkv_bias, sequence_parallel=sp,
-                                              segments=[kv_size, kv_size], replicas=kv_replicas, dtype=dt,
-                                              weight_grad_store=store)
-        self.linear_proj = RowParallelLinear(q_size, cfg.hidden_size, dims, bias=cfg.add_bias_linear,
+        self.linear_kv = ColumnParallelLinear(cfg.hidden_size, k_size + v_size, dims, bias=config.qkv_bias,
+                                              sequence_parallel=sp, segments=[k_size, v_size], replicas=kv_replicas,
+                                              dtype=dt, weight_grad_store=store)
+        self.linear_proj = RowParallelLinear(heads * dv, cfg.hidden_size, dims, bias=config.proj_bias,
                                              sequence_parallel=sp, dtype=dt, weight_grad_store=store)
         self.core_attention = core_attention(cfg, ctx, layer_number)
-        if cfg.qk_layernorm:  # over each head's channels; the heads are split over TP: grads partial there
+        if config.qk_layernorm:  # over each head's channels; the heads are split over TP: grads partial there
             self.q_layernorm = head_norm(cfg, ctx, d)
             self.k_layernorm = head_norm(cfg, ctx, d)
+
+    def cache_entry(self) -> Tuple[Tuple[int, ...], ...]:
+        """What generation caches per token on this rank: K [kv heads, head dim], V [kv heads, v head dim]."""
+        return (self.groups, self.head_dim), (self.groups, self.v_head_dim)
 
     def _core(self, q, k, v, packed, q_offset=0):
         if self.core_attention.dropout > 0 and self.training and self.tp > 1:
@@ -51,28 +83,28 @@ class SelfAttention(nn.Module):
                 return self.core_attention(q, k, v, packed, q_offset=q_offset)
         return self.core_attention(q, k, v, packed, q_offset=q_offset)
 
-    def forward(self, x: torch.Tensor, rope=None, packed: Optional[PackedSeq] = None, kv_cache=None) -> torch.Tensor:
-        """`kv_cache` (inference only, megatron_lite/inference): x holds the tokens after those
-        already cached; their K/V join the cache and the queries attend over all of it."""
-        # [s, b, hq d] and [s, b, 2 hkv d] over the full sequence, through one TP input region
+    def forward(self, x: torch.Tensor, rope=None, packed: Optional[PackedSeq] = None) -> torch.Tensor:
+        """While generating (`cache_update` set), x holds the tokens after those already cached;
+        their K/V join the cache and the queries attend over all of it."""
+        # [s, b, hq d] and [s, b, hkv (d + dv)] over the full sequence, through one TP input region
         q, kv = ColumnParallelLinear.shared_input(x, self.linear_q, self.linear_kv)
-        k, v = kv.chunk(2, dim=-1)
         s, b = q.shape[:2]
-        d = self.head_dim
+        d, dv = self.head_dim, self.v_head_dim
+        k, v = kv.split([self.groups * d, self.groups * dv], dim=-1)
         q = q.reshape(s, b, self.heads, d)
         k = k.reshape(s, b, self.groups, d)
-        v = v.reshape(s, b, self.groups, d)
+        v = v.reshape(s, b, self.groups, dv)
         if hasattr(self, "q_layernorm"):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [b, s, heads, d]
         q_offset = 0
-        if kv_cache is not None:  # causality by absolute position: the queries sit after the cache
-            k, v, q_offset = kv_cache.update(self.layer_number, k, v)
+        if self.cache_update is not None:  # causality by absolute position: the queries sit after the cache
+            k, v, q_offset = self.cache_update(k, v)
         if self.recompute_core and self.training:
             out = recompute(self._core, self.tracker, q, k, v, packed)
         else:
             out = self._core(q, k, v, packed, q_offset)
-        out = out.transpose(0, 1).reshape(s, b, self.heads * d)
+        out = out.transpose(0, 1).reshape(s, b, self.heads * dv)
         return self.linear_proj(out)

@@ -35,13 +35,13 @@ class TransformerLayer(nn.Module):
 
     compiled = False  # --compile (transformer/fast_paths.py:compile_layer): this layer runs compiled
 
-    def forward(self, x: torch.Tensor, rope=None, packed: Optional[PackedSeq] = None, kv_cache=None) -> torch.Tensor:
-        if self.compiled and kv_cache is None:
+    def forward(self, x: torch.Tensor, rope=None, packed: Optional[PackedSeq] = None) -> torch.Tensor:
+        if self.compiled and self.self_attention.cache_update is None:  # decoding runs eager
             return compiled_layer_forward()(self, x, rope, packed)
-        return self._forward(x, rope, packed, kv_cache)
+        return self._forward(x, rope, packed)
 
-    def _forward(self, x: torch.Tensor, rope=None, packed: Optional[PackedSeq] = None, kv_cache=None) -> torch.Tensor:
-        x = self._dropout_add(self.self_attention(self.input_layernorm(x), rope, packed, kv_cache), x)
+    def _forward(self, x: torch.Tensor, rope=None, packed: Optional[PackedSeq] = None) -> torch.Tensor:
+        x = self._dropout_add(self.self_attention(self.input_layernorm(x), rope, packed), x)
         return self._dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x)
 
 

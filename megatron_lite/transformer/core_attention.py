@@ -4,8 +4,9 @@ at build time (`--attention-backend`).
 Interface, shared by every backend and by the context-parallel wrapper:
 
     forward(q, k, v, packed=None, q_offset=0, k_offset=0, return_lse=False)
-        q [b, sq, hq, d], k/v [b, sk, hkv, d] (hq a multiple of hkv: grouped-query attention)
-        -> out [b, sq, hq, d]   (and lse [b, hq, sq] float32 when return_lse)
+        q [b, sq, hq, d], k [b, sk, hkv, d], v [b, sk, hkv, dv] (hq a multiple of hkv: grouped-query
+        attention; the value head size dv may differ from d) -> out [b, sq, hq, dv]
+        (and lse [b, hq, sq] float32 when return_lse)
 
 Causality is by absolute position: query i sits at q_offset + i, key j at k_offset + j, and a key
 is visible iff it is not later than the query (and, with a sliding window w, less than w before
@@ -17,8 +18,9 @@ attend only within their document. There is no dense [b, s, s] mask in the inter
 Backends:
   sdpa  torch.nn.functional.scaled_dot_product_attention (flash / efficient / cuDNN / math kernels
         as PyTorch picks them; is_causal without a mask on the fast path). The default.
-  local the pure-PyTorch block attention (block_attention.py): the reference, returns the LSE.
-  flash flash-attn on CUDA in bf16/fp16 when installed (plain causal self-attention), else sdpa.
+  local the pure-PyTorch block attention (kernels/block_attention.py): the reference, returns the LSE.
+  flash flash-attn on CUDA in bf16/fp16 when installed (plain causal self-attention, one head
+        size), else sdpa.
 Each returns the LSE through the local path when asked (context parallelism needs it).
 """
 from __future__ import annotations
@@ -31,7 +33,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .block_attention import attention_block, visibility_mask
+from ..kernels.block_attention import attention_block, fused_kernel, visibility_mask
+from ..parallel.context_parallel import cp_attention, ulysses_attention, zigzag_indices
 
 BACKENDS = ("auto", "sdpa", "local", "flash", "fused", "unfused")  # Megatron's names map onto ours
 
@@ -117,7 +120,8 @@ class FlashAttention(SDPAAttention):
     def forward(self, q, k, v, packed: Optional[PackedSeq] = None, q_offset: int = 0, k_offset: int = 0,
                 return_lse: bool = False):
         fn = flash_attn_func()
-        plain = packed is None and not return_lse and q_offset - k_offset == k.shape[1] - q.shape[1]
+        plain = (packed is None and not return_lse and q_offset - k_offset == k.shape[1] - q.shape[1]
+                 and v.shape[-1] == q.shape[-1])
         if fn is not None and plain and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
             window = (-1, -1) if self.window is None else (self.window - 1, 0)
             return fn(q, k, v, dropout_p=self.dropout if self.training else 0.0, causal=True, window_size=window)
@@ -142,7 +146,6 @@ def describe_attention(backend: str, device, dtype, cp: int = 1, cp_comm_type=("
 
 def _block_kernel(device, dtype) -> str:
     """What block attention runs for CP blocks on this device (block_attention's fused switches)."""
-    from .block_attention import fused_kernel
     kind = fused_kernel(device, dtype)
     if kind is None:
         return "local LSE kernel (materialises each block's scores)"
@@ -182,8 +185,6 @@ class ContextParallelAttention(nn.Module):
 
     def forward(self, q, k, v, packed: Optional[PackedSeq] = None, q_offset: int = 0, k_offset: int = 0,
                 return_lse: bool = False):
-        from ..parallel.context_parallel import cp_attention, ulysses_attention, zigzag_indices
-
         assert q_offset == 0 and k_offset == 0 and not return_lse, "context-parallel attention is for training"
         dims = self.dims
         index = zigzag_indices(q.shape[1] * dims.cp, dims.cp, dims.cp_rank, device=q.device)

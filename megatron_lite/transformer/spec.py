@@ -3,8 +3,9 @@
 A `TransformerLayerSpec` names the constructor of each submodule (norms, self-attention, its core
 attention, the MLP slot), in the manner of Megatron-Core's ModuleSpec but as a plain dataclass.
 Every constructor is called as `ctor(cfg, ctx, layer_number)`; the self-attention constructor also
-gets `core_attention=` (a constructor of the same kind). A model picks a spec per layer: a dense
-MLP or an MoE layer, local SDPA / flash-attn / a context-parallel wrapper as the core attention.
+gets `core_attention=` (a constructor of the same kind). A model picks a spec per layer: standard
+attention (or, next, MLA: what that slot's module provides is in attention.py), a dense MLP or an
+MoE layer, local SDPA / flash-attn / a context-parallel wrapper as the core attention.
 
 `BuildContext` carries what every layer needs besides the model config, explicitly: the layout,
 whether activations are sequence-parallel, the parameter dtype, the RNG streams, the store that

@@ -13,8 +13,9 @@ visible to query i iff
     documents:  q_doc[b, i] == k_doc[b, j]       (packed sequences)
 so a block may hold any subset of the sequence, in any order (e.g. zigzag chunks).
 
-Layouts: q [b, sq, hq, d]; k, v [b, sk, hkv, d] with hq a multiple of hkv (query head h uses
-key/value head h // (hq // hkv), as repeat_interleave would); out [b, sq, hq, d]; lse [b, hq, sq].
+Layouts: q [b, sq, hq, d]; k [b, sk, hkv, d]; v [b, sk, hkv, dv] (the value head size may differ, as in
+MLA) with hq a multiple of hkv (query head h uses key/value head h // (hq // hkv), as repeat_interleave
+would); out [b, sq, hq, dv]; lse [b, hq, sq].
 Scores, softmax and accumulation run in float32 (float64 for float64 inputs): the "accumulation
 dtype", which is also the dtype of lse and of the backward helper's gradients. Rows with no
 visible key give out 0 and lse -inf, and zero gradients (never NaN).
@@ -28,9 +29,11 @@ Two paths behind one interface:
   _MAX_FUSED_BLOCKS sub-blocks. CPU: `_scaled_dot_product_flash_attention_for_cpu` in the
   accumulation dtype (GQA native). CUDA (opt-in, `fused_cuda`, not yet checked on a GPU):
   `_scaled_dot_product_flash_attention` for bf16/fp16, `_scaled_dot_product_efficient_attention`
-  for fp32, K/V expanded per group. The backward feeds the kernel's backward the FINAL out and
-  lse (it recomputes P = exp(S - lse) and delta = rowsum(dout * out)), as ring flash attention
-  does; that needs `out`, so a nonzero gradient on the returned lse takes the reference backward.
+  for fp32, K/V expanded per group. The kernels take one head size: q/k or v is zero-padded to
+  the other's (a value head size other than the query/key one). The backward feeds the kernel's
+  backward the FINAL out and lse (it recomputes P = exp(S - lse) and delta = rowsum(dout * out)),
+  as ring flash attention does; that needs `out`, so a nonzero gradient on the returned lse takes
+  the reference backward.
 - reference: pure PyTorch, any device and any visibility; it materializes the [b, hq, sq, sk]
   scores of a block. Set `use_fused = False` (or MEGATRON_LITE_FUSED_ATTENTION=0) to force it.
 """
@@ -79,8 +82,8 @@ def visibility_mask(q_index: torch.Tensor, k_index: torch.Tensor, q_doc: Optiona
 
 
 def _check_inputs(q, k, v, q_index, k_index, q_doc, k_doc, window):
-    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
-        raise ValueError(f"expected q [b, sq, hq, d] and k, v [b, sk, hkv, d]; got q {tuple(q.shape)}, "
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"expected q [b, sq, hq, d], k [b, sk, hkv, d], v [b, sk, hkv, dv]; got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
     b, sq, hq, d = q.shape
     if k.shape[0] != b or k.shape[3] != d or hq % k.shape[2]:
@@ -233,8 +236,8 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
 
 
 def _kernel_forward(q, k, v, causal: bool, scale: float):
-    """One sub-block: q [b, sq, hq, d], k/v [b, sk, hkv, d] -> (out [b, sq, hq, d], lse [b, hq, sq]),
-    both in the accumulation dtype."""
+    """One sub-block: q [b, sq, hq, d], k/v [b, sk, hkv, d] (one head size) -> (out [b, sq, hq, d],
+    lse [b, hq, sq]), both in the accumulation dtype."""
     acc = accumulation_dtype(q.dtype)
     kind = _kernel_kind(q)
     if kind == "cpu":
@@ -289,33 +292,42 @@ def _kernel_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     return gq.transpose(1, 2).to(acc), gk.transpose(1, 2).to(acc), gv.transpose(1, 2).to(acc)
 
 
+def _padded(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x zero-padded to `width` channels: the kernels take one head size for q, k and v, and zero
+    channels change neither q k^T nor the output's first channels."""
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
 def _fused_forward(q, k, v, blocks: List[Block], scale: float):
-    """(out [b, sq, hq, d], lse [b, hq, sq]) in the accumulation dtype, merged over the sub-blocks."""
+    """(out [b, sq, hq, dv], lse [b, hq, sq]) in the accumulation dtype, merged over the sub-blocks."""
     acc = accumulation_dtype(q.dtype)
     b, sq, hq, d = q.shape
+    v_dim = v.shape[-1]
+    q, k, v = (_padded(t, max(d, v_dim)) for t in (q, k, v))
     if len(blocks) == 1 and blocks[0][0] == slice(0, sq):
         rows, cols, causal = blocks[0]
-        return _kernel_forward(q, k[:, cols], v[:, cols], causal, scale)
-    out = torch.zeros(b, sq, hq, d, dtype=acc, device=q.device)
+        out, lse = _kernel_forward(q, k[:, cols], v[:, cols], causal, scale)
+        return out[..., :v_dim], lse
+    out = torch.zeros(b, sq, hq, v.shape[-1], dtype=acc, device=q.device)
     lse = torch.full((b, hq, sq), NEG_INF, dtype=acc, device=q.device)
     for rows, cols, causal in blocks:
         o, l = _kernel_forward(q[:, rows], k[:, cols], v[:, cols], causal, scale)
         out[:, rows], lse[:, :, rows] = merge_partials(out[:, rows], lse[:, :, rows], o, l)
-    return out, lse
+    return out[..., :v_dim], lse
 
 
 def _fused_backward(dout, q, k, v, out, lse, blocks: List[Block], scale: float):
     acc = accumulation_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
-    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    d, v_dim = q.shape[-1], v.shape[-1]
+    q, k, v, dout, out = (_padded(t, max(d, v_dim)) for t in (q, k, v, dout, out))
+    dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, k, v))
     for rows, cols, causal in blocks:
         gq, gk, gv = _kernel_backward(dout[:, rows], q[:, rows], k[:, cols], v[:, cols], out[:, rows],
                                       lse[:, :, rows], causal, scale)
         dq[:, rows] += gq
         dk[:, cols] += gk
         dv[:, cols] += gv
-    return dq, dk, dv
+    return dq[..., :d], dk[..., :d], dv[..., :v_dim]
 
 
 def attention_block_backward(dout, q, k, v, lse, delta=None, *, q_index, k_index, q_doc=None, k_doc=None,
@@ -329,9 +341,9 @@ def attention_block_backward(dout, q, k, v, lse, delta=None, *, q_index, k_index
     any incoming gradient of the final lse. Then P = exp(S - lse) is this block's slice of the
     global softmax and dS = P * (dP - delta), so the per-block gradients of disjoint key blocks
     sum to the gradient of the whole attention. Returned in the accumulation dtype (dq [b, sq, hq, d],
-    dk/dv [b, sk, hkv, d]) so callers can sum blocks without rounding.
+    dk [b, sk, hkv, d], dv [b, sk, hkv, dv]) so callers can sum blocks without rounding.
 
-    out [b, sq, hq, d]: the final output of these query rows. Pass it (with or without delta; delta
+    out [b, sq, hq, dv]: the final output of these query rows. Pass it (with or without delta; delta
     must then be softmax_delta(dout, out)) to let the fused kernel run, which takes out, not delta;
     with delta alone (e.g. a gradient on the lse folded in) the reference path runs."""
     b, sq, hq, d = q.shape
@@ -418,7 +430,7 @@ def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_inde
                     softmax_scale: Optional[float] = None, dropout_p: float = 0.0,
                     dropout_seed: Optional[int] = None,
                     out_dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Attention of queries q over one block of keys; returns (out [b, sq, hq, d], lse [b, hq, sq]).
+    """Attention of queries q over one block of keys; returns (out [b, sq, hq, dv], lse [b, hq, sq]).
 
     q_index [sq] / k_index [sk] (int64): absolute token index of each query / key row in the full
     sequence; q_doc [b, sq] / k_doc [b, sk]: document ids (both or neither). softmax_scale defaults
@@ -436,7 +448,7 @@ def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_inde
 
 def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
                    lse_b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Combine attention over two disjoint key sets: out [b, s, h, d], lse [b, h, s] each.
+    """Combine attention over two disjoint key sets: out [b, s, h, dv], lse [b, h, s] each.
 
     lse = logaddexp(lse_a, lse_b) = max + log1p(exp(min - max)); out = sum of the parts weighted
     by exp(lse_part - lse). Rows empty in one part take the other; rows empty in both stay

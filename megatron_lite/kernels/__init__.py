@@ -1,0 +1,1 @@
+"""Attention kernels in plain PyTorch, below parallel/ and transformer/ (both use them): torch only."""
