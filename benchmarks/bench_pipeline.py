@@ -89,7 +89,7 @@ def _instrument(executor_cls, records: list, pad: Optional[Dict[str, float]]) ->
 def _worker(rank: int, world: int, argv: List[str], pad: Optional[Dict[str, float]]) -> dict:
     os.environ["WORLD_SIZE"] = str(world)
     from pretrain_gpt import make_trainer, resolve
-    from megatron_lite.parallel.pipeline.executor import PipelineExecutor, activation_shape
+    from megatron_lite.parallel.pipeline.executor import PipelineExecutor
     from megatron_lite.training.step import pipelined_forward_backward
 
     records: list = []
@@ -98,9 +98,7 @@ def _worker(rank: int, world: int, argv: List[str], pad: Optional[Dict[str, floa
         cfg, tokenizer = resolve(argv)
         trainer = make_trainer(cfg, tokenizer, torch.device("cpu"))
         if trainer.dims.pp == 1:  # the one-stage baseline runs through the executor too (same timing hooks)
-            t = cfg.training
-            shape = activation_shape(t.seq_length, t.micro_batch_size, cfg.model.hidden_size, trainer.dims, False)
-            executor = PipelineExecutor(trainer.chunks, trainer.dims, "1f1b", shape, torch.float32, trainer.device)
+            executor = PipelineExecutor(trainer.chunks, trainer.dims, "1f1b", trainer.device)
             trainer.forward_backward = pipelined_forward_backward(executor)
         history = trainer.train()
     return {"pp_rank": trainer.dims.pp_rank, "records": records, "step_time": [h["step_time_s"] for h in history],

@@ -20,7 +20,6 @@ import torch.nn.functional as F
 
 from megatron_lite import config as C
 from megatron_lite.parallel import comm
-from megatron_lite.parallel.pipeline.partition import stage_layer_ranges
 from megatron_lite.parallel.random import recompute
 from megatron_lite.parallel.sharding import replicated, set_spec, with_tie
 from megatron_lite.parallel.state import ParallelDims
@@ -106,6 +105,13 @@ class GPTModel(nn.Module):
     def set_input_tensor(self, x: Optional[torch.Tensor]) -> None:
         """The hidden states [s, b, h] from the previous pipeline stage (not for the first)."""
         self.input_tensor = x
+
+    def pipeline_input_spec(self, batch: dict) -> List[Tuple[Tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of what set_input_tensor takes for this micro-batch: the hidden states
+        [s, b, h] of this rank's part of the sequence (the batch is CP's already; SP splits it over TP)."""
+        b, s = batch["tokens"].shape
+        s //= self.dims.tp if self.sequence_parallel else 1
+        return [((s, b, self.cfg.hidden_size), self.ctx.params_dtype)]
 
     def sharding_units(self) -> List[nn.Module]:
         """ZeRO-3 gathers and frees the parameters of each of these modules together."""
@@ -248,12 +254,11 @@ def build_model(cfg: C.ModelConfig, ctx, *, seed: int = 1234, device=None, first
     dims = ctx.dims
     device = torch.device(device if device is not None else ctx.device if ctx.device is not None else "cpu")
     init = weight_init(cfg, seed, "cpu" if cpu_initialization else None)
-    ranges = stage_layer_ranges(cfg.num_layers, dims.pp, dims.vpp, first_stage_layers, last_stage_layers)
     chunks = []
-    for c in range(dims.vpp):
-        v = c * dims.pp + dims.pp_rank
+    for layer_range, first, last in dims.placement.rank_chunks(dims.pp_rank, cfg.num_layers, first_stage_layers,
+                                                               last_stage_layers):
         with torch.device("meta"):
-            m = GPTModel(cfg, ctx, layer_range=ranges[v], pre_process=v == 0, post_process=v == len(ranges) - 1)
+            m = GPTModel(cfg, ctx, layer_range=layer_range, pre_process=first, post_process=last)
         defer_(m, init, device)
         if materialize:
             materialize_(m)

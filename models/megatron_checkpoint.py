@@ -37,6 +37,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, StorageM
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megatron_lite.parallel.pipeline.placement import StagePlacement
+
 from .hf_conversion import ConversionError
 from .megatron_conversion import ALIASES, IGNORED, VOCAB_TENSORS, layout_of_args, merge_tp
 
@@ -401,20 +403,19 @@ class LegacyCheckpoint(_Reader):
         return chunks
 
     def _index_layers(self) -> None:
-        """Global layer numbers: chunk v of stage p is the (v * pp + p)-th run of consecutive layers."""
-        nv = len(self.chunks[(0, 0)])
+        """Global layer numbers: the chunks' runs of consecutive layers in (loop-placed) stage order."""
+        placement = StagePlacement(self.pp, len(self.chunks[(0, 0)]))
         offset = 0
-        for v in range(nv):
-            for p in range(self.pp):
-                sd = self.chunks[(0, p)][v]
-                local = sorted({int(m.group(1)) for k in sd if (m := _LAYER.match(k))})
-                for key, value in sd.items():
-                    if _ignored(key) or not isinstance(value, torch.Tensor):
-                        continue
-                    m = _LAYER.match(key)
-                    name = key if m is None else f"decoder.layers.{offset + local.index(int(m.group(1)))}.{m.group(2)}"
-                    self.index[_canonical(name)] = (p, v, key)
-                offset += len(local)
+        for p, v in map(placement.location, range(placement.num_stages)):
+            sd = self.chunks[(0, p)][v]
+            local = sorted({int(m.group(1)) for k in sd if (m := _LAYER.match(k))})
+            for key, value in sd.items():
+                if _ignored(key) or not isinstance(value, torch.Tensor):
+                    continue
+                m = _LAYER.match(key)
+                name = key if m is None else f"decoder.layers.{offset + local.index(int(m.group(1)))}.{m.group(2)}"
+                self.index[_canonical(name)] = (p, v, key)
+            offset += len(local)
 
     def _pieces(self, where: tuple) -> List[torch.Tensor]:
         p, v, key = where

@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Tuple
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from .pipeline.placement import StagePlacement
 
 
 @dataclass
@@ -41,6 +42,7 @@ class ParallelDims:
     vpp: int = 1  # virtual pipeline stages (model chunks) per pipeline rank
     cp_a2a: int = 0  # hierarchical CP (a2a+p2p): consecutive CP ranks in each all-to-all group; 0: none
     etp: int = 1  # expert tensor parallelism: 1 (experts whole on each TP rank) or tp
+    pp_placement: str = "loop"  # which pipeline rank runs each virtual stage (pipeline/placement.py)
     rank: int = 0
     groups: Dict[str, Optional[dist.ProcessGroup]] = field(default_factory=dict, repr=False)
     comm_counter: Optional[object] = field(default=None, repr=False)  # a comm.CommCounter: bytes moved
@@ -116,12 +118,18 @@ class ParallelDims:
         return self.coords()[3]
 
     @property
+    def placement(self) -> StagePlacement:
+        return StagePlacement(self.pp, self.vpp, self.pp_placement)
+
+    @property
     def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
+        """This rank holds the first virtual pipeline stage (the embedding)."""
+        return self.pp_rank == self.placement.end_ranks()[0]
 
     @property
     def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1
+        """This rank holds the last virtual pipeline stage (the loss)."""
+        return self.pp_rank == self.placement.end_ranks()[1]
 
     # --- groups ------------------------------------------------------------------------------
     def group(self, name: str) -> Optional[dist.ProcessGroup]:
@@ -221,10 +229,7 @@ class ParallelDims:
         for r in range(2, self.tp):  # blocks of r consecutive TP ranks (replicated K/V groups)
             if self.tp % r == 0:
                 lists[f"tp_sub{r}"] = [tp_group[i:i + r] for tp_group in lists["tp"] for i in range(0, self.tp, r)]
-        emb = []
-        for pp_group in lists["pp"]:
-            emb.append(sorted({pp_group[0], pp_group[-1]}))
-        lists["embedding"] = emb
+        lists["embedding"] = [sorted({g[r] for r in self.placement.end_ranks()}) for g in lists["pp"]]
         return lists
 
     def _expert_rank_lists(self) -> Dict[str, List[List[int]]]:

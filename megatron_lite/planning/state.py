@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Tuple
 
 from ..parallel.bucket_plan import BucketPlan, ParamInfo, offloaded_buckets, plan_buckets, state_bytes
-from ..parallel.pipeline.partition import stage_layer_ranges
+from ..parallel.pipeline.placement import StagePlacement
 from .layout import Layout
 
 # (layer_range, pre_process, post_process, tp, ep, etp) -> the chunk's trainable parameters
@@ -16,12 +16,8 @@ Inventory = Callable[..., List[ParamInfo]]
 
 def stage_chunks(num_layers: int, lay: Layout, pp_rank: int) -> List[Tuple[Tuple[int, int], bool, bool]]:
     """(layer range, pre_process, post_process) of each model chunk of pipeline rank `pp_rank`."""
-    ranges = stage_layer_ranges(num_layers, lay.pp, lay.vpp, lay.first_stage_layers, lay.last_stage_layers)
-    out = []
-    for c in range(lay.vpp):
-        v = c * lay.pp + pp_rank
-        out.append((ranges[v], v == 0, v == len(ranges) - 1))
-    return out
+    placement = StagePlacement(lay.pp, lay.vpp)  # every schedule the planner weighs is written for loop
+    return placement.rank_chunks(pp_rank, num_layers, lay.first_stage_layers, lay.last_stage_layers)
 
 
 def rank_buckets(num_layers: int, lay: Layout, pp_rank: int, inventory: Inventory) -> List[BucketPlan]:

@@ -24,7 +24,7 @@ from .flops import device_peak_tflops, flops_per_token
 from .metrics import MetricsLogger
 from .profiling import HostSyncCounter, StepProfiler, default_trace_dir, empty_unused_memory
 from ..parallel.context_parallel import split_batch_for_cp
-from ..parallel.pipeline.executor import PipelineExecutor, activation_shape
+from ..parallel.pipeline.executor import PipelineExecutor
 from ..parallel.pipeline.schedules import ZERO_BUBBLE, default_schedule
 from ..parallel.tensor_parallel import WeightGradStore
 from ..optim.adam import fused_adamw_available
@@ -77,8 +77,8 @@ class Trainer:
       model_provider(cfg, ctx: BuildContext) -> this rank's model chunks (one per virtual pipeline
           stage), initialized on ctx.device, or with parameters still on the meta device that the
           optimizer's gradient buffers materialize in place (parallel/tiled_init.py); chunks may
-          offer sharding_units() (ZeRO-3) and must offer set_input_tensor(x) (pipeline stages
-          after the first);
+          offer sharding_units() (ZeRO-3) and must offer set_input_tensor(x) and
+          pipeline_input_spec(batch) (pipeline stages after the first: parallel/pipeline/executor.py);
       datasets_provider(cfg, tokenizer, num_samples: (train, valid, test)) -> three datasets (or None);
       forward_step(batch, chunk) -> (output, loss_func): the protocol of training/step.py."""
 
@@ -116,10 +116,7 @@ class Trainer:
         self.num_microbatches = t.num_microbatches(dims.dp)  # at the full global batch: evaluation
         self.forward_backward = forward_backward_no_pipelining
         if dims.pp > 1:
-            executor = PipelineExecutor(
-                self.chunks, dims, schedule, activation_shape(t.seq_length, t.micro_batch_size, m.hidden_size, dims,
-                                                              ctx.sequence_parallel),
-                params_dtype(cfg), device, store)
+            executor = PipelineExecutor(self.chunks, dims, schedule, device, store)
             self.forward_backward = pipelined_forward_backward(executor)
 
         evals = t.train_iters // t.eval_interval + 1

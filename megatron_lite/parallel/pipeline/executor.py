@@ -8,7 +8,12 @@ GEMMs of the linear layers built with the executor's WeightGradStore from B to t
 
 A forward is the forward-step protocol (training/step.py): `forward_step(batch, chunk)` after
 `chunk.set_input_tensor(received)` on a later stage, and on the last virtual stage the loss
-function over its output; the executor knows no batch keys and no loss formula.
+function over its output; the executor knows no batch keys and no loss formula. Stages and
+peers come from `dims.placement`, which the lists must be written for; a hop between two chunks
+of this rank (V's turn) is a local hand-off. A message is what a chunk's forward returns: one
+tensor or a tuple (e.g. multi-token prediction's extra hidden states). Receive buffers need no
+shape exchange: the receiving chunk's `pipeline_input_spec(batch)` gives (shape, dtype) per
+tensor (lengths may vary by micro-batch); a gradient is shaped like its floating-point output.
 """
 from __future__ import annotations
 
@@ -23,25 +28,20 @@ from .p2p import P2PBatch
 from .schedules import Action, build_schedule, comm_peer, group_steps
 
 Key = Tuple[int, int]  # (microbatch, local chunk)
+Message = Tuple[torch.Tensor, ...]
 
 
-def activation_shape(seq_length: int, micro_batch_size: int, hidden_size: int, dims: ParallelDims,
-                     sequence_parallel: bool) -> Tuple[int, int, int]:
-    """[s, b, h] of the hidden states a stage sends: the sequence split over CP (context
-    parallelism) and, under sequence parallelism, over TP."""
-    seq = seq_length // dims.cp // (dims.tp if sequence_parallel and dims.tp > 1 else 1)
-    return seq, micro_batch_size, hidden_size
+def _differentiable(msg: Message) -> List[torch.Tensor]:
+    """The tensors of a message that carry a gradient back."""
+    return [t for t in msg if t.is_floating_point()]
 
 
 class PipelineExecutor:
-    def __init__(self, chunks: List[nn.Module], dims: ParallelDims, schedule: str, act_shape: Tuple[int, ...],
-                 dtype: torch.dtype, device, weight_grad_store: Optional[WeightGradStore] = None):
-        self.chunks, self.dims, self.schedule = chunks, dims, schedule
-        self.act_shape, self.dtype, self.device = act_shape, dtype, device
+    def __init__(self, chunks: List[nn.Module], dims: ParallelDims, schedule: str, device,
+                 weight_grad_store: Optional[WeightGradStore] = None):
+        self.chunks, self.dims, self.schedule, self.device = chunks, dims, schedule, device
+        self.placement, self.rank = dims.placement, dims.pp_rank
         self.store = weight_grad_store  # the chunks' linear layers defer into it during B (zb-h1)
-        if any(a.kind == "B" for a in build_schedule(schedule, dims.pp, dims.pp, dims.vpp)[dims.pp_rank]):
-            assert weight_grad_store is not None, f"the {schedule} schedule needs a WeightGradStore"
-        self.num_stages = dims.pp * dims.vpp
         self.trace: Optional[List[Action]] = None  # set to [] to record the executed actions
         self._lists: Dict[Tuple[int, bool], List[Action]] = {}
         self._warmed_up = False
@@ -49,7 +49,9 @@ class PipelineExecutor:
     def actions(self, num_microbatches: int, forward_only: bool) -> List[Action]:
         key = (num_microbatches, forward_only)
         if key not in self._lists:
-            acts = build_schedule(self.schedule, self.dims.pp, num_microbatches, self.dims.vpp)[self.dims.pp_rank]
+            acts = build_schedule(self.schedule, self.dims.pp, num_microbatches, self.dims.vpp)[self.rank]
+            assert self.store is not None or all(a.kind != "B" for a in acts), \
+                f"the {self.schedule} schedule needs a WeightGradStore"
             if forward_only:  # evaluation: the same order without any backward work
                 acts = [a for a in acts if a.kind in ("F", "SEND_F", "RECV_F")]
             self._lists[key] = acts
@@ -66,10 +68,10 @@ class PipelineExecutor:
         self._warmed_up = True
         self.batches, self.forward_step, self.loss_weight = batches, forward_step, loss_weight
         self.forward_only = forward_only
-        self.inputs: Dict[Key, torch.Tensor] = {}
-        self.outputs: Dict[Key, torch.Tensor] = {}
-        self.out_grads: Dict[Key, torch.Tensor] = {}
-        self.in_grads: Dict[Key, torch.Tensor] = {}
+        self.inputs: Dict[Key, Message] = {}
+        self.outputs: Dict[Key, Message] = {}  # what each forward returned (the last stage: its loss)
+        self.out_grads: Dict[Key, Message] = {}
+        self.in_grads: Dict[Key, Message] = {}
         self.deferred: Dict[Key, list] = {}
         self.totals = totals
         pending: Optional[P2PBatch] = None
@@ -93,17 +95,19 @@ class PipelineExecutor:
     def _post(self, batch: Tuple[Action, ...]) -> P2PBatch:
         ops = []
         for a in batch:
-            key, peer = (a.microbatch, a.chunk), self.dims.pp_ranks()[comm_peer(a, self.dims.pp_rank, self.dims.pp)]
+            key, peer = (a.microbatch, a.chunk), self.dims.pp_ranks()[comm_peer(a, self.rank, self.placement)]
             if a.kind == "SEND_F":
-                ops.append(("send", self.outputs[key].detach().contiguous(), peer))
-                if self.forward_only:
-                    del self.outputs[key]
+                out = self.outputs.pop(key) if self.forward_only else self.outputs[key]
+                ops += [("send", t.detach().contiguous(), peer) for t in out]
             elif a.kind == "SEND_B":
-                ops.append(("send", self.in_grads.pop(key).contiguous(), peer))
+                ops += [("send", g.contiguous(), peer) for g in self.in_grads.pop(key)]
             else:
-                buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
-                (self.inputs if a.kind == "RECV_F" else self.out_grads)[key] = buf
-                ops.append(("recv", buf, peer))
+                if a.kind == "RECV_F":
+                    spec = self.chunks[a.chunk].pipeline_input_spec(self.batches[a.microbatch])
+                    bufs = self.inputs[key] = tuple(torch.empty(s, dtype=d, device=self.device) for s, d in spec)
+                else:
+                    bufs = self.out_grads[key] = tuple(map(torch.empty_like, _differentiable(self.outputs[key])))
+                ops += [("recv", t, peer) for t in bufs]
             if self.trace is not None:
                 self.trace.append(a)
         return P2PBatch(ops, self.dims.comm_counter)
@@ -130,32 +134,37 @@ class PipelineExecutor:
 
     def _forward(self, key: Key) -> None:
         mb, c = key
-        chunk, stage = self.chunks[c], c * self.dims.pp + self.dims.pp_rank
-        last = stage == self.num_stages - 1
+        chunk, last = self.chunks[c], self.placement.is_last(self.rank, c)
         with torch.set_grad_enabled(not self.forward_only):
-            if stage > 0:
+            if not self.placement.is_first(self.rank, c):
                 x = self.inputs[key]
                 if not self.forward_only:
-                    x.requires_grad_(True)
-                chunk.set_input_tensor(x)
+                    for t in _differentiable(x):
+                        t.requires_grad_(True)
+                chunk.set_input_tensor(x[0] if len(x) == 1 else x)
             out, loss_func = self.forward_step(self.batches[mb], chunk)
             if last:
                 loss_sum, tokens, logs = loss_func(out)
                 self.totals.add(loss_sum, tokens, logs)
                 out = self.loss_weight(loss_sum, tokens)
-        self.outputs[key] = out
+        self.outputs[key] = out = out if isinstance(out, tuple) else (out,)
+        after = self.placement.neighbour(self.rank, c, 1)
+        if after is not None and after[0] == self.rank:  # a local hand-off: the next chunk's input
+            self.inputs[(mb, after[1])] = tuple(t.detach() for t in out)
         if self.forward_only:
             self.inputs.pop(key, None)
-            if last:
+            if self.placement.peer(self.rank, c, 1) is None:  # nothing to send
                 del self.outputs[key]
 
     def _backward(self, key: Key, defer_weight_grads: bool) -> None:
-        out = self.outputs.pop(key)
-        grad = self.out_grads.pop(key, None)
+        mb, c = key
+        outs = _differentiable(self.outputs.pop(key))
+        grads = self.out_grads.pop(key, (None,))  # the last stage: the loss, its own gradient
+        pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
         if defer_weight_grads:
             self.store.deferring = True
         try:
-            torch.autograd.backward(out, grad_tensors=grad)
+            torch.autograd.backward([o for o, _ in pairs], grad_tensors=[g for _, g in pairs])
         finally:
             if defer_weight_grads:
                 self.store.deferring = False
@@ -163,4 +172,9 @@ class PipelineExecutor:
             self.deferred[key] = self.store.take()
         x = self.inputs.pop(key, None)
         if x is not None:
-            self.in_grads[key] = x.grad
+            grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in _differentiable(x))
+            before = self.placement.neighbour(self.rank, c, -1)
+            if before[0] == self.rank:  # a local hand-off: the previous chunk's output gradient
+                self.out_grads[(mb, before[1])] = grads
+            else:
+                self.in_grads[key] = grads

@@ -3,8 +3,10 @@
 One executor runs any of these lists and `simulator.py` replays the very same lists, so the
 schedule is defined once, here, as data.
 
-Stages. With p pipeline ranks and v model chunks per rank (v > 1 only for "interleaved"),
-chunk c on rank r is virtual stage s = c * p + r; stage s + 1 lives on rank (r + 1) % p.
+Stages. With p pipeline ranks and v model chunks per rank (v > 1 only for "interleaved"), a
+StagePlacement (placement.py) says which (rank, local chunk) runs virtual stage s. Every schedule
+here is written for the "loop" placement (chunk c on rank r is stage c * p + r); `place_comm`
+and the simulator take any placement.
 
 Actions (`Action(kind, microbatch, chunk)`, chunk = the LOCAL chunk index on this rank):
   F        forward of (microbatch, chunk).
@@ -16,9 +18,9 @@ Actions (`Action(kind, microbatch, chunk)`, chunk = the LOCAL chunk index on thi
   SEND_F   send the output activation of F(mb, chunk) to the next virtual stage.
   RECV_B   receive the gradient of the output of (mb, chunk) from the next virtual stage.
   SEND_B   send the gradient of the input of (mb, chunk), made by its B/BW, to the previous stage.
-SEND_F and RECV_B talk to rank (r + 1) % p; RECV_F and SEND_B talk to rank (r - 1) % p.
-The first virtual stage has no RECV_F/SEND_B, the last no SEND_F/RECV_B (it starts its
-backward from the loss).
+SEND_F and RECV_B talk to the rank of the next virtual stage; RECV_F and SEND_B to that of the
+previous one. The first virtual stage has no RECV_F/SEND_B, the last no SEND_F/RECV_B (it starts
+its backward from the loss); nor has a hop between two stages of the same rank (a local hand-off).
 
 Execution rule (what every executor must do, and what `simulator.check_schedule` proves
 deadlock-free for every (p, v, m) that `validate_schedule_args` accepts):
@@ -35,9 +37,10 @@ deadlock-free for every (p, v, m) that `validate_schedule_args` accepts):
     m=16 gives idle/busy 0.292 instead of 0.219.
   * Pairing is FIFO per ordered rank pair: the k-th SEND_* from rank a to rank b (in a's list
     order) carries the same tensor as the k-th RECV_* from a on rank b (in b's list order):
-    SEND_F(mb, c) on r pairs with RECV_F(mb, c') on r + 1, SEND_B(mb, c) on r with
-    RECV_B(mb, c') on r - 1, where c' is the neighbour's local chunk of the adjacent virtual
-    stage. Tags are therefore unnecessary (NCCL ignores them anyway).
+    SEND_F(mb, c) pairs with RECV_F(mb, c') on the next stage's rank, SEND_B(mb, c) with
+    RECV_B(mb, c') on the previous stage's rank, where c' is the neighbour's local chunk of the
+    adjacent virtual stage. Tags are therefore unnecessary (NCCL ignores them anyway). A message
+    may be several tensors: each is one op of the batch, in the same order on both sides.
 
 How comm is placed (why it cannot deadlock). Each message gets a key K, a time between the end
 of its producer and the start of its consumer in the ideal unit-cost timeline, chosen where both
@@ -53,6 +56,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from megatron_lite.errors import ConfigError
+from megatron_lite.parallel.pipeline.placement import StagePlacement
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 ZERO_BUBBLE = ("zb-h1",)  # schedules that split backward into B and W (deferred weight gradients)
@@ -80,46 +84,39 @@ Step = Union[Action, Tuple[Action, ...]]
 
 
 # ---------------------------------------------------------------- topology helpers
-def virtual_stage(rank: int, chunk: int, pp_size: int) -> int:
-    return chunk * pp_size + rank
+COMM_STEP = {"SEND_F": 1, "RECV_B": 1, "RECV_F": -1, "SEND_B": -1}  # the neighbour stage it talks to
 
 
-def stage_location(stage: int, pp_size: int) -> Tuple[int, int]:
-    """(rank, local chunk) holding virtual stage `stage`."""
-    return stage % pp_size, stage // pp_size
-
-
-def comm_peer(action: Action, rank: int, pp_size: int) -> int:
+def comm_peer(action: Action, rank: int, placement: StagePlacement) -> int:
     """The rank a comm action talks to."""
-    if action.kind in ("SEND_F", "RECV_B"):
-        return (rank + 1) % pp_size
-    if action.kind in ("RECV_F", "SEND_B"):
-        return (rank - 1) % pp_size
-    raise ValueError(f"{action} is not a communication action")
+    peer = placement.peer(rank, action.chunk, COMM_STEP[action.kind])
+    if peer is None:
+        raise ValueError(f"rank {rank}: {action} has no neighbouring stage on another rank")
+    return peer
 
 
-def message_id(action: Action, rank: int, pp_size: int) -> Tuple[str, int, int]:
+def message_id(action: Action, rank: int, placement: StagePlacement) -> Tuple[str, int, int]:
     """What a comm action carries: (direction, microbatch, receiving virtual stage).
 
     A send and the receive it pairs with have the same id."""
-    s = virtual_stage(rank, action.chunk, pp_size)
+    s = placement.stage(rank, action.chunk)
     return {"SEND_F": ("F", action.microbatch, s + 1), "RECV_F": ("F", action.microbatch, s),
             "SEND_B": ("B", action.microbatch, s - 1), "RECV_B": ("B", action.microbatch, s)}[action.kind]
 
 
-def event_of(action: Action, rank: int, pp_size: int) -> Tuple[str, int, int]:
+def event_of(action: Action, rank: int, placement: StagePlacement) -> Tuple[str, int, int]:
     """The data event a compute action produces: ('F'|'B'|'W', microbatch, virtual stage)."""
     kind = "B" if action.kind == "BW" else action.kind
-    return kind, action.microbatch, virtual_stage(rank, action.chunk, pp_size)
+    return kind, action.microbatch, placement.stage(rank, action.chunk)
 
 
-def needs(action: Action, rank: int, pp_size: int, num_stages: int) -> List[Tuple[str, int, int]]:
+def needs(action: Action, rank: int, placement: StagePlacement) -> List[Tuple[str, int, int]]:
     """Data events a compute action waits for (F of the previous stage, B of the next, ...)."""
-    mb, s = action.microbatch, virtual_stage(rank, action.chunk, pp_size)
+    mb, s = action.microbatch, placement.stage(rank, action.chunk)
     if action.kind == "F":
         return [("F", mb, s - 1)] if s > 0 else []
     if action.kind in ("B", "BW"):
-        return [("F", mb, s)] + ([("B", mb, s + 1)] if s < num_stages - 1 else [])
+        return [("F", mb, s)] + ([("B", mb, s + 1)] if s < placement.num_stages - 1 else [])
     if action.kind == "W":
         return [("B", mb, s)]
     raise ValueError(f"{action} is not a compute action")
@@ -200,7 +197,7 @@ def compute_orders(name: str, pp_size: int, num_microbatches: int, vpp: int = 1)
 
 
 # ---------------------------------------------------------------- communication placement
-def _ideal_times(orders: List[List[Action]], p: int, num_stages: int) -> List[List[Tuple[float, float]]]:
+def _ideal_times(orders: List[List[Action]], placement: StagePlacement) -> List[List[Tuple[float, float]]]:
     """(start, end) of every compute action with PLACEMENT_COSTS and data dependencies only."""
     times: List[List[Tuple[float, float]]] = [[] for _ in orders]
     done: Dict[Tuple[str, int, int], float] = {}
@@ -210,15 +207,15 @@ def _ideal_times(orders: List[List[Action]], p: int, num_stages: int) -> List[Li
         for r, order in enumerate(orders):
             while len(times[r]) < len(order):
                 a = order[len(times[r])]
-                deps = needs(a, r, p, num_stages)
+                deps = needs(a, r, placement)
                 if any(d not in done for d in deps):
                     break
                 start = max([times[r][-1][1] if times[r] else 0.0] + [done[d] for d in deps])
                 end = start + PLACEMENT_COSTS[a.kind]
                 times[r].append((start, end))
-                done[event_of(a, r, p)] = end
+                done[event_of(a, r, placement)] = end
                 if a.kind == "BW":
-                    done[("W", a.microbatch, virtual_stage(r, a.chunk, p))] = end
+                    done[("W",) + event_of(a, r, placement)[1:]] = end
                 progress = True
     if any(len(t) != len(o) for t, o in zip(times, orders)):
         raise RuntimeError("compute orders have a dependency cycle")  # a bug in an order above
@@ -242,23 +239,24 @@ def _choose_key(ta, sa, tb, sb, t_prod: float, t_cons: float) -> float:
     return t_prod  # no common gap: the receiver posts after its current compute
 
 
-def _place_comm(orders: List[List[Action]], p: int, num_stages: int) -> List[List[Action]]:
-    times = _ideal_times(orders, p, num_stages)
+def place_comm(orders: List[List[Action]], placement: StagePlacement) -> List[List[Action]]:
+    """Per-rank compute orders written for `placement`, with their comm actions inserted."""
+    times = _ideal_times(orders, placement)
     starts = [[s for s, _ in t] for t in times]
     where = {}  # event -> (rank, index in order)
     for r, order in enumerate(orders):
         for i, a in enumerate(order):
-            where[event_of(a, r, p)] = (r, i)
+            where[event_of(a, r, placement)] = (r, i)
     inserts: List[List[Tuple[float, Tuple, Action]]] = [[] for _ in orders]
     for r, order in enumerate(orders):
         for i, a in enumerate(order):
             if a.kind == "W":
                 continue
-            mb, s = a.microbatch, virtual_stage(r, a.chunk, p)
+            mb, s = a.microbatch, placement.stage(r, a.chunk)
             dst = s + 1 if a.kind == "F" else s - 1
-            if not 0 <= dst < num_stages:
-                continue  # first stage's backward / last stage's forward: nothing to send
-            br, bc = stage_location(dst, p)
+            if placement.peer(r, a.chunk, dst - s) is None:
+                continue  # first stage's backward, last stage's forward, a local hand-off: no message
+            br, bc = placement.location(dst)
             bi = where[("F", mb, dst)] if a.kind == "F" else where[("B", mb, dst)]
             key = _choose_key(times[r], starts[r], times[br], starts[br], times[r][i][1], times[br][bi[1]][0])
             send, recv = ("SEND_F", "RECV_F") if a.kind == "F" else ("SEND_B", "RECV_B")
@@ -324,5 +322,4 @@ def build_schedule(name: str, pp_size: int, num_microbatches: int, vpp: Optional
     """Per-rank action lists (compute + comm) for one training step. See the module docstring."""
     vpp = 1 if vpp is None else vpp
     validate_schedule_args(name, pp_size, num_microbatches, vpp)
-    orders = compute_orders(name, pp_size, num_microbatches, vpp)
-    return _place_comm(orders, pp_size, pp_size * vpp)
+    return place_comm(compute_orders(name, pp_size, num_microbatches, vpp), StagePlacement(pp_size, vpp))

@@ -10,6 +10,9 @@ the producer is on another rank. Comm batches (consecutive comm actions) follow 
   "ideal"    ignore comm actions: data dependencies only (lists without comm replay the same).
 Each op of a batch completes `comm_cost` after both it and its FIFO partner are posted.
 
+Stages and peers come from the StagePlacement the lists are written for (default: loop); a hop
+between two chunks of one rank is a local hand-off: no comm action, no comm cost.
+
 Costs are per action of one model chunk: F, B, W; BW costs B + W. Bubble fraction per rank =
 idle / busy within the makespan (comm waits count as idle). In-flight micro-batches per rank =
 (microbatch, chunk) pairs whose F has started and whose B/BW has not finished: the activations
@@ -21,9 +24,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron_lite.parallel.pipeline.placement import StagePlacement
 from megatron_lite.parallel.pipeline.schedules import (
-    COMM_KINDS, COMPUTE_KINDS, Action, comm_peer, event_of, group_steps, message_id, needs,
-    virtual_stage)
+    COMM_KINDS, COMPUTE_KINDS, COMM_STEP, Action, comm_peer, event_of, group_steps, message_id, needs)
 
 
 class ScheduleError(ValueError):
@@ -40,15 +43,19 @@ class SimResult:
     num_stages: int = 1
 
 
-def _shape(schedules: Sequence[Sequence[Action]]) -> Tuple[int, int, int]:
-    """(p, v, m) implied by the lists."""
+def _shape(schedules: Sequence[Sequence[Action]], placement=None) -> Tuple[StagePlacement, int]:
+    """(placement, m) of the lists: `placement` (checked against them), else loop with their p and v."""
     acts = [a for lst in schedules for a in lst]
     if not schedules or not acts:
         raise ScheduleError("empty schedule")
-    return len(schedules), max(a.chunk for a in acts) + 1, max(a.microbatch for a in acts) + 1
+    p, v = len(schedules), max(a.chunk for a in acts) + 1
+    placement = placement or StagePlacement(p, v)
+    if placement.pp != p or placement.vpp < v:
+        raise ScheduleError(f"{p} ranks with {v} chunks do not fit the placement {placement}")
+    return placement, max(a.microbatch for a in acts) + 1
 
 
-def _pair_ops(steps: List[List], p: int) -> Dict[Tuple[int, int, int], Tuple[int, int]]:
+def _pair_ops(steps: List[List], placement: StagePlacement) -> Dict[Tuple[int, int, int], Tuple[int, int]]:
     """Map (rank, step, op) of every comm op to (rank, step) of its FIFO partner.
 
     Raises if the k-th send on a rank pair does not carry the same message as the k-th receive."""
@@ -58,14 +65,14 @@ def _pair_ops(steps: List[List], p: int) -> Dict[Tuple[int, int, int], Tuple[int
             if isinstance(step, Action):
                 continue
             for o, a in enumerate(step):
-                peer = comm_peer(a, r, p)
+                peer = comm_peer(a, r, placement)
                 chan, book = ((r, peer), sends) if a.kind.startswith("SEND") else ((peer, r), recvs)
                 book[chan].append((r, j, o, a))
     partner = {}
     for chan in set(sends) | set(recvs):
         s_list, r_list = sends.get(chan, []), recvs.get(chan, [])
         for k, ((sr, sj, so, sa), (rr, rj, ro, ra)) in enumerate(zip(s_list, r_list)):
-            if message_id(sa, sr, p) != message_id(ra, rr, p):
+            if message_id(sa, sr, placement) != message_id(ra, rr, placement):
                 raise ScheduleError(f"FIFO mismatch on channel {sr}->{rr}, message #{k}: rank {sr} "
                                     f"sends {sa} but rank {rr} receives {ra}")
             partner[(sr, sj, so)] = (rr, rj)
@@ -89,13 +96,13 @@ class _Replay:
     batch, and at the end of the list; "ideal" ignores comm actions (data dependencies only).
     Any rank's progress only ever unblocks others, so one completed run proves every run completes."""
 
-    def __init__(self, schedules, costs: Dict[str, float], comm_cost: float, mode: str):
+    def __init__(self, schedules, costs: Dict[str, float], comm_cost: float, mode: str, placement=None):
         if mode not in COMM_MODES:
             raise ValueError(f"comm mode {mode!r} is not one of {COMM_MODES}")
-        self.p, v, _ = _shape(schedules)
-        self.stages, self.costs, self.comm_cost, self.mode = self.p * v, costs, comm_cost, mode
+        self.placement, _ = _shape(schedules, placement)
+        self.p, self.costs, self.comm_cost, self.mode = self.placement.pp, costs, comm_cost, mode
         self.steps = [group_steps(lst) for lst in schedules]
-        self.partner = _pair_ops(self.steps, self.p)
+        self.partner = _pair_ops(self.steps, self.placement)
         self.recv_step = {}  # (rank, kind, mb, chunk) of a compute -> step index of its receive
         for r, rank_steps in enumerate(self.steps):
             for j, step in enumerate(rank_steps):
@@ -120,7 +127,7 @@ class _Replay:
         return finish
 
     def _compute(self, r: int, a: Action) -> bool:
-        deps = needs(a, r, self.p, self.stages)
+        deps = needs(a, r, self.placement)
         if any(d not in self.done for d in deps):
             return False
         ready = [self.clock[r]] + [t + (self.comm_cost if pr != r else 0.0) for t, pr in (self.done[d] for d in deps)]
@@ -134,9 +141,9 @@ class _Replay:
         start = max(ready)
         end = start + self.costs[a.kind]
         self.timelines[r].append((start, end, a))
-        self.done[event_of(a, r, self.p)] = (end, r)
+        self.done[event_of(a, r, self.placement)] = (end, r)
         if a.kind == "BW":
-            self.done[("W",) + event_of(a, r, self.p)[1:]] = (end, r)
+            self.done[("W",) + event_of(a, r, self.placement)[1:]] = (end, r)
         self.clock[r] = end
         return True
 
@@ -191,7 +198,7 @@ class _Replay:
                               f"{_fmt_step(steps[r][self.pos[r]]) if self.pos[r] < len(steps[r]) else 'end'}"
                               for r in stuck)
             raise ScheduleError(f"deadlock ({self.mode} comm): {where}")
-        return _summarize(self.timelines, self.clock, self.stages)
+        return _summarize(self.timelines, self.clock, self.placement.num_stages)
 
 
 def _fmt_step(step) -> str:
@@ -222,9 +229,10 @@ def _costs(costs) -> Dict[str, float]:
 
 
 def simulate(schedules: Sequence[Sequence[Action]], costs=(1.0, 1.0, 1.0), comm_cost: float = 0.0,
-             comm: str = "lazy") -> SimResult:
-    """Replay per-rank action lists; costs = (F, B, W) per action of one chunk. Raises on deadlock."""
-    return _Replay(schedules, _costs(costs), float(comm_cost), comm).run()
+             comm: str = "lazy", placement: Optional[StagePlacement] = None) -> SimResult:
+    """Replay per-rank action lists written for `placement` (default: loop); costs = (F, B, W) per
+    action of one chunk. Raises on deadlock."""
+    return _Replay(schedules, _costs(costs), float(comm_cost), comm, placement).run()
 
 
 # ---------------------------------------------------------------- checker
@@ -255,46 +263,46 @@ def _check_compute(r: int, lst: Sequence[Action], v: int, m: int) -> Dict[Tuple[
     return idx
 
 
-def _check_comm(r: int, p: int, stages: int, idx: Dict[Tuple[str, int, int], int]) -> None:
-    """Each cross-stage tensor is received before its use and sent after it is made, exactly once."""
+def _check_comm(r: int, placement: StagePlacement, idx: Dict[Tuple[str, int, int], int]) -> None:
+    """Each cross-rank tensor is received before its use and sent after it is made, exactly once
+    (a gradient is received after its forward: the executor sizes it like the forward's output)."""
     comm = {k for k in idx if k[0] in COMM_KINDS}
     for kind, mb, c in comm:
-        s = virtual_stage(r, c, p)
-        if (kind in ("SEND_F", "RECV_B") and s == stages - 1) or (kind in ("RECV_F", "SEND_B") and s == 0):
-            raise ScheduleError(f"rank {r}: {Action(kind, mb, c)} has no neighbouring stage")
+        if placement.peer(r, c, COMM_STEP[kind]) is None:
+            raise ScheduleError(f"rank {r}: {Action(kind, mb, c)} has no neighbouring stage on another rank")
     expected = set()
     for kind, mb, c in [k for k in idx if k[0] in ("F", "B", "BW")]:
-        s = virtual_stage(r, c, p)
         i = idx[(kind, mb, c)]
         if kind == "F":
-            rules = [("RECV_F", s > 0, True), ("SEND_F", s < stages - 1, False)]
+            rules = [("RECV_F", -1, True), ("SEND_F", 1, False)]
         else:
-            rules = [("RECV_B", s < stages - 1, True), ("SEND_B", s > 0, False)]
-        for ck, wanted, before in rules:
-            if not wanted:
+            rules = [("RECV_B", 1, True), ("SEND_B", -1, False)]
+        for ck, step, before in rules:
+            if placement.peer(r, c, step) is None:
                 continue
             expected.add((ck, mb, c))
             j = idx.get((ck, mb, c))
             if j is None:
                 raise ScheduleError(f"rank {r}: {Action(kind, mb, c)} lacks its {ck}")
-            if (j < i) != before:
+            if (j < i) != before or (ck == "RECV_B" and j < idx[("F", mb, c)]):
                 raise ScheduleError(f"rank {r}: {ck}{mb} of chunk {c} must come {'before' if before else 'after'} "
                                     f"{kind}{mb}")
     if comm - expected:
         raise ScheduleError(f"rank {r}: unexpected comm actions {sorted(comm - expected)}")
 
 
-def check_schedule(schedules: Sequence[Sequence[Action]]) -> None:
-    """Raise ScheduleError unless the lists are complete, consistent and run without deadlock."""
-    p, v, m = _shape(schedules)
+def check_schedule(schedules: Sequence[Sequence[Action]], placement: Optional[StagePlacement] = None) -> None:
+    """Raise ScheduleError unless the lists (written for `placement`, default loop) are complete,
+    consistent and run without deadlock."""
+    placement, m = _shape(schedules, placement)
     for r, lst in enumerate(schedules):
-        idx = _check_compute(r, lst, v, m)
-        if p > 1:
-            _check_comm(r, p, p * v, idx)
+        idx = _check_compute(r, lst, placement.vpp, m)
+        if placement.pp > 1:
+            _check_comm(r, placement, idx)
         elif any(a.is_comm for a in lst):
             raise ScheduleError("a single-rank pipeline has nothing to communicate")
     for mode in ("blocking", "lazy"):  # event-driven runs of both executor styles
-        _Replay(schedules, _costs((1, 1, 1)), 0.0, mode).run()
+        _Replay(schedules, _costs((1, 1, 1)), 0.0, mode, placement).run()
 
 
 # ---------------------------------------------------------------- rendering
