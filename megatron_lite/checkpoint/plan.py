@@ -1,14 +1,15 @@
 """Which parts of which full tensors a rank writes at save time and fills at load time.
 
 Everything a rank holds of the model and optimizer lives in the flat buckets of its GradientSync
-(parameters; and, over the rank's shard of each bucket, the optimizer's m, v and fp32 main
-params). So one description serves every ZeRO stage: a range of bucket positions, cut into
-parameters (`Region`s), each mapped onto boxes of its full tensor by `geometry`.
+(parameters; and, over the rank's shard of each bucket, the optimizer's named state tensors). So
+one description serves every ZeRO stage: a range of bucket positions, cut into parameters
+(`Region`s), each mapped onto boxes of its full tensor by `geometry`.
 
-Stored keys: `model/<name>` (params in their training dtype), `optim/<name>/exp_avg`,
-`optim/<name>/exp_avg_sq`, and `optim/<name>/main` (fp32 main params, only when the params are
-bf16/fp16). Names are the layout-independent global names (layers by global index; the last
-pipeline stage's copy of a tied embedding reads the embedding's name).
+Stored keys: `model/<name>` (params in their training dtype), `optim/<name>/<state>` for each
+state the optimizer enumerates: its update rule's (AdamW's `exp_avg`, `exp_avg_sq`) and `main`
+(fp32 main params, only when the params are bf16/fp16). Names are the layout-independent global
+names (layers by global index; the last pipeline stage's copy of a tied embedding reads the
+embedding's name).
 
 Writers (each stored element written exactly once):
 - model parallelism: the rank that counts a parameter in the gradient norm (`counts_in_norm`):
@@ -20,7 +21,7 @@ Readers fill their whole shard of each bucket (the whole bucket at ZeRO 0).
 """
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, NamedTuple, Tuple
+from typing import Dict, Iterable, Iterator, List, NamedTuple, Tuple
 
 import torch
 
@@ -30,7 +31,6 @@ from ..parallel.state import ParallelDims
 from .geometry import Run, flat_range_to_full
 
 MODEL = "model"
-OPTIM_STATES = ("exp_avg", "exp_avg_sq", "main")
 
 
 def model_key(name: str) -> str:
@@ -39,6 +39,14 @@ def model_key(name: str) -> str:
 
 def optim_key(name: str, state: str) -> str:
     return f"optim/{name}/{state}"
+
+
+def optim_keys_by_name(keys: Iterable[str]) -> Dict[str, List[str]]:
+    """The stored optimizer keys per parameter name, sorted: whatever states the writing rule named."""
+    out: Dict[str, List[str]] = {}
+    for key in sorted(k for k in keys if k.startswith("optim/")):
+        out.setdefault(key[len("optim/"):].rsplit("/", 1)[0], []).append(key)
+    return out
 
 
 class Region(NamedTuple):

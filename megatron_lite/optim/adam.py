@@ -1,6 +1,8 @@
 """AdamW on flat fp32 tensors: the update of torch.optim.AdamW (decoupled weight decay, bias
 correction), in place, with weight decay restricted to ranges of the flat tensor (a ZeRO shard
-mixes decayed weights with biases and norms).
+mixes decayed weights with biases and norms). `AdamW` is the update rule the distributed
+optimizer composes with a state store (state_store.py); another rule (Muon, ...) names its own
+states the same way.
 
 PyTorch's fused AdamW kernel (CPU and CUDA) does it in one pass without temporaries; elsewhere
 the plain formula runs over slices, so that its temporaries stay small (whole-shard temporaries
@@ -9,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -65,3 +67,18 @@ def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_a
     for lo in range(0, param.numel(), _SLICE):
         s = slice(lo, lo + _SLICE)
         _adam_formula(param[s], grad[s], exp_avg[s], exp_avg_sq[s], step, lr, beta1, beta2, eps)
+
+
+class AdamW:
+    """The update rule of the distributed optimizer: its states, named as checkpoints store them
+    (`optim/<param>/<name>`) and allocated at zero by the state store, and the in-place update of
+    flat fp32 main params from their gradient."""
+    state_names = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, beta1: float, beta2: float, eps: float):
+        self.beta1, self.beta2, self.eps = beta1, beta2, eps
+
+    def update_(self, main: torch.Tensor, grad: torch.Tensor, states: Dict[str, torch.Tensor], *, step: int,
+                lr: float, weight_decay: float, decay_ranges: List[Tuple[int, int]]) -> None:
+        adamw_(main, grad, states["exp_avg"], states["exp_avg_sq"], step=step, lr=lr, beta1=self.beta1,
+               beta2=self.beta2, eps=self.eps, weight_decay=weight_decay, decay_ranges=decay_ranges)
