@@ -18,7 +18,7 @@ from ..parallel.state import ParallelDims
 from . import directory
 from .files import PieceSet, StreamingPieceFile, describe_files
 from .geometry import flat_range_to_full
-from .plan import MODEL, even_part, model_key, optim_key, optim_keys_by_name
+from .plan import MODEL, even_part, model_key, optim_key
 from .reader import CheckpointReader
 
 
@@ -55,9 +55,8 @@ def _rank_pieces(reader: CheckpointReader, dims: ParallelDims, chunks: List[nn.M
     """What rank `dims.rank` of the target layout writes: its TP slice of every parameter it owns,
     split over the DP ranks by even flat ranges (ZeRO's split, up to bucket boundaries)."""
     pieces = PieceSet()
-    optim_keys = optim_keys_by_name(reader.pieces)
-    for name, spec, runs in _writes(dims, chunks):
-        for key in [model_key(name)] + optim_keys.get(name, []):
+    for name, spec, runs in _writes(dims, chunks):  # the weights and whatever states the optimizer stored
+        for key in [model_key(name)] + sorted(k for k in reader.pieces if k.startswith(optim_key(name, ""))):
             if not reader.has(key):
                 continue
             for run in runs:

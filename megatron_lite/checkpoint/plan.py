@@ -21,7 +21,7 @@ Readers fill their whole shard of each bucket (the whole bucket at ZeRO 0).
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, Iterator, List, NamedTuple, Tuple
+from typing import Dict, Iterator, List, NamedTuple, Tuple
 
 import torch
 
@@ -39,14 +39,6 @@ def model_key(name: str) -> str:
 
 def optim_key(name: str, state: str) -> str:
     return f"optim/{name}/{state}"
-
-
-def optim_keys_by_name(keys: Iterable[str]) -> Dict[str, List[str]]:
-    """The stored optimizer keys per parameter name, sorted: whatever states the writing rule named."""
-    out: Dict[str, List[str]] = {}
-    for key in sorted(k for k in keys if k.startswith("optim/")):
-        out.setdefault(key[len("optim/"):].rsplit("/", 1)[0], []).append(key)
-    return out
 
 
 class Region(NamedTuple):

@@ -1,5 +1,4 @@
-"""The mixed-precision distributed optimizer over this rank's shard of the gradient buckets: ZeRO
-stages 0-3.
+"""Mixed-precision distributed optimizer over this rank's shard of the gradient buckets: ZeRO 0-3.
 
 At stage 0 a rank's shard of a bucket is the whole bucket; at stages 1-3 it is its 1/N slice
 (see parallel/data_parallel.py), so one code path serves every stage. For its shard only, the
@@ -163,12 +162,12 @@ class _ShardState:
         params follow their main params."""
         tensors, param = self.store.tensors, self.bucket.param_shard_view()
         if self.plain:
-            main = tensors["main"]
             for group, lo, hi in self.lr_runs_for(lr_of):
-                rule.update_(main[lo:hi], grad[lo:hi], {n: tensors[n][lo:hi] for n in rule.state_names}, step=step,
-                             lr=lr_of(group), weight_decay=weight_decay, decay_ranges=_within(self.decay, lo, hi))
+                views = {name: t[lo:hi] for name, t in tensors.items()}
+                rule.update_(views["main"], grad[lo:hi], views, step=step, lr=lr_of(group), weight_decay=weight_decay,
+                             decay_ranges=_within(self.decay, lo, hi))
             if self.owns_main:
-                self.store.publish(param, main)
+                self.store.publish(param, tensors["main"])
             return
         for k, (lo, hi) in enumerate(self.segments):  # low precision: each parameter's part in fp32
             values = {name: _read(t, k, lo, hi) for name, t in tensors.items()}
@@ -184,14 +183,11 @@ class _ShardState:
         return {name: _as_fp32(t) for name, t in self.store.tensors.items()}
 
     def load(self, values: Dict[str, torch.Tensor]) -> None:
-        """Set the states from fp32 tensors (e.g. those tensors() gave, filled)."""
+        """Store the fp32 copies tensors() gave of low-precision states, filled (plain fp32 tensors
+        were filled in place)."""
         for name, t in self.store.tensors.items():
-            if name not in values or values[name] is t:
-                continue
             if isinstance(t, StateStorage):
                 t.write_all(values[name])
-            else:
-                t.copy_(values[name])
 
     @property
     def nbytes(self) -> int:
@@ -220,10 +216,11 @@ def _wait_copies(device: Optional[torch.device]) -> None:
 
 
 class DistributedOptimizer:
-    def __init__(self, grad_sync: GradientSync, tcfg: TrainingConfig, precision: Optional[OptimizerPrecision] = None):
+    def __init__(self, grad_sync: GradientSync, tcfg: TrainingConfig, precision: Optional[OptimizerPrecision] = None,
+                 rule=None):
         self.sync, self.tcfg, self.dims = grad_sync, tcfg, grad_sync.dims
         self.precision = precision or OptimizerPrecision()
-        self.rule = AdamW(tcfg.adam_beta1, tcfg.adam_beta2, tcfg.adam_eps)
+        self.rule = rule or AdamW(tcfg.adam_beta1, tcfg.adam_beta2, tcfg.adam_eps)  # the update rule (adam.py)
         offload = offloaded_buckets([b.shard_numel for b in grad_sync.buckets],
                                     tcfg.optimizer_offload_fraction if tcfg.optimizer_cpu_offload else 0.0)
         self.shards = [_ShardState(b, self.dims, HostStore if off else DeviceStore, self.rule.state_names,

@@ -43,10 +43,9 @@ class OptimizerPrecision:
         return all(d == torch.float32 for d in (self.main_params, self.main_grads, self.exp_avg, self.exp_avg_sq))
 
     def dtype_of(self, state: str) -> torch.dtype:
-        """The stored dtype of a shard tensor: 'main' or an update rule's state (fp32 for states
-        without a flag)."""
-        return {"main": self.main_params, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}.get(
-            state, torch.float32)
+        """The stored dtype of 'main' or of an update rule's state (fp32 without a flag)."""
+        flagged = {"main": self.main_params, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        return flagged.get(state, torch.float32)
 
     @classmethod
     def from_flags(cls, *, use_precision_aware_optimizer: bool, main_params_dtype: str, main_grads_dtype: str,

@@ -1,16 +1,13 @@
 """Where the optimizer state of a shard lives, apart from the update rule that steps it (adam.py).
 
-A store allocates and holds the named flat tensors over one bucket's shard: 'main' (the main
-params) and the update rule's states (`rule.state_names`, starting at zero). Each step, `stage`
-brings the reduced gradient to where the rule runs and `publish` copies the updated main params
-into the param shard.
-- DeviceStore: beside the params, in fp32 or in the dtypes of --use-precision-aware-optimizer
-  (`StateStorage`); fp32 params are their own main params.
-- HostStore (--optimizer-cpu-offload; --optimizer-offload-fraction picks the buckets): fp32 in
-  host memory, pinned beside a GPU so that the copies are asynchronous DMA, with a host buffer for
-  the gradient; the rule runs there, and the main params are a copy even of fp32 params.
-An NVMe store would be a third kind: reading its tensors into host buffers in `stage` and
-writing them back after `publish`.
+A store holds the named flat tensors over one bucket's shard, 'main' (the main params) and the
+rule's `state_names` (from zero); `stage` brings the gradient to where the rule runs, `publish`
+copies updated main params into the param shard.
+- DeviceStore: beside the params, fp32 or in the dtypes of --use-precision-aware-optimizer
+  (StateStorage); fp32 params are their own main params.
+- HostStore (--optimizer-cpu-offload; --optimizer-offload-fraction picks the buckets): fp32 in host
+  memory, pinned beside a GPU (asynchronous copies), with a host buffer for the gradient.
+An NVMe store would read its tensors into host buffers in `stage` and write them back after `publish`.
 """
 from __future__ import annotations
 
@@ -33,16 +30,14 @@ def held_bytes(t: Held) -> int:
 
 
 class DeviceStore:
-    on_host = False
-    staging_bytes = 0  # host buffers besides the tensors
+    on_host, staging_bytes = False, 0
 
     def __init__(self, shard: torch.Tensor, state_names: Sequence[str], segments: List[Tuple[int, int]],
                  precision: OptimizerPrecision):
         main_dtype = torch.float32 if shard.dtype == torch.float32 else precision.dtype_of("main")
         self.tensors: Dict[str, Held] = {"main": _held(shard.detach(), main_dtype, segments)}
         for name in state_names:
-            zeros = torch.zeros(shard.numel(), dtype=torch.float32, device=shard.device)
-            self.tensors[name] = _held(zeros, precision.dtype_of(name), segments)
+            self.tensors[name] = _held(torch.zeros_like(shard, dtype=torch.float32), precision.dtype_of(name), segments)
 
     def stage(self, grad: torch.Tensor) -> torch.Tensor:
         return grad
@@ -54,8 +49,7 @@ class DeviceStore:
 class HostStore(DeviceStore):
     on_host = True
 
-    def __init__(self, shard: torch.Tensor, state_names: Sequence[str], segments: List[Tuple[int, int]],
-                 precision: OptimizerPrecision):
+    def __init__(self, shard: torch.Tensor, state_names: Sequence[str], segments, precision):
         pin = shard.device.type == "cuda"  # page-locked host memory exists only beside a GPU
         self.tensors = {name: torch.zeros(shard.numel(), dtype=torch.float32, pin_memory=pin)
                         for name in ("main", *state_names)}
@@ -64,8 +58,8 @@ class HostStore(DeviceStore):
         self.staging_bytes = held_bytes(self.grad)
 
     def stage(self, grad: torch.Tensor) -> torch.Tensor:
-        """The gradient's host copy, in flight: the caller waits for the device's copies before
-        the rule reads it (all shards' copies are issued first)."""
+        """The gradient's host copy, in flight: the caller issues every shard's copy, then waits
+        for the device once before the rule reads them."""
         self.grad.copy_(grad, non_blocking=True)
         return self.grad
 
