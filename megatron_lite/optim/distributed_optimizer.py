@@ -375,11 +375,11 @@ class DistributedOptimizer:
         return {"num_updates": self.num_updates, "loss_scaler": type(self.scaler).__name__,
                 "loss_scaler_state": self.scaler.state_dict()}
 
-    def load_scalar_state(self, state: dict) -> bool:
+    def load_scalar_state(self, state: dict, meta: Optional[dict] = None) -> List[str]:
         """Restore the update count, and the loss scaler when it is of the same kind (fp16 to fp16);
-        returns whether the scaler was restored."""
+        returns a note when the scaler is not restored."""
         self.num_updates = int(state["num_updates"])
         if state["loss_scaler"] != type(self.scaler).__name__:
-            return False
+            return [f"loss scaler not restored ({state['loss_scaler']} in the checkpoint)"]
         self.scaler.load_state_dict(state["loss_scaler_state"])
-        return True
+        return []
