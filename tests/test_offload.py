@@ -29,8 +29,9 @@ def _run(stage, offload, fraction, bucket_size):
     for step in range(STEPS):
         out = run_step(chunks, make_batches(step, dims, 1, MODEL["vocab_size"]), dims, optimizer, sync)
         records.append({"lm_loss": out["lm_loss"], "grad_norm": out["grad_norm"]})
-    host = [s.host is not None for s in optimizer.shards]
-    separate = all(s.main.data_ptr() != s.bucket.param_shard_view().data_ptr() for s in optimizer.shards if s.host)
+    host = [s.store.on_host for s in optimizer.shards]
+    separate = all(s.store.tensors["main"].data_ptr() != s.bucket.param_shard_view().data_ptr()
+                   for s in optimizer.shards if s.store.on_host)
     return records, full_params(chunks, sync, dims), optimizer.memory_bytes(), optimizer.held_bytes(), host, separate
 
 

@@ -3,11 +3,11 @@
 Format (version 1), one directory per checkpoint (directory.py):
 - `shard_<rank>.safetensors`, one per writing rank: pieces of full tensors. A piece is a box
   (per dimension: start, length) of a tensor stored under its global name and FULL shape
-  (vocabulary padding dropped): `model/<param>`, `optim/<param>/exp_avg|exp_avg_sq|main`, and
-  `rng/tp<t>_cp<c>_dp<d>_pp<p>/...`. The file's safetensors metadata indexes its pieces.
-- `metadata.json`, written last by rank 0: format, iteration, consumed samples, model config (checked
-  on load), whole run config, writer layout, LR schedule, optimizer counters and loss scaler, and
-  per file its byte size and piece index. A directory without it is never loaded.
+  (vocabulary padding dropped): `model/<param>`, `optim/<param>/<state>` (AdamW: exp_avg|exp_avg_sq;
+  and main), and `rng/tp<t>_cp<c>_dp<d>_pp<p>/...`. The file's safetensors metadata indexes its pieces.
+- `metadata.json`, written last by rank 0: format, model config (checked on load), whole run config,
+  writer layout, the values a run registers (state.py: iteration, consumed samples, LR schedule,
+  optimizer counters, ...), per file its byte size and piece index. Never loaded without it.
 - `ROOT/latest_checkpointed_iteration.txt` names the newest complete checkpoint.
 
 Nothing depends on the writing layout but the file names and RNG states: a loader of any TP / PP /
@@ -17,7 +17,7 @@ already rides on the data-parallel group the ZeRO shards span (and RNG keys carr
 parallelism will add one more mapping in ShardSpec (local expert -> global expert index along the
 expert dimension), with the stored keys and boxes unchanged.
 
-Modules: manager (the training loop's entry points), saver / loader, reader / files (I/O),
+Modules: manager (the training loop's entry points), state, saver / loader, reader / files (I/O),
 directory (layout, commit, pruning), exit_conditions (SIGTERM, time, interval), rng, offline
 (consolidate, reshard for tools/convert_checkpoint.py), faults (crash injection for tests).
 """

@@ -6,10 +6,12 @@ the run: params are cast to its dtype; fp32 values come from the fp32 main param
 checkpoint has them (a bf16/fp16 checkpoint), else from the stored params.
 
 What is restored:
-- always: the weights; unless --finetune: the iteration and consumed samples;
-- unless --finetune / --no-load-optim: Adam's m and v, fp32 main params, the update count and
-  (fp16 to fp16) the loss scaler; the LR schedule is that of this run's flags at the loaded
-  iteration (the same as the checkpoint's unless they changed: a note says what changed);
+- always: the weights; unless --finetune: the values registered for the progress (state.py: the
+  iteration, consumed samples, the LR schedule's position);
+- unless --finetune / --no-load-optim: the update rule's states, fp32 main params, and the values
+  registered for the optimizer: the update count and (fp16 to fp16) the loss scaler; the LR
+  schedule is that of this run's flags at the loaded position (the same as the checkpoint's
+  unless they changed: a note says what changed);
 - unless --finetune / --no-load-rng, and only at the writing layout: every rank's RNG states.
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ from .files import CheckpointError
 from .plan import MODEL, buffer_key, bucket_sources, fill_range, model_key, optim_key, persistent_buffers, regions
 from .reader import CheckpointReader
 from .saver import world_rank
+from .state import TrainState
 
 # ModelConfig fields that do not change the stored tensors or what they compute with.
 FREE_FIELDS = {"attention_dropout", "hidden_dropout", "init_method_std", "attention_backend",
@@ -70,46 +73,25 @@ def _source_keys(kind: str, name: str, load_optim: bool, dtype: torch.dtype) -> 
 
 
 @torch.no_grad()
-def fill_tensors(trainer, reader: CheckpointReader, load_optim: bool) -> None:
+def fill_tensors(state: TrainState, reader: CheckpointReader, load_optim: bool) -> None:
     """Every rank: its shard of every bucket's params and optimizer state, from the checkpoint.
     Local (no collective): the caller all-gathers the parameters once every rank succeeded."""
-    for bucket, sources in bucket_sources(trainer.optimizer, for_loading=True):
+    for bucket, sources in bucket_sources(state.optimizer, for_loading=True):
         lo, hi = fill_range(bucket)
-        for region in regions(bucket, lo, hi, trainer.dims, writers_only=False):
+        for region in regions(bucket, lo, hi, state.dims, writers_only=False):
             runs = region.runs()
             for kind, (flat, base) in sources.items():
                 keys = _source_keys(kind, region.name, load_optim, flat.dtype)
                 if keys is None:
                     continue
-                key = reader.first_present(keys) or keys[-1]
-                stored = reader.shapes.get(key)
-                if stored is not None and stored != region.spec.stored_shape:
-                    raise CheckpointError(f"checkpoint {reader.dir}: {key!r} has shape {list(stored)}, this model "
-                                          f"needs {list(region.spec.stored_shape)}")
+                key = reader.pick(keys, region.spec.stored_shape)
                 for run in runs:
                     reader.read_into(key, run.full, run.view(flat, region.start - base))
-    trainer.optimizer.commit_loaded_state()  # low-precision states: store what was filled in fp32
+    state.optimizer.commit_loaded_state()  # low-precision states: store what was filled in fp32
 
 
 def _same_layout(saved: dict, dims) -> bool:
     return all(saved.get(k) == getattr(dims, k) for k in ("tp", "pp", "dp", "cp"))
-
-
-def _schedule_notes(saved: dict, scheduler) -> List[str]:
-    """The LR schedule is a function of the samples consumed and the flags: this run's flags win
-    (e.g. a longer --train-samples stretches the decay, as intended); say so when they changed."""
-    changed = scheduler.changes_from(saved) if saved.get("step_unit") == scheduler.step_unit else []
-    return [f"LR schedule from this run's flags ({', '.join(changed)})"] if changed else []
-
-
-def _schedule_position(meta: dict, scheduler) -> float:
-    """Where the LR schedule stands: the samples of the successful updates. A checkpoint of an
-    older megatron-lite counted updates: times its global batch (it had no ramp-up)."""
-    saved = meta["lr_scheduler"]
-    if saved.get("step_unit") == scheduler.step_unit:
-        return saved["num_steps"]
-    updates = saved.get("num_steps", meta["iteration"])
-    return updates * meta["config"]["training"]["global_batch_size"]
 
 
 class Loaded:
@@ -119,30 +101,31 @@ class Loaded:
     def __init__(self, ckpt_dir: str, meta: dict, rng_states: Optional[Dict[str, torch.Tensor]], notes: List[str]):
         self.dir, self.meta, self.rng_states, self.notes = ckpt_dir, meta, rng_states, notes
 
-    def restore_rng(self, trainer) -> None:
+    def restore_rng(self, state: TrainState) -> None:
         if self.rng_states:
-            rng.restore(self.rng_states, trainer.dims, trainer.tracker)
+            rng.restore(self.rng_states, state.dims, state.tracker)
 
 
-def _read_local(trainer, path: str, load_optim: bool, load_rng: bool, iteration: Optional[int], verify: bool):
+def _read_local(state: TrainState, path: str, load_optim: bool, load_rng: bool, iteration: Optional[int],
+                verify: bool):
     """This rank's reads: metadata, its shards of the tensors, its RNG states (no collective)."""
     ckpt_dir, _ = directory.resolve(path, iteration)
     meta = directory.read_metadata(ckpt_dir, verify)
-    check_model_config(meta["model_config"], trainer.cfg.model, ckpt_dir)
+    check_model_config(meta["model_config"], state.cfg.model, ckpt_dir)
     notes, rng_states = [], None
     if meta.get("weights_only"):  # converted (Hugging Face, Megatron-LM): the weights are all there is
         load_optim = load_rng = False
         notes.append("a weights-only checkpoint: optimizer, schedule and data position start fresh")
     with CheckpointReader(ckpt_dir, meta, verify) as reader:
         reader.verify_files()
-        fill_tensors(trainer, reader, load_optim)
-        for name, buf in persistent_buffers(trainer.chunks):  # e.g. MoE expert biases
+        fill_tensors(state, reader, load_optim)
+        for name, buf in persistent_buffers(state.chunks):  # e.g. MoE expert biases
             if reader.has(buffer_key(name)):
                 buf.copy_(reader.read_full(buffer_key(name)))
         if load_rng:
-            prefix = rng.rank_prefix(trainer.dims) + "/"
+            prefix = rng.rank_prefix(state.dims) + "/"
             keys = [k for k in reader.pieces if k.startswith(prefix)]
-            if _same_layout(meta["layout"], trainer.dims) and keys:
+            if _same_layout(meta["layout"], state.dims) and keys:
                 rng_states = {k: reader.read_full(k) for k in keys}
             else:
                 notes.append("RNG states not restored (written at another layout): dropout streams start "
@@ -150,29 +133,23 @@ def _read_local(trainer, path: str, load_optim: bool, load_rng: bool, iteration:
     return ckpt_dir, meta, rng_states, notes
 
 
-def load_checkpoint(trainer, path: str, *, load_optim: bool = True, load_rng: bool = True,
+def load_checkpoint(state: TrainState, path: str, *, load_optim: bool = True, load_rng: bool = True,
                     finetune: bool = False, iteration: Optional[int] = None, verify: bool = True) -> Loaded:
     """Collective: load checkpoint `path` (a root: its latest, or `iteration`; or an iter_* dir).
     `verify`: check the checksums of metadata.json and of every piece read. An error on any rank
     (a missing, truncated or corrupted file) is raised on every rank, naming that rank."""
     load_optim = load_optim and not finetune
     ckpt_dir, meta, rng_states, notes = agree_on_errors(
-        lambda: _read_local(trainer, path, load_optim, load_rng and not finetune, iteration, verify), trainer.device)
+        lambda: _read_local(state, path, load_optim, load_rng and not finetune, iteration, verify), state.device)
     if meta.get("weights_only"):
         finetune, load_optim = True, False
-    sync = trainer.grad_sync
+    sync = state.optimizer.sync
     sync.gather_params()  # ZeRO 1-2: every rank's filled shard into the full params
     sync.wait_param_gather()
     if not finetune:
-        trainer.iteration = meta["iteration"]
-        # Updates made so far (fewer than iterations when fp16 skipped some): where the LR schedule is.
-        trainer.lr_schedule.num_steps = _schedule_position(meta, trainer.lr_schedule)
-        trainer.consumed_samples = meta["consumed_samples"]
-        trainer.consumed_valid_samples = meta.get("consumed_valid_samples", 0)
+        notes += state.restore(meta, "progress")
     if load_optim:
-        notes += _schedule_notes(meta["lr_scheduler"], trainer.lr_schedule)
-        if not trainer.optimizer.load_scalar_state(meta["optimizer"]):
-            notes.append(f"loss scaler not restored ({meta['optimizer']['loss_scaler']} in the checkpoint)")
+        notes += state.restore(meta, "optimizer")
     if world_rank() == 0:
         what = "weights" if finetune or not load_optim else "model and optimizer"
         print(f"> loaded {what} from {ckpt_dir} (iteration {meta['iteration']})"

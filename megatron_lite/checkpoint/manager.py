@@ -25,6 +25,7 @@ from .exit_conditions import ExitConditions
 from .faults import fault_hook
 from .loader import Loaded, load_checkpoint
 from .saver import PendingSave, start_save, world_rank
+from .state import TrainState
 
 
 def checkpoint_model_config(tcfg) -> Optional[dict]:
@@ -82,9 +83,9 @@ class Checkpointing:
         finally:
             self.blocked_s[iteration] = self.blocked_s.get(iteration, 0.0) + time.perf_counter() - start
 
-    def load_at_start(self, trainer) -> Optional[Loaded]:
+    def load_at_start(self, state: TrainState) -> Optional[Loaded]:
         start = time.perf_counter()
-        loaded = self._load(trainer)
+        loaded = self._load(state)
         self.load_s = time.perf_counter() - start
         return loaded
 
@@ -103,21 +104,21 @@ class Checkpointing:
             return "pretrained"
         return None
 
-    def _load(self, trainer) -> Optional[Loaded]:
+    def _load(self, state: TrainState) -> Optional[Loaded]:
         t = self.tcfg
         source = agree_on_errors(self._source, self.device)
         if source == "save":
-            loaded = load_checkpoint(trainer, t.save, load_rng=not t.no_load_rng, verify=t.verify_checkpoint)
+            loaded = load_checkpoint(state, t.save, load_rng=not t.no_load_rng, verify=t.verify_checkpoint)
         elif source == "load":
-            loaded = load_checkpoint(trainer, t.load, load_optim=not t.no_load_optim, load_rng=not t.no_load_rng,
+            loaded = load_checkpoint(state, t.load, load_optim=not t.no_load_optim, load_rng=not t.no_load_rng,
                                      finetune=t.finetune, verify=t.verify_checkpoint)
         elif source == "pretrained":
-            loaded = load_checkpoint(trainer, t.pretrained_checkpoint, finetune=True, verify=t.verify_checkpoint)
+            loaded = load_checkpoint(state, t.pretrained_checkpoint, finetune=True, verify=t.verify_checkpoint)
         else:
             if t.load and world_rank() == 0:
                 print(f"> no checkpoint in --load {t.load}: training from scratch", flush=True)
             return None
-        self.last_saved = trainer.iteration
+        self.last_saved = state.value("iteration")
         return loaded
 
     def poll(self) -> None:
@@ -127,23 +128,24 @@ class Checkpointing:
                 if self.pending.ready():
                     self._commit()
 
-    def after_iteration(self, trainer) -> bool:
+    def after_iteration(self, state: TrainState) -> bool:
         """Save if due; True when the run must stop now (after saving)."""
+        iteration = state.value("iteration")
         if self.fault is not None:
-            self.fault("iteration", trainer.iteration)
-        reason = self.exit.check(trainer.iteration)
+            self.fault("iteration", iteration)
+        reason = self.exit.check(iteration)
         t = self.tcfg
-        if t.save and (reason or (t.save_interval and trainer.iteration % t.save_interval == 0)):
-            with self._timed(trainer.iteration):
-                self.save(trainer, background=t.async_save and reason is None)
+        if t.save and (reason or (t.save_interval and iteration % t.save_interval == 0)):
+            with self._timed(iteration):
+                self.save(state, background=t.async_save and reason is None)
         if reason and world_rank() == 0:
-            print(f"> exiting after iteration {trainer.iteration}: {reason}", flush=True)
+            print(f"> exiting after iteration {iteration}: {reason}", flush=True)
         return reason is not None
 
-    def save(self, trainer, background: bool = False) -> None:
+    def save(self, state: TrainState, background: bool = False) -> None:
         self.finish()  # one save at a time
-        self.pending = start_save(trainer, self.tcfg.save, background, self.fault)
-        self.last_saved = trainer.iteration
+        self.pending = start_save(state, self.tcfg.save, background, self.fault)
+        self.last_saved = self.pending.iteration
         if not background:
             self.finish()
 
@@ -162,10 +164,11 @@ class Checkpointing:
         self.checksum_s[self.pending.iteration] = self.pending.checksum_s
         self.pending = None
 
-    def at_end(self, trainer) -> None:
+    def at_end(self, state: TrainState) -> None:
         """End of training: save the final state (Megatron-LM does when --save is given), commit."""
-        with self._timed(trainer.iteration):
-            if self.tcfg.save and trainer.iteration > 0 and self.last_saved != trainer.iteration:
-                self.save(trainer)
+        iteration = state.value("iteration")
+        with self._timed(iteration):
+            if self.tcfg.save and iteration > 0 and self.last_saved != iteration:
+                self.save(state)
             self.finish()
         self.exit.close()

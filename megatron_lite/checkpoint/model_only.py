@@ -48,11 +48,7 @@ def run_config(path: str, iteration: Optional[int] = None, verify: bool = True) 
 def _fill_parameter(reader: CheckpointReader, name: str, param: nn.Parameter) -> None:
     spec = spec_of(param)
     keys = _source_keys(MODEL, name, load_optim=True, dtype=param.dtype)
-    key = reader.first_present(keys) or keys[-1]
-    stored = reader.shapes.get(key)
-    if stored is not None and stored != spec.stored_shape:
-        raise CheckpointError(f"checkpoint {reader.dir}: {key!r} has shape {list(stored)}, this model needs "
-                              f"{list(spec.stored_shape)}")
+    key = reader.pick(keys, spec.stored_shape)
     flat = param.data.view(-1)
     for run in flat_range_to_full(spec, 0, param.numel()):
         reader.read_into(key, run.full, run.view(flat))

@@ -18,7 +18,7 @@ from ..parallel.state import ParallelDims
 from . import directory
 from .files import PieceSet, StreamingPieceFile, describe_files
 from .geometry import flat_range_to_full
-from .plan import MODEL, OPTIM_STATES, even_part, model_key, optim_key, stored_key
+from .plan import MODEL, even_part, model_key, optim_key
 from .reader import CheckpointReader
 
 
@@ -40,25 +40,29 @@ def full_weights(reader: CheckpointReader, fp32_from_main: bool) -> Dict[str, to
     return out
 
 
-def _rank_pieces(reader: CheckpointReader, dims: ParallelDims, chunks: List[nn.Module]) -> PieceSet:
-    """What rank `dims.rank` of the target layout writes: its TP slice of every parameter it owns,
-    split over the DP ranks by even flat ranges (ZeRO's split, up to bucket boundaries)."""
-    pieces = PieceSet()
+def _writes(dims: ParallelDims, chunks: List[nn.Module]) -> Iterator[Tuple[str, object, list]]:
+    """(stored name, spec, runs) of every parameter part rank `dims.rank` writes (ZeRO's split: see _rank_pieces)."""
     for chunk in chunks:
         for name, p in chunk.named_parameters():
             if not counts_in_norm(p, dims):
                 continue
-            name, spec = stored_name(name, p), spec_of(p)
+            spec = spec_of(p)
             copies = (dims.edp, dims.edp_rank) if spec.split("ep") is not None else (dims.dp, dims.dp_rank)
-            runs = flat_range_to_full(spec, *even_part(p.numel(), *copies))
-            for kind in (MODEL,) + OPTIM_STATES:
-                key = stored_key(kind, name)
-                if not reader.has(key):
-                    continue
-                for run in runs:
-                    data = torch.empty([k for _, k in run.full], dtype=reader.dtype(key))
-                    reader.read_into(key, run.full, data)
-                    pieces.add(key, run.full, spec.stored_shape, data)
+            yield stored_name(name, p), spec, flat_range_to_full(spec, *even_part(p.numel(), *copies))
+
+
+def _rank_pieces(reader: CheckpointReader, dims: ParallelDims, chunks: List[nn.Module]) -> PieceSet:
+    """What rank `dims.rank` of the target layout writes: its TP slice of every parameter it owns,
+    split over the DP ranks by even flat ranges (ZeRO's split, up to bucket boundaries)."""
+    pieces = PieceSet()
+    for name, spec, runs in _writes(dims, chunks):  # the weights and whatever states the optimizer stored
+        for key in [model_key(name)] + sorted(k for k in reader.pieces if k.startswith(optim_key(name, ""))):
+            if not reader.has(key):
+                continue
+            for run in runs:
+                data = torch.empty([k for _, k in run.full], dtype=reader.dtype(key))
+                reader.read_into(key, run.full, data)
+                pieces.add(key, run.full, spec.stored_shape, data)
     return pieces
 
 
@@ -78,17 +82,6 @@ def reshard(reader: CheckpointReader, out_root: str, ranks: Iterable[Tuple[Paral
     meta["layout"] = dict(meta["layout"], **layout)
     meta["files"] = describe_files(staging, names)
     return directory.commit(out_root, iteration, meta)
-
-
-def _writes(dims: ParallelDims, chunks: List[nn.Module]) -> Iterator[Tuple[str, object, list]]:
-    """(stored name, spec, runs) of every parameter part rank `dims.rank` writes (see _rank_pieces)."""
-    for chunk in chunks:
-        for name, p in chunk.named_parameters():
-            if not counts_in_norm(p, dims):
-                continue
-            spec = spec_of(p)
-            copies = (dims.edp, dims.edp_rank) if spec.split("ep") is not None else (dims.dp, dims.dp_rank)
-            yield stored_name(name, p), spec, flat_range_to_full(spec, *even_part(p.numel(), *copies))
 
 
 def write_weights_checkpoint(out_root: str, meta: dict, ranks: Iterable[Tuple[ParallelDims, List[nn.Module]]],

@@ -1,14 +1,15 @@
 """Which parts of which full tensors a rank writes at save time and fills at load time.
 
 Everything a rank holds of the model and optimizer lives in the flat buckets of its GradientSync
-(parameters; and, over the rank's shard of each bucket, the optimizer's m, v and fp32 main
-params). So one description serves every ZeRO stage: a range of bucket positions, cut into
-parameters (`Region`s), each mapped onto boxes of its full tensor by `geometry`.
+(parameters; and, over the rank's shard of each bucket, the optimizer's named state tensors). So
+one description serves every ZeRO stage: a range of bucket positions, cut into parameters
+(`Region`s), each mapped onto boxes of its full tensor by `geometry`.
 
-Stored keys: `model/<name>` (params in their training dtype), `optim/<name>/exp_avg`,
-`optim/<name>/exp_avg_sq`, and `optim/<name>/main` (fp32 main params, only when the params are
-bf16/fp16). Names are the layout-independent global names (layers by global index; the last
-pipeline stage's copy of a tied embedding reads the embedding's name).
+Stored keys: `model/<name>` (params in their training dtype), `optim/<name>/<state>` for each
+state the optimizer enumerates: its update rule's (AdamW's `exp_avg`, `exp_avg_sq`) and `main`
+(fp32 main params, only when the params are bf16/fp16). Names are the layout-independent global
+names (layers by global index; the last pipeline stage's copy of a tied embedding reads the
+embedding's name).
 
 Writers (each stored element written exactly once):
 - model parallelism: the rank that counts a parameter in the gradient norm (`counts_in_norm`):
@@ -30,7 +31,6 @@ from ..parallel.state import ParallelDims
 from .geometry import Run, flat_range_to_full
 
 MODEL = "model"
-OPTIM_STATES = ("exp_avg", "exp_avg_sq", "main")
 
 
 def model_key(name: str) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import mmap
 import os
 from contextlib import ExitStack
-from typing import Dict, List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -83,8 +83,14 @@ class CheckpointReader:
     def has(self, key: str) -> bool:
         return key in self.pieces
 
-    def first_present(self, keys: List[str]) -> Optional[str]:
-        return next((k for k in keys if k in self.pieces), None)
+    def pick(self, keys: List[str], shape: Sequence[int]) -> str:
+        """The first of `keys` stored (else the last, which a read reports missing), checked to have `shape`."""
+        key = next((k for k in keys if k in self.pieces), keys[-1])
+        stored = self.shapes.get(key)
+        if stored is not None and stored != shape:
+            raise CheckpointError(f"checkpoint {self.dir}: {key!r} has shape {list(stored)}, this model needs "
+                                  f"{list(shape)}")
+        return key
 
     def _handle(self, fname: str):
         if fname not in self._handles:

@@ -26,6 +26,7 @@ from . import directory, rng
 from .files import FORMAT, PieceSet, describe_files
 from .geometry import whole_box
 from .plan import buffer_key, bucket_sources, persistent_buffers, regions, stored_key, write_range
+from .state import TrainState
 
 
 def world_min(value: int, device) -> int:
@@ -45,29 +46,26 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def layout_of(trainer) -> dict:
-    dims, p, t = trainer.dims, trainer.cfg.parallel, trainer.cfg.training
+def layout_of(state: TrainState) -> dict:
+    dims, p, t = state.dims, state.cfg.parallel, state.cfg.training
     return {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "cp": dims.cp, "ep": dims.ep, "vpp": dims.vpp,
             "zero_stage": p.zero_stage, "world_size": dims.world_size,
             "precision": "bf16" if t.bf16 else "fp16" if t.fp16 else "fp32"}
 
 
-def checkpoint_metadata(trainer) -> dict:
+def checkpoint_metadata(state: TrainState) -> dict:
     """Everything but the tensors: written by rank 0 as metadata.json."""
-    return {"format": FORMAT, "version": directory.VERSION, "iteration": trainer.iteration,
-            "consumed_samples": trainer.consumed_samples,
-            "consumed_valid_samples": getattr(trainer, "consumed_valid_samples", 0),
-            "model_config": dataclasses.asdict(trainer.cfg.model), "config": trainer.cfg.to_dict(),
-            "layout": layout_of(trainer), "lr_scheduler": trainer.lr_schedule.state_dict(),
-            "optimizer": trainer.optimizer.scalar_state()}
+    return {"format": FORMAT, "version": directory.VERSION, "model_config": dataclasses.asdict(state.cfg.model),
+            "config": state.cfg.to_dict(), "layout": layout_of(state),
+            **{name: save() for name, save in state.saves.items()}}
 
 
-def snapshot(trainer, copy: bool) -> PieceSet:
+def snapshot(state: TrainState, copy: bool) -> PieceSet:
     """This rank's pieces of the model, the optimizer and its RNG states (copies when `copy`)."""
-    sync, dims = trainer.grad_sync, trainer.dims
-    sync.wait_param_gather()  # --overlap-param-gather: the last update's params
+    dims = state.dims
+    state.optimizer.sync.wait_param_gather()  # --overlap-param-gather: the last update's params
     pieces = PieceSet()
-    for bucket, sources in bucket_sources(trainer.optimizer):
+    for bucket, sources in bucket_sources(state.optimizer):
         lo, hi = write_range(bucket)
         for region in regions(bucket, lo, hi, dims, writers_only=True):
             runs = region.runs()
@@ -75,10 +73,10 @@ def snapshot(trainer, copy: bool) -> PieceSet:
                 for run in runs:
                     pieces.add(stored_key(kind, region.name), run.full, region.spec.stored_shape,
                                run.view(flat, region.start - base), copy)
-    for key, state in rng.capture(dims, trainer.tracker).items():
-        pieces.add(key, whole_box(state.shape), state.shape, state)
+    for key, rng_state in rng.capture(dims, state.tracker).items():
+        pieces.add(key, whole_box(rng_state.shape), rng_state.shape, rng_state)
     if dims.tp_rank == dims.cp_rank == dims.dp_rank == 0:  # one writer per pipeline stage
-        for name, buf in persistent_buffers(trainer.chunks):
+        for name, buf in persistent_buffers(state.chunks):
             pieces.add(buffer_key(name), whole_box(buf.shape), buf.shape, buf, copy)
     return pieces
 
@@ -149,18 +147,18 @@ class PendingSave:
               f"{time.perf_counter() - self.started:.2f} s)" + (f"; pruned {dropped}" if dropped else ""), flush=True)
 
 
-def start_save(trainer, root: str, background: bool, fault=None) -> PendingSave:
+def start_save(state: TrainState, root: str, background: bool, fault=None) -> PendingSave:
     """Collective: snapshot and write (or start writing) this rank's file of a checkpoint of the
-    trainer's current state into ROOT. Call commit() (after ready()) to finish it."""
+    run's current state into ROOT. Call commit() (after ready()) to finish it."""
     started = time.perf_counter()
-    iteration = trainer.iteration
+    iteration = state.value("iteration")
     staging = directory.staging_dir(root, iteration)
     if world_rank() == 0:  # a crashed earlier attempt may have left files here
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
-    world_min(1, trainer.device)  # nobody writes before the directory is clean
-    save = PendingSave(root, iteration, checkpoint_metadata(trainer), trainer.device, started, fault)
-    pieces = snapshot(trainer, copy=background)
+    world_min(1, state.device)  # nobody writes before the directory is clean
+    save = PendingSave(root, iteration, checkpoint_metadata(state), state.device, started, fault)
+    pieces = snapshot(state, copy=background)
     pieces.copies_issued()  # later kernels on the stream (the next update) run after the copies
     save.write(pieces, background)
     return save

@@ -1,6 +1,6 @@
 """AdamW on flat fp32 tensors: the update of torch.optim.AdamW (decoupled weight decay, bias
 correction), in place, with weight decay restricted to ranges of the flat tensor (a ZeRO shard
-mixes decayed weights with biases and norms).
+mixes decayed weights with biases and norms): the distributed optimizer's update rule.
 
 PyTorch's fused AdamW kernel (CPU and CUDA) does it in one pass without temporaries; elsewhere
 the plain formula runs over slices, so that its temporaries stay small (whole-shard temporaries
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -50,18 +50,29 @@ def _adam_formula(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps)
     param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
 
 
-@torch.no_grad()
-def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
-           step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-           decay_ranges: List[Tuple[int, int]]) -> None:
-    if weight_decay:  # decoupled decay first, as torch.optim.AdamW does
-        for lo, hi in decay_ranges:
-            param[lo:hi].mul_(1.0 - lr * weight_decay)
-    if fused_adamw_available(param.device.type):
-        steps = [_step_tensor(param.device).fill_(float(step))]
-        _FUSED([param], [grad], [exp_avg], [exp_avg_sq], [], steps, lr=lr, beta1=beta1, beta2=beta2,
-               weight_decay=0.0, eps=eps, amsgrad=False, maximize=False)
-        return
-    for lo in range(0, param.numel(), _SLICE):
-        s = slice(lo, lo + _SLICE)
-        _adam_formula(param[s], grad[s], exp_avg[s], exp_avg_sq[s], step, lr, beta1, beta2, eps)
+class AdamW:
+    """An update rule (another, e.g. Muon, has the same two members): the names of its states, as
+    checkpoints store them (`optim/<param>/<name>`; the state store allocates them at zero), and
+    the in-place update of flat fp32 main params from their gradient (`states`: the shard's
+    tensors by name, the rule's among them)."""
+    state_names = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, beta1: float, beta2: float, eps: float):
+        self.hyper = (beta1, beta2, eps)
+
+    @torch.no_grad()
+    def update_(self, param: torch.Tensor, grad: torch.Tensor, states: Dict[str, torch.Tensor], *, step: int,
+                lr: float, weight_decay: float, decay_ranges: List[Tuple[int, int]]) -> None:
+        exp_avg, exp_avg_sq = states["exp_avg"], states["exp_avg_sq"]
+        beta1, beta2, eps = self.hyper
+        if weight_decay:  # decoupled decay first, as torch.optim.AdamW does
+            for lo, hi in decay_ranges:
+                param[lo:hi].mul_(1.0 - lr * weight_decay)
+        if fused_adamw_available(param.device.type):
+            steps = [_step_tensor(param.device).fill_(float(step))]
+            _FUSED([param], [grad], [exp_avg], [exp_avg_sq], [], steps, lr=lr, beta1=beta1, beta2=beta2,
+                   weight_decay=0.0, eps=eps, amsgrad=False, maximize=False)
+            return
+        for lo in range(0, param.numel(), _SLICE):
+            s = slice(lo, lo + _SLICE)
+            _adam_formula(param[s], grad[s], exp_avg[s], exp_avg_sq[s], step, lr, beta1, beta2, eps)

@@ -1,15 +1,16 @@
-"""Mixed-precision AdamW over this rank's shard of the gradient buckets: ZeRO stages 0-3.
+"""Mixed-precision distributed optimizer over this rank's shard of the gradient buckets: ZeRO 0-3.
 
 At stage 0 a rank's shard of a bucket is the whole bucket; at stages 1-3 it is its 1/N slice
 (see parallel/data_parallel.py), so one code path serves every stage. For its shard only, the
-optimizer keeps the fp32 main params (the param shard itself when params are fp32) and Adam's m
-and v, reads the reduced gradient, and writes the updated values back into the param shard;
-GradientSync then all-gathers the params at stages 1-2 (at stage 3 the shard is all there is).
+optimizer keeps the fp32 main params (the param shard itself when params are fp32) and the update
+rule's states (AdamW: m and v; adam.py) in a state store (state_store.py: device or host), reads
+the reduced gradient, and writes the updated values back into the param shard; GradientSync then
+all-gathers the params at stages 1-2 (at stage 3 the shard is all there is).
 
 A step: unscale (fp16) -> skip everywhere if any rank found inf/NaN (the scale backs off) -> the
 grad norm of the whole model (model-parallel ranks count each distinct element once, see
 `sharding.counts_in_norm`; sharded stages also sum over DP, each shard counted once) -> clip ->
-AdamW -> copy back -> param all-gather.
+the rule's update -> copy back -> param all-gather.
 
 Parameter groups: the step takes one LR, or one per group (--decoupled-lr: the word embedding and
 the output layer form DECOUPLED_GROUP); a shard is updated in one piece whenever its groups share
@@ -18,13 +19,13 @@ main params, m and v may be kept in bf16 / fp16 / fp8; each parameter's part of 
 updated in fp32 and stored again.
 
 With --optimizer-cpu-offload the state of the first --optimizer-offload-fraction of the buckets
-lives in host memory and Adam runs there (see _ShardState): the norm and clipping still run on
+lives in host memory and the rule runs there (HostStore): the norm and clipping still run on
 the device gradients, so the numerics are those of the device run.
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Mapping, Optional, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
@@ -36,10 +37,11 @@ from ..parallel.bucket_plan import offloaded_buckets, state_bytes
 from ..parallel.data_parallel import Bucket, GradientSync
 from ..parallel.sharding import counts_in_norm, spec_of
 from ..parallel.state import ParallelDims, group_size
-from .adam import adamw_
+from .adam import AdamW
 from .loss_scaler import ConstantLossScaler, DynamicLossScaler
 from .lr_scheduler import DECOUPLED_GROUP, DEFAULT_GROUP
 from .precision import OptimizerPrecision, StateStorage
+from .state_store import DeviceStore, HostStore, held_bytes
 
 _NORM_SLICE = 1 << 18  # elements per float64 slice of the gradient norm
 
@@ -116,19 +118,13 @@ def _split_padding(bucket: Bucket) -> List[Tuple[int, int, int]]:
 
 
 class _ShardState:
-    """Optimizer state of one bucket's shard: main params, Adam m and v (fp32 tensors, or
-    low-precision `StateStorage`), and which ranges of the shard are weight-decayed, counted in
-    the grad norm, and in which LR group.
+    """One bucket's shard: its store (where 'main' and the update rule's states live, see
+    state_store.py) and which ranges of the shard are weight-decayed, counted in the grad norm, and
+    in which LR group."""
 
-    Offloaded (`host` set: --optimizer-cpu-offload), the fp32 main params, m and v live in host
-    memory (pinned when the device is a GPU, so that the copies are asynchronous DMA) with a host
-    buffer for the gradient: each step copies the reduced gradient shard down, runs the fused CPU
-    Adam there, and copies the updated main params back up into the param shard. The main params
-    are then always a separate copy, even of fp32 params."""
-
-    def __init__(self, bucket: Bucket, dims: ParallelDims, precision: OptimizerPrecision,
-                 host: Optional[torch.device] = None):
-        self.bucket, self.host = bucket, host
+    def __init__(self, bucket: Bucket, dims: ParallelDims, store: Type[DeviceStore], state_names: Sequence[str],
+                 precision: OptimizerPrecision):
+        self.bucket = bucket
         shard = bucket.param_shard_view()
         segments = _split_padding(bucket)
         self.segments = [(lo, hi) for _, lo, hi in segments]
@@ -143,36 +139,16 @@ class _ShardState:
         self.norm_weight = (1.0 if sharded else 1.0 / bucket.group_size) / group_size(bucket.replica_group)
         self.lr_runs = _group_runs(self.segment_groups, self.segments, shard.numel())
         self.groups = {g for g, _, _ in self.lr_runs}
-        self.grad_host = None
-        if host is not None:
-            pin = shard.device.type == "cuda"  # page-locked host memory exists only beside a GPU
-            self.main, self.grad_host, self.exp_avg, self.exp_avg_sq = (
-                torch.zeros(shard.numel(), dtype=torch.float32, device=host, pin_memory=pin) for _ in range(4))
-            self.main.copy_(shard)
-        else:
-            self.main = self._new_main(shard, precision.main_params)
-            zeros = torch.zeros(shard.numel(), dtype=torch.float32, device=shard.device)
-            self.exp_avg = self._new_state(zeros, precision.exp_avg)
-            self.exp_avg_sq = self._new_state(zeros, precision.exp_avg_sq)
-        # all three plain fp32 tensors: one update over whole runs (else per parameter segment)
-        self.plain = all(isinstance(t, torch.Tensor) for t in (self.main, self.exp_avg, self.exp_avg_sq))
+        self.store = store(shard, state_names, self.segments, precision)
+        # all plain fp32 tensors: one update over whole runs (else per parameter segment)
+        self.plain = all(isinstance(t, torch.Tensor) for t in self.store.tensors.values())
         self.staged = None  # fp32 copies of low-precision states being filled from a checkpoint
-
-    def _new_main(self, shard: torch.Tensor, dtype: torch.dtype):
-        if shard.dtype == torch.float32:
-            return shard  # fp32 params are their own main params
-        if dtype == torch.float32:
-            return shard.detach().float()
-        return StateStorage(shard, dtype, self.segments)
-
-    def _new_state(self, zeros: torch.Tensor, dtype: torch.dtype):
-        return zeros.clone() if dtype == torch.float32 else StateStorage(zeros, dtype, self.segments)
 
     @property
     def owns_main(self) -> bool:
-        """True when the main params are a separate copy of low-precision params."""
-        return not isinstance(self.main, torch.Tensor) or \
-            self.main.data_ptr() != self.bucket.param_shard_view().data_ptr()
+        """True when the main params are a separate copy of the params."""
+        main = self.store.tensors["main"]
+        return not isinstance(main, torch.Tensor) or main.data_ptr() != self.bucket.param_shard_view().data_ptr()
 
     def lr_runs_for(self, lr_of) -> List[Tuple[str, int, int]]:
         """The runs to update separately: one run over the whole shard when every group of it has
@@ -181,52 +157,43 @@ class _ShardState:
             return [(self.lr_runs[0][0], 0, self.lr_runs[-1][2])]
         return self.lr_runs
 
-    def stage_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        """The gradient where Adam runs: the device shard, or (offloaded) its host copy, whose
-        asynchronous copy the caller waits for (`_wait_copies`) before reading it."""
-        if self.grad_host is None:
-            return grad
-        self.grad_host.copy_(grad, non_blocking=True)
-        return self.grad_host
-
-    def adam_step(self, grad: torch.Tensor, lr_of, weight_decay: float, **adam) -> None:
-        """AdamW on the shard from its fp32 gradient; the params follow their main params."""
+    def update(self, rule, grad: torch.Tensor, lr_of, weight_decay: float, step: int) -> None:
+        """The rule's update of the shard from its fp32 gradient (where the store put it); the
+        params follow their main params."""
+        tensors, param = self.store.tensors, self.bucket.param_shard_view()
         if self.plain:
             for group, lo, hi in self.lr_runs_for(lr_of):
-                adamw_(self.main[lo:hi], grad[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], lr=lr_of(group),
-                       weight_decay=weight_decay, decay_ranges=_within(self.decay, lo, hi), **adam)
+                views = {name: t[lo:hi] for name, t in tensors.items()}
+                rule.update_(views["main"], grad[lo:hi], views, step=step, lr=lr_of(group), weight_decay=weight_decay,
+                             decay_ranges=_within(self.decay, lo, hi))
             if self.owns_main:
-                self.bucket.param_shard_view().copy_(self.main, non_blocking=self.host is not None)
+                self.store.publish(param, tensors["main"])
             return
-        param = self.bucket.param_shard_view()
         for k, (lo, hi) in enumerate(self.segments):  # low precision: each parameter's part in fp32
-            main, m, v = (_read(t, k, lo, hi) for t in (self.main, self.exp_avg, self.exp_avg_sq))
-            adamw_(main, grad[lo:hi], m, v, lr=lr_of(self.segment_groups[k]), weight_decay=weight_decay,
-                   decay_ranges=[(0, hi - lo)] if self.segment_decays[k] else [], **adam)
-            for t, x in ((self.main, main), (self.exp_avg, m), (self.exp_avg_sq, v)):
-                _write(t, k, x)
+            values = {name: _read(t, k, lo, hi) for name, t in tensors.items()}
+            rule.update_(values["main"], grad[lo:hi], values, step=step, lr=lr_of(self.segment_groups[k]),
+                         weight_decay=weight_decay, decay_ranges=[(0, hi - lo)] if self.segment_decays[k] else [])
+            for name, t in tensors.items():
+                _write(t, k, values[name])
             if self.owns_main:
-                param[lo:hi].copy_(main)
+                self.store.publish(param[lo:hi], values["main"])
 
     def tensors(self) -> Dict[str, torch.Tensor]:
-        """fp32 'main', 'exp_avg', 'exp_avg_sq': the states themselves, or fp32 copies of low-precision ones."""
-        return {"main": _as_fp32(self.main), "exp_avg": _as_fp32(self.exp_avg), "exp_avg_sq": _as_fp32(self.exp_avg_sq)}
+        """fp32 'main' and the rule's states: the states themselves, or fp32 copies of low-precision ones."""
+        return {name: _as_fp32(t) for name, t in self.store.tensors.items()}
 
     def load(self, values: Dict[str, torch.Tensor]) -> None:
-        """Set the states from fp32 tensors (e.g. those tensors() gave, filled)."""
-        for name in ("main", "exp_avg", "exp_avg_sq"):
-            t = getattr(self, name)
-            if name not in values or values[name] is t:
-                continue
+        """Store the fp32 copies tensors() gave of low-precision states, filled (plain fp32 tensors
+        were filled in place)."""
+        for name, t in self.store.tensors.items():
             if isinstance(t, StateStorage):
                 t.write_all(values[name])
-            else:
-                t.copy_(values[name])
 
     @property
     def nbytes(self) -> int:
-        states = [self.exp_avg, self.exp_avg_sq] + ([self.main] if self.owns_main else [])
-        return sum(t.nbytes if isinstance(t, StateStorage) else t.numel() * t.element_size() for t in states)
+        """Bytes of the store: its states (main params when a copy) and its staging buffers."""
+        held = [t for name, t in self.store.tensors.items() if name != "main" or self.owns_main]
+        return sum(held_bytes(t) for t in held) + self.store.staging_bytes
 
 
 def _read(t, k: int, lo: int, hi: int) -> torch.Tensor:
@@ -249,13 +216,15 @@ def _wait_copies(device: Optional[torch.device]) -> None:
 
 
 class DistributedOptimizer:
-    def __init__(self, grad_sync: GradientSync, tcfg: TrainingConfig, precision: Optional[OptimizerPrecision] = None):
+    def __init__(self, grad_sync: GradientSync, tcfg: TrainingConfig, precision: Optional[OptimizerPrecision] = None,
+                 rule=None):
         self.sync, self.tcfg, self.dims = grad_sync, tcfg, grad_sync.dims
         self.precision = precision or OptimizerPrecision()
+        self.rule = rule or AdamW(tcfg.adam_beta1, tcfg.adam_beta2, tcfg.adam_eps)  # the update rule (adam.py)
         offload = offloaded_buckets([b.shard_numel for b in grad_sync.buckets],
                                     tcfg.optimizer_offload_fraction if tcfg.optimizer_cpu_offload else 0.0)
-        self.shards = [_ShardState(b, self.dims, self.precision, torch.device("cpu") if off else None)
-                       for b, off in zip(grad_sync.buckets, offload)]
+        self.shards = [_ShardState(b, self.dims, HostStore if off else DeviceStore, self.rule.state_names,
+                                   self.precision) for b, off in zip(grad_sync.buckets, offload)]
         if tcfg.fp16 and tcfg.loss_scale is not None:
             self.scaler = ConstantLossScaler(tcfg.loss_scale)
         elif tcfg.fp16:
@@ -344,13 +313,12 @@ class DistributedOptimizer:
             for g in grads:
                 g.mul_(coeff)
         self.num_updates += 1
-        t = self.tcfg
         lr_of = (lambda g: lr) if not isinstance(lr, Mapping) else (lambda g: lr.get(g, lr[DEFAULT_GROUP]))
-        wd = t.weight_decay if weight_decay is None else weight_decay
-        staged = [s.stage_grad(g) for s, g in zip(self.shards, grads)]  # offloaded: all copies in flight
+        wd = self.tcfg.weight_decay if weight_decay is None else weight_decay
+        staged = [s.store.stage(g) for s, g in zip(self.shards, grads)]  # offloaded: all copies in flight
         _wait_copies(self.device)
         for s, g in zip(self.shards, staged):
-            s.adam_step(g, lr_of, wd, step=self.num_updates, beta1=t.adam_beta1, beta2=t.adam_beta2, eps=t.adam_eps)
+            s.update(self.rule, g, lr_of, wd, step=self.num_updates)
         if check and self.tcfg.fp16 and self._found_inf([s.bucket.param_shard_view() for s in self.shards], False)[0]:
             raise NonFiniteError("fp16 parameters overflow (|w| > 65504) when cast from their fp32 main params: the "
                                  "model diverged; lower --lr, or train with --bf16")
@@ -362,22 +330,21 @@ class DistributedOptimizer:
         self.sync.zero_grad()
 
     def memory_bytes(self) -> Dict[str, int]:
-        """Bytes this rank holds across steps: params, grads, optimizer state (main params, m, v) on
-        the device, and the offloaded optimizer state (with its gradient staging buffer) on the
-        host, as bucket_plan.state_bytes accounts them (the planner's figures; `held_bytes`
+        """Bytes this rank holds across steps: params, grads, optimizer state (main params and the
+        rule's states) on the device, and the offloaded optimizer state (with its gradient staging
+        buffer) on the host, as bucket_plan.state_bytes accounts them (the planner's figures; `held_bytes`
         measures the tensors; tests hold the two equal). Low-precision states count as stored."""
         out = state_bytes(self.sync.plans, self.sync.stage, self.sync.grad_dtype,
-                          [s.host is not None for s in self.shards])
+                          [s.store.on_host for s in self.shards])
         if not self.precision.is_default:
-            out["optimizer_state_bytes"] = sum(s.nbytes for s in self.shards if s.host is None)
+            out["optimizer_state_bytes"] = sum(s.nbytes for s in self.shards if not s.store.on_host)
         return out
 
     def held_bytes(self) -> Dict[str, int]:
         """memory_bytes() measured from the tensors this rank holds."""
         out = self.sync.held_bytes()
-        out["optimizer_state_bytes"] = sum(s.nbytes for s in self.shards if s.host is None)
-        host = sum(s.nbytes + s.grad_host.numel() * s.grad_host.element_size() for s in self.shards
-                   if s.host is not None)
+        out["optimizer_state_bytes"] = sum(s.nbytes for s in self.shards if not s.store.on_host)
+        host = sum(s.nbytes for s in self.shards if s.store.on_host)
         if host:
             out["optimizer_host_bytes"] = host
         return out
@@ -385,8 +352,9 @@ class DistributedOptimizer:
     # --- accessors for checkpoints -------------------------------------------------------------
     def shard_tensors(self, for_loading: bool = False) -> List[Tuple[Bucket, Dict[str, torch.Tensor]]]:
         """Per bucket, this rank's optimizer tensors over its shard (positions shard_lo onwards of
-        the bucket), in fp32: 'exp_avg', 'exp_avg_sq', and 'main' when the main params are a
-        separate copy of low-precision params (else they are the params). Read them, or fill them
+        the bucket), in fp32, named as checkpoints store them: the update rule's states, and 'main'
+        when the main params are a separate copy of low-precision params (else they are the params;
+        an offloaded shard's host copy of fp32 params is stored too). Read them, or fill them
         in place: states kept in low precision come as fp32 copies, which `for_loading` keeps
         until `commit_loaded_state()` stores them."""
         out = []
@@ -407,11 +375,11 @@ class DistributedOptimizer:
         return {"num_updates": self.num_updates, "loss_scaler": type(self.scaler).__name__,
                 "loss_scaler_state": self.scaler.state_dict()}
 
-    def load_scalar_state(self, state: dict) -> bool:
+    def load_scalar_state(self, state: dict, meta: Optional[dict] = None) -> List[str]:
         """Restore the update count, and the loss scaler when it is of the same kind (fp16 to fp16);
-        returns whether the scaler was restored."""
+        returns a note when the scaler is not restored."""
         self.num_updates = int(state["num_updates"])
         if state["loss_scaler"] != type(self.scaler).__name__:
-            return False
+            return [f"loss scaler not restored ({state['loss_scaler']} in the checkpoint)"]
         self.scaler.load_state_dict(state["loss_scaler_state"])
-        return True
+        return []

@@ -174,6 +174,21 @@ class OptimizerParamScheduler:
         return [f"{k} {state[k]} -> {v}" for k, v in ours.items()
                 if k in state and k not in ("num_steps", "step_unit") and state[k] != v]
 
+    def resume(self, saved: dict, meta: dict) -> None:
+        """Resume at the samples of the checkpoint's successful updates. A checkpoint of an older
+        megatron-lite counted updates: times its global batch (it had no ramp-up)."""
+        if saved.get("step_unit") == self.step_unit:
+            self.num_steps = saved["num_steps"]
+        else:
+            updates = saved.get("num_steps", meta["iteration"])
+            self.num_steps = updates * meta["config"]["training"]["global_batch_size"]
+
+    def changes_note(self, saved: dict, meta: dict) -> List[str]:
+        """The schedule is a function of the samples consumed and the flags: this run's flags win
+        (e.g. a longer --train-samples stretches the decay, as intended); say so when they changed."""
+        changed = self.changes_from(saved) if saved.get("step_unit") == self.step_unit else []
+        return [f"LR schedule from this run's flags ({', '.join(changed)})"] if changed else []
+
 
 class LRScheduler(OptimizerParamScheduler):
     """The iteration-counting interface: warmup and decay in iterations, one step per update,

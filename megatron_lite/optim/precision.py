@@ -42,6 +42,11 @@ class OptimizerPrecision:
     def is_default(self) -> bool:
         return all(d == torch.float32 for d in (self.main_params, self.main_grads, self.exp_avg, self.exp_avg_sq))
 
+    def dtype_of(self, state: str) -> torch.dtype:
+        """The stored dtype of 'main' or of an update rule's state (fp32 without a flag)."""
+        flagged = {"main": self.main_params, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        return flagged.get(state, torch.float32)
+
     @classmethod
     def from_flags(cls, *, use_precision_aware_optimizer: bool, main_params_dtype: str, main_grads_dtype: str,
                    exp_avg_dtype: str, exp_avg_sq_dtype: str, distributed_optimizer: bool) -> "OptimizerPrecision":

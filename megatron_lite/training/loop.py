@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.manager import Checkpointing
+from ..checkpoint.state import TrainState
 from ..config import Config
 from ..errors import NonFiniteError, agree_on_errors
 from ..optim.lr_scheduler import DEFAULT_GROUP
@@ -124,8 +125,14 @@ class Trainer:
         num_samples = (train_samples, evals * t.eval_iters * t.global_batch_size, t.eval_iters * t.global_batch_size)
         train_ds, valid_ds, _ = agree_on_errors(lambda: datasets_provider(cfg, tokenizer, num_samples), device)
         self.iteration, self.consumed_samples, self.consumed_valid_samples = 0, 0, 0
+        self.state = TrainState(cfg, dims, device, self.chunks, self.optimizer, self.tracker)  # what checkpoints hold
+        for name in ("iteration", "consumed_samples", "consumed_valid_samples"):  # the data position
+            self.state.register_attribute(self, name)
+        self.state.register("lr_scheduler", self.lr_schedule.state_dict, progress=self.lr_schedule.resume,
+                            optimizer=self.lr_schedule.changes_note)  # the position; notes on changed flags
+        self.state.register("optimizer", self.optimizer.scalar_state, optimizer=self.optimizer.load_scalar_state)
         self.checkpointing = Checkpointing(cfg, device)
-        loaded = self.checkpointing.load_at_start(self)  # sets the iteration and consumed samples
+        loaded = self.checkpointing.load_at_start(self.state)  # sets the iteration and consumed samples
         self.train_loader = build_pretraining_data_loader(train_ds, self.consumed_samples, t.micro_batch_size,
                                                           self.batch_schedule.running_global_batch_size,
                                                           dims.dp_rank, dims.dp, cfg.data.num_workers)
@@ -136,7 +143,7 @@ class Trainer:
                 valid_ds, self.consumed_valid_samples, t.micro_batch_size, t.global_batch_size, dims.dp_rank, dims.dp,
                 cfg.data.num_workers))
         if loaded is not None:  # last: creating the data iterators above draws from the RNG
-            loaded.restore_rng(self)
+            loaded.restore_rng(self.state)
         self.logs_here = dims.is_last_stage and dims.tp_rank == 0 and dims.dp_rank == 0 and dims.cp_rank == 0
         # A resumed run appends to its metrics file, so that a restarted job keeps the earlier records.
         self.logger = MetricsLogger(t, self.logs_here, cfg.to_dict(), append=self.iteration > 0)
@@ -199,7 +206,7 @@ class Trainer:
                                 or self.iteration in (1, t.train_iters))
                 if t.manual_gc and t.manual_gc_interval and self.iteration % t.manual_gc_interval == 0:
                     gc.collect()
-                if self.checkpointing.after_iteration(self):  # saves when due; True: an exit condition fired
+                if self.checkpointing.after_iteration(self.state):  # saves when due; True: an exit condition fired
                     break
         finally:
             if t.manual_gc:
@@ -208,7 +215,7 @@ class Trainer:
         self.profiler.close()
         for note in self.profiler.notes[printed:]:  # each tracing rank says where its trace is
             print(f"> rank {dims.rank}: {note}", flush=True)
-        self.checkpointing.at_end(self)
+        self.checkpointing.at_end(self.state)
         self.grad_sync.wait_param_gather()  # --overlap-param-gather: the last step's params
         self.logger.close()
         return history
