@@ -32,14 +32,14 @@ class SelfAttention(nn.Module):
         kv_replicas = max(1, tp // cfg.num_query_groups)
         self.groups = max(1, cfg.num_query_groups // tp)
         qkv_bias = cfg.add_bias_linear or cfg.add_qkv_bias
-        store = ctx.weight_grad_store
+        gemm = ctx.gemm
         self.linear_q = ColumnParallelLinear(cfg.hidden_size, q_size, dims, bias=qkv_bias, sequence_parallel=sp,
-                                             dtype=dt, weight_grad_store=store)
+                                             dtype=dt, gemm=gemm)
         self.linear_kv = ColumnParallelLinear(cfg.hidden_size, 2 * kv_size, dims, bias=qkv_bias, sequence_parallel=sp,
                                               segments=[kv_size, kv_size], replicas=kv_replicas, dtype=dt,
-                                              weight_grad_store=store)
+                                              gemm=gemm)
         self.linear_proj = RowParallelLinear(q_size, cfg.hidden_size, dims, bias=cfg.add_bias_linear,
-                                             sequence_parallel=sp, dtype=dt, weight_grad_store=store)
+                                             sequence_parallel=sp, dtype=dt, gemm=gemm)
         self.core_attention = core_attention(cfg, ctx, layer_number)
         if cfg.qk_layernorm:  # over each head's channels; the heads are split over TP: grads partial there
             self.q_layernorm = head_norm(cfg, ctx, d)

@@ -4,7 +4,7 @@ One executor serves every schedule. Each rank walks its list in order; consecuti
 actions form one batch posted with batch_isend_irecv and waited for lazily (just before the
 first compute that needs what it received, before the next batch is posted, and at the end),
 which schedules.py proves deadlock-free. The zero-bubble B/W split defers the weight-gradient
-GEMMs of the linear layers built with the executor's WeightGradStore from B to the later W.
+GEMMs of the layers built with the executor's GemmPath from B to the later W.
 
 A forward is the forward-step protocol (training/step.py): `forward_step(batch, chunk)` after
 `chunk.set_input_tensor(received)` on a later stage, and on the last virtual stage the loss
@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from ..state import ParallelDims
-from ..tensor_parallel import WeightGradStore
+from ..gemm import GemmPath
 from .p2p import P2PBatch
 from .schedules import Action, build_schedule, comm_peer, group_steps
 
@@ -35,12 +35,12 @@ def activation_shape(seq_length: int, micro_batch_size: int, hidden_size: int, d
 
 class PipelineExecutor:
     def __init__(self, chunks: List[nn.Module], dims: ParallelDims, schedule: str, act_shape: Tuple[int, ...],
-                 dtype: torch.dtype, device, weight_grad_store: Optional[WeightGradStore] = None):
+                 dtype: torch.dtype, device, gemm: Optional[GemmPath] = None):
         self.chunks, self.dims, self.schedule = chunks, dims, schedule
         self.act_shape, self.dtype, self.device = act_shape, dtype, device
-        self.store = weight_grad_store  # the chunks' linear layers defer into it during B (zb-h1)
+        self.gemm = gemm  # the chunks' weight GEMMs defer into it during B (zb-h1)
         if any(a.kind == "B" for a in build_schedule(schedule, dims.pp, dims.pp, dims.vpp)[dims.pp_rank]):
-            assert weight_grad_store is not None, f"the {schedule} schedule needs a WeightGradStore"
+            assert gemm is not None and gemm.deferrable, f"the {schedule} schedule needs a deferrable GemmPath"
         self.num_stages = dims.pp * dims.vpp
         self.trace: Optional[List[Action]] = None  # set to [] to record the executed actions
         self._lists: Dict[Tuple[int, bool], List[Action]] = {}
@@ -124,7 +124,7 @@ class PipelineExecutor:
         if a.kind == "F":
             self._forward(key)
         elif a.kind == "W":
-            WeightGradStore.run(self.deferred.pop(key))
+            GemmPath.run(self.deferred.pop(key))
         else:
             self._backward(key, defer_weight_grads=a.kind == "B")
 
@@ -153,14 +153,14 @@ class PipelineExecutor:
         out = self.outputs.pop(key)
         grad = self.out_grads.pop(key, None)
         if defer_weight_grads:
-            self.store.deferring = True
+            self.gemm.deferring = True
         try:
             torch.autograd.backward(out, grad_tensors=grad)
         finally:
             if defer_weight_grads:
-                self.store.deferring = False
+                self.gemm.deferring = False
         if defer_weight_grads:
-            self.deferred[key] = self.store.take()
+            self.deferred[key] = self.gemm.take()
         x = self.inputs.pop(key, None)
         if x is not None:
             self.in_grads[key] = x.grad
