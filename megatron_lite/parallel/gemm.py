@@ -45,7 +45,7 @@ class GemmPath:
         """What one GEMM call's forward leaves to its backward: nothing here."""
         return None
 
-    # --- the primitives; `w` is the parameter itself (ZeRO-3 frees and re-gathers its storage)
+    # --- the primitives: x the input, w the weight [out, in], g the output gradient ----------------
     def forward(self, call, x, w, bias=None):
         return F.linear(x, w, bias)
 
@@ -87,9 +87,8 @@ class GemmPath:
         queue, self.queue = self.queue, []
         return queue
 
-    @staticmethod
     @torch.no_grad()
-    def run(queue: list) -> None:
+    def run(self, queue: list) -> None:
         for params, compute in queue:
             for param, grad in zip(params, compute()):
                 if grad is not None:

@@ -7,6 +7,7 @@ groups, padded vocabulary rows), which is all that initialization, checkpoints a
 Column-parallel GEMMs (`column_parallel_linear`: ColumnParallelLinear, attention's Q with K;V,
 the output layer) own their TP input region, so that backward can all-reduce (SP:
 reduce-scatter) the input gradient asynchronously while it computes the weight gradients.
+Their arithmetic is the layer's GemmPath (gemm.py): precision recipe and zero-bubble deferral.
 """
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ class _LinearFn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         gemm, need = ctx.gemm, ctx.needs_input_grad
         grad_x = gemm.input_grad(ctx.call, g, weight) if need[0] else None
-        grad_w, grad_b = gemm.linear_grads(ctx.call, g, x, ctx.weight, ctx.bias, need[1], ctx.bias is not None and need[2])
+        grad_w, grad_b = gemm.linear_grads(ctx.call, g, x, ctx.weight, ctx.bias, need[1],
+                                           ctx.bias is not None and need[2])
         return grad_x, grad_w, grad_b, None
 
 

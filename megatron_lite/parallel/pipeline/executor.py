@@ -124,7 +124,7 @@ class PipelineExecutor:
         if a.kind == "F":
             self._forward(key)
         elif a.kind == "W":
-            GemmPath.run(self.deferred.pop(key))
+            self.gemm.run(self.deferred.pop(key))
         else:
             self._backward(key, defer_weight_grads=a.kind == "B")
 

@@ -11,8 +11,9 @@ split of the ffn dimension (dim 1 of weight1 in two segments [F, F], dim 2 of we
 Expert gradients are summed over the expert-data-parallel group, not dp_cp, and in the global
 grad norm every rank counts all of its expert elements, all-reduced over `expert_mp`.
 
-Input: tokens [N, H] sorted by local expert with the count per expert. With moe_grouped_gemm
-each projection is one `torch._grouped_mm` call (fp32 on CPU, bf16 on CUDA; rows must be
+Input: tokens [N, H] sorted by local expert with the count per expert. Both projections go
+through the layer's GemmPath (parallel/gemm.py). With moe_grouped_gemm each is one grouped GEMM
+(by default one `torch._grouped_mm` call: fp32 on CPU, bf16 on CUDA; rows must be
 16-byte aligned: H and F/ETP multiples of 4 fp32 / 8 bf16 elements); otherwise a loop over the
 experts (the reference path). With ETP > 1 the output is this rank's partial sum.
 """
@@ -59,12 +60,12 @@ class _ExpertsLinear(torch.autograd.Function):
             ctx.call = gemm.new_call()
             return gemm.grouped_forward(ctx.call, x, w, ctx.offs)
         ctx.calls = [gemm.new_call() for _ in tokens_per_expert]
-        return torch.cat([gemm.forward(c, chunk, w[e]) for e, (c, chunk) in enumerate(zip(ctx.calls, x.split(ctx.sizes)))])
+        return torch.cat([gemm.forward(c, xe, w[e]) for e, (c, xe) in enumerate(zip(ctx.calls, x.split(ctx.sizes)))])
 
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved_tensors
-        gemm, need = ctx.gemm, ctx.needs_input_grad
+        gemm, need, grad_x = ctx.gemm, ctx.needs_input_grad, None
         if ctx.grouped:
             g, call, offs = g.contiguous(), ctx.call, ctx.offs  # _grouped_mm rejects expanded gradients
             grad_x = gemm.grouped_input_grad(call, g, w, offs) if need[0] else None
@@ -73,7 +74,8 @@ class _ExpertsLinear(torch.autograd.Function):
                 return (gemm.grouped_weight_grad(call, g, x, offs),)
         else:
             pieces = list(zip(ctx.calls, g.split(ctx.sizes), x.split(ctx.sizes)))
-            grad_x = torch.cat([gemm.input_grad(c, ge, w[e]) for e, (c, ge, _) in enumerate(pieces)]) if need[0] else None
+            if need[0]:
+                grad_x = torch.cat([gemm.input_grad(c, ge, w[e]) for e, (c, ge, _) in enumerate(pieces)])
 
             def weight_grad():
                 return (torch.stack([gemm.weight_grad(c, ge, xe) for c, ge, xe in pieces]),)
