@@ -44,7 +44,7 @@ def moe_mlp(cfg: C.ModelConfig, ctx: BuildContext, layer_number: int) -> MoELaye
     scale = ctx.aux_loss_scale if ctx.aux_loss_scale is not None else AuxLossScale()  # 1.0 outside training
     return MoELayer(cfg.moe, cfg.hidden_size, ctx.dims, layer_number=layer_number, aux_loss_scale=scale,
                     tracker=ctx.moe_tracker, sequence_parallel=ctx.sequence_parallel, swiglu=cfg.swiglu,
-                    activation=cfg.activation, dtype=ctx.params_dtype, recompute_tracker=ctx.tracker)
+                    activation=cfg.activation, dtype=ctx.params_dtype, recompute_tracker=ctx.tracker, gemm=ctx.gemm)
 
 
 def gpt_layer_spec(cfg: C.ModelConfig, ctx: BuildContext, layer_number: int) -> TransformerLayerSpec:
@@ -173,7 +173,7 @@ class GPTModel(nn.Module):
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         logits, = column_parallel_linear(h, [(self.output_weight(), None)], self.dims, self.sequence_parallel,
-                                         self.ctx.weight_grad_store)
+                                         self.ctx.gemm)
         return logits  # [s, b, padded_vocab / tp]
 
     def forward(self, tokens: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,

@@ -8,8 +8,8 @@ from megatron_lite.arguments import parse_args
 from megatron_lite.config import ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.errors import ConfigError
 from megatron_lite.optim.optimizer import build_optimizer
+from megatron_lite.parallel.gemm import GemmPath
 from megatron_lite.parallel.state import ParallelDims
-from megatron_lite.parallel.tensor_parallel import WeightGradStore
 from megatron_lite.testing import assert_close, assert_same_run, run_distributed
 from megatron_lite.training.step import LossTotals
 from models.gpt import build_model, gpt_forward_step
@@ -77,9 +77,9 @@ def _deferred_weight_grads(rank, world, stage, defer):
     """Weight gradients computed outside autograd (zero-bubble W pass) reach the buckets too.
     (Untied output layer: a tied one would get two gradients per micro-batch, one per path.)"""
     untied = dict(MODEL, untie_embeddings_and_output_weights=True)
-    store = WeightGradStore()
+    store = GemmPath(deferrable=True)
     dims, cfg, chunks, optimizer, sync, _ = setup(1, stage, model=untied, overlap_grad_reduce=True,
-                                                  weight_grad_store=store)
+                                                  gemm=store)
     batches = make_batches(0, dims, 1, cfg.vocab_size)
     denom = sum(b["loss_mask"].sum() for b in batches) * world
     sync.start_step(len(batches))

@@ -144,6 +144,7 @@ def _tiny_compiled_model(monkeypatch, store=None):
     """A 2-layer Llama with --compile's layers, compiled by Dynamo's eager backend (Dynamo's
     tracing rules, without the C++ compile time)."""
     from megatron_lite.config import ModelConfig
+    from megatron_lite.parallel.gemm import GemmPath
     from megatron_lite.transformer import block
     from models.gpt import build_model
 
@@ -153,17 +154,17 @@ def _tiny_compiled_model(monkeypatch, store=None):
                       vocab_size=64, normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
                       add_bias_linear=False, untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
                       attention_dropout=0.0)
-    return build_model(cfg, ParallelDims(), seed=5, compile=True, weight_grad_store=store)[0]
+    return build_model(cfg, ParallelDims(), seed=5, compile=True, gemm=store or GemmPath())[0]
 
 
 def test_compiled_layers_still_defer_weight_gradients(monkeypatch):
     """Zero-bubble's B pass under --compile queues the same weight-gradient work as eager: the
     deferral is decided in eager backward, not frozen into a compiled one."""
-    from megatron_lite.parallel.tensor_parallel import WeightGradStore
+    from megatron_lite.parallel.gemm import GemmPath
 
     queued = {}
     for compiled in (False, True):
-        store = WeightGradStore()
+        store = GemmPath(deferrable=True)
         model = _tiny_compiled_model(monkeypatch, store)
         for layer in model.layers.values():
             layer.compiled = compiled

@@ -1,7 +1,8 @@
 """Mixture of experts in whole training runs (dropless): every expert layout trains exactly like
 the single-process run (losses, grad norms, logged aux loss per iteration), composed with DP, TP
-(expert TP 1 and TP), PP (1f1b, interleaved), CP and ZeRO-1/3, grouped GEMM on and off; and an
-EP=2 checkpoint (optimizer state and the aux-loss-free expert bias included) loads at EP 1 and 4."""
+(expert TP 1 and TP), PP (1f1b, interleaved; zb-h1 with a shared expert), CP and ZeRO-1/3, grouped
+GEMM on and off; and an EP=2 checkpoint (optimizer state and the aux-loss-free expert bias
+included) loads at EP 1 and 4."""
 import pytest
 
 from megatron_lite.testing import assert_same_run, run_distributed
@@ -55,6 +56,16 @@ BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bi
 
 def test_expert_bias_balancing_composes_with_ep():
     _assert_like_single_process(BASE + BIAS, 4, EP2 + A2A)
+
+
+@pytest.mark.parametrize("dispatch", [[], A2A], ids=["loop", "a2a-grouped"])
+def test_zero_bubble_defers_the_expert_weight_gradients_like_single_process(dispatch):
+    """zb-h1 at PP2 x EP2: the routed experts (loop, grouped) and a gated shared expert queue their
+    weight gradients in B and run them in W (tests/test_gemm_path.py counts them), as the single
+    process computes them in its one backward."""
+    shared = ["--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate"]
+    _assert_like_single_process(BASE + shared, 4, EP2 + dispatch + ["--pipeline-model-parallel-size", "2",
+                                                                     "--pipeline-schedule", "zb-h1"])
 
 
 @pytest.mark.parametrize("resume", [["--expert-model-parallel-size", "1"], ["--expert-model-parallel-size", "4"],

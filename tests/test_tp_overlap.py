@@ -18,10 +18,11 @@ import torch.nn as nn
 from megatron_lite.config import ModelConfig
 from megatron_lite.parallel import comm
 from megatron_lite.parallel.data_parallel import GradientSync
+from megatron_lite.parallel.gemm import GemmPath
 from megatron_lite.parallel.random import RNGStatesTracker, recompute
 from megatron_lite.parallel.state import ParallelDims, group_rank
 from megatron_lite.parallel.tensor_parallel import (
-    WeightGradStore, column_parallel_linear, linear, vocab_parallel_cross_entropy)
+    column_parallel_linear, linear, vocab_parallel_cross_entropy)
 from megatron_lite.testing import assert_same_run, run_distributed
 from models.gpt import build_model
 from training_utils import LLAMA_SWITCHES, merged_params, records_of, train_and_gather
@@ -114,7 +115,7 @@ IN, OUTS, S, B = 16, (8, 12), 8, 2  # output features and sequence divisible by 
 def _column_grads(rank, world, sp, n_layers, mode, fused):
     """Two micro-batches through `n_layers` column-parallel layers over one input (the first with
     a bias); returns the input gradients, the accumulated weight gradients and the bytes moved.
-    mode: "autograd" (param.grad), "deferred" (WeightGradStore, flushed after each backward),
+    mode: "autograd" (param.grad), "deferred" (a deferrable GemmPath, flushed after each backward),
     "main_grad" (GradientSync's hooks and buffers), "deferred+main_grad", "recompute"
     (activation recomputation around the layers, weight gradients deferred)."""
     dims = ParallelDims.from_world(tp=world)
@@ -127,7 +128,7 @@ def _column_grads(rank, world, sp, n_layers, mode, fused):
         params.append((w, b))
     holder = nn.Module()
     holder.params = nn.ParameterList([p for pair in params for p in pair if p is not None])
-    store = WeightGradStore() if "deferred" in mode or mode == "recompute" else None
+    store = GemmPath(deferrable=True) if "deferred" in mode or mode == "recompute" else None
     sync = GradientSync([holder], dims) if "main_grad" in mode else None
     if sync is not None:
         sync.start_step(2)

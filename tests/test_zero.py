@@ -11,6 +11,7 @@ import torch
 from megatron_lite.config import ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.optim.optimizer import build_optimizer
 from megatron_lite.parallel import comm
+from megatron_lite.parallel.gemm import GemmPath
 from megatron_lite.parallel.state import ParallelDims
 from megatron_lite.parallel.sharding import gather_full
 from megatron_lite.testing import assert_close, assert_same_run, run_distributed
@@ -40,10 +41,10 @@ def make_batches(step, dims, micro_batch, vocab, global_batch=GLOBAL_BATCH):
 
 
 def setup(tp, stage, dtype=torch.float32, model=MODEL, sp=False, fp16=False, recompute=None, recompute_layers=1,
-          weight_grad_store=None, **pkw):
+          gemm=None, **pkw):
     dims = ParallelDims.from_world(tp=tp)
     cfg = ModelConfig(**model)
-    chunks = build_model(cfg, dims, seed=5, sequence_parallel=sp, params_dtype=dtype, weight_grad_store=weight_grad_store,
+    chunks = build_model(cfg, dims, seed=5, sequence_parallel=sp, params_dtype=dtype, gemm=gemm or GemmPath(),
                          recompute_granularity=recompute, recompute_num_layers=recompute_layers)
     num_params = sum(p.numel() for p in chunks[0].parameters())  # Psi on this rank, before ZeRO-3 shards it
     tcfg = TrainingConfig(lr=LR, clip_grad=1.0, bf16=dtype == torch.bfloat16, fp16=fp16, initial_loss_scale=1024.0,

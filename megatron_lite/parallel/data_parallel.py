@@ -21,7 +21,7 @@ which is what its optimizer updates. Storage, one flat tensor per dtype with buc
          only around its forward/backward
 
 Readiness. A gradient lands in `param.grad` (autograd's post-accumulate-grad hook, or
-`tensor_parallel.accumulate_grad` for deferred weight gradients, which calls
+`gemm.accumulate_grad` for deferred weight gradients, which calls
 `param.grad_ready_hook`); the hook adds it into `param.main_grad` (the param's view of its bucket,
 fp32 by default) and counts it. `start_step(m)` announces m gradients per parameter this step
 (one per micro-batch): when every parameter of a bucket has had its m-th, the bucket is complete

@@ -7,6 +7,7 @@ groups, padded vocabulary rows), which is all that initialization, checkpoints a
 Column-parallel GEMMs (`column_parallel_linear`: ColumnParallelLinear, attention's Q with K;V,
 the output layer) own their TP input region, so that backward can all-reduce (SP:
 reduce-scatter) the input gradient asynchronously while it computes the weight gradients.
+Their arithmetic is the layer's GemmPath (gemm.py): precision recipe and zero-bubble deferral.
 """
 from __future__ import annotations
 
@@ -18,100 +19,40 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import comm
+from .gemm import GemmPath, apply as gemm_apply
 from .sharding import ShardSpec, replicated, set_spec, tp_split
 from .state import ParallelDims, group_rank, group_size
 
 
-# --- weight-gradient deferral (zero-bubble pipeline schedules) --------------------------------
-def accumulate_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
-    """Add `grad` to param.grad outside autograd and tell the grad-sync machinery, if any."""
-    if param.grad is None:
-        param.grad = grad.to(param.dtype)
-    else:
-        param.grad.add_(grad)
-    hook = getattr(param, "grad_ready_hook", None)
-    if hook is not None:
-        hook(param)
-
-
-class WeightGradStore:
-    """While `deferring`, the linear layers built with this store compute only input gradients in
-    backward and queue the weight-gradient GEMMs here; `flush()` runs them later (the W pass of
-    zero-bubble schedules). Owned by the pipeline executor that defers, given to the layers at build."""
-
-    def __init__(self):
-        self.deferring = False
-        self.queue: list = []
-
-    def take(self) -> list:
-        """The weight-gradient work queued so far (for one B pass), emptying the queue."""
-        queue, self.queue = self.queue, []
-        return queue
-
-    @staticmethod
-    def run(queue: list) -> None:
-        for x, g, weight, bias in queue:
-            _weight_grads(x, g, weight, bias)
-
-    def flush(self) -> None:
-        """Run every queued weight-gradient pass now."""
-        self.run(self.take())
-
-
-def _param_grads(x, g, weight_grad: bool, bias_grad: bool):
-    """(weight gradient, bias gradient) of y = x W^T + b from the output gradient g, each None
-    when not wanted."""
-    g2 = g.reshape(-1, g.shape[-1])
-    grad_w = g2.t().matmul(x.reshape(-1, x.shape[-1])) if weight_grad else None
-    return grad_w, (g2.sum(0) if bias_grad else None)
-
-
-@torch.no_grad()
-def _weight_grads(x, g, weight, bias):
-    grad_w, grad_b = _param_grads(x, g, weight.requires_grad, bias is not None and bias.requires_grad)
-    if grad_w is not None:
-        accumulate_grad(weight, grad_w)
-    if grad_b is not None:
-        accumulate_grad(bias, grad_b)
-
-
+# --- the GEMMs, through the GemmPath (gemm.py) -------------------------------------------------
 class _LinearFn(torch.autograd.Function):
-    """y = x W^T + b, whose weight gradient may be deferred to a WeightGradStore."""
+    """y = x W^T + b through `gemm`, which may defer the weight gradient."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, store):
+    def forward(ctx, x, weight, bias, gemm):
         ctx.save_for_backward(x, weight)
-        ctx.has_bias, ctx.store = bias is not None, store
+        ctx.gemm, ctx.call = gemm, gemm.new_call()
         # The parameters themselves, for deferred accumulation: under activation recomputation
         # the saved tensors come back as detached copies, and a gradient put on one is lost.
         ctx.weight, ctx.bias = weight, bias
-        return F.linear(x, weight, bias)
+        return gemm.forward(ctx.call, x, weight, bias)
 
     @staticmethod
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
-        grad_x = g.matmul(weight) if ctx.needs_input_grad[0] else None
-        if ctx.store is not None and ctx.store.deferring:
-            ctx.store.queue.append((x, g, ctx.weight, ctx.bias))
-            return grad_x, None, None, None
-        grad_w, grad_b = _param_grads(x, g, ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
+        gemm, need = ctx.gemm, ctx.needs_input_grad
+        grad_x = gemm.input_grad(ctx.call, g, weight) if need[0] else None
+        grad_w, grad_b = gemm.linear_grads(ctx.call, g, x, ctx.weight, ctx.bias, need[1],
+                                           ctx.bias is not None and need[2])
         return grad_x, grad_w, grad_b, None
 
 
-def linear(x, weight, bias=None, store: Optional[WeightGradStore] = None):
-    """F.linear whose weight gradient `store` (if given) may defer. Autograd saves the parameter
-    itself, not F.linear's view of its storage (weight.t()): under ZeRO-3 a layer's gathered
-    weights are then freed after its forward and gathered again for its backward."""
-    if store is not None:
-        return _deferrable_linear(x, weight, bias, store)
-    return _LinearFn.apply(x, weight, bias, store)
-
-
-@torch.compiler.disable
-def _deferrable_linear(x, weight, bias, store):
-    """Outside torch.compile (--compile): a compiled backward would fix `store.deferring` at its
-    value when the forward was traced, and the W pass of zero-bubble schedules would get nothing."""
-    return _LinearFn.apply(x, weight, bias, store)
+def linear(x, weight, bias=None, gemm: Optional[GemmPath] = None):
+    """F.linear through `gemm` (default: a plain GemmPath). Autograd saves the parameter itself,
+    not F.linear's view of its storage (weight.t()): under ZeRO-3 a layer's gathered weights are
+    then freed after its forward and gathered again for its backward."""
+    gemm = gemm if gemm is not None else GemmPath()
+    return gemm_apply(_LinearFn, gemm, x, weight, bias, gemm)
 
 
 class _ColumnParallelFn(torch.autograd.Function):
@@ -123,26 +64,27 @@ class _ColumnParallelFn(torch.autograd.Function):
     input gradient sum_i g_i A_i; its all-reduce (SP: reduce-scatter) started asynchronously;
     the weight gradients computed while it runs (gloo and NCCL reduce on their own thread /
     stream); then the wait. Megatron-Core's
-    LinearWithGradAccumulationAndAsyncCommunication does the same. While a WeightGradStore
-    defers, the weight-gradient GEMMs are queued there exactly as _LinearFn queues them and the
-    collective is waited for at once: nothing is left to hide it behind."""
+    LinearWithGradAccumulationAndAsyncCommunication does the same. While the GemmPath defers,
+    the weight gradients are queued exactly as _LinearFn queues them and the collective is
+    waited for at once: nothing is left to hide it behind."""
 
     @staticmethod
-    def forward(ctx, x, dims, sequence_parallel, store, n, *params):
+    def forward(ctx, x, dims, sequence_parallel, gemm, n, *params):
         weights, biases = params[:n], params[n:]
         group, counter = dims.tp_group, dims.comm_counter
         total = comm.gather_along(x, 0, group, counter) if sequence_parallel else x
         # Under SP only this rank's sequence shard is kept: backward gathers it again (as Megatron).
         ctx.save_for_backward(x if sequence_parallel else total, *weights)
-        ctx.group, ctx.counter, ctx.sequence_parallel, ctx.store = group, counter, sequence_parallel, store
+        ctx.group, ctx.counter, ctx.sequence_parallel, ctx.gemm = group, counter, sequence_parallel, gemm
         ctx.input_shape = x.shape
         ctx.weights, ctx.biases = weights, biases  # the parameters themselves (see _LinearFn)
-        return tuple(F.linear(total, w, b) for w, b in zip(weights, biases))
+        ctx.calls = [gemm.new_call() for _ in weights]
+        return tuple(gemm.forward(c, total, w, b) for c, w, b in zip(ctx.calls, weights, biases))
 
     @staticmethod
     def backward(ctx, *grads):
         saved, *weights = ctx.saved_tensors
-        n, need = len(weights), ctx.needs_input_grad
+        n, need, gemm, calls = len(weights), ctx.needs_input_grad, ctx.gemm, ctx.calls
         grad_x = handle = None
         total, gathering = saved, None
         if ctx.sequence_parallel:  # the input again, gathered behind the input-gradient GEMMs
@@ -150,9 +92,9 @@ class _ColumnParallelFn(torch.autograd.Function):
             total = x.new_empty((x.shape[0] * group_size(ctx.group),) + tuple(x.shape[1:]))
             gathering = comm.all_gather(total, x, ctx.group, async_op=True, counter=ctx.counter)
         if need[0]:
-            grad_total = grads[0].matmul(weights[0])
-            for g, w in zip(grads[1:], weights[1:]):
-                grad_total.add_(g.matmul(w))
+            grad_total = gemm.input_grad(calls[0], grads[0], weights[0])
+            for c, g, w in zip(calls[1:], grads[1:], weights[1:]):
+                grad_total.add_(gemm.input_grad(c, g, w))
             if ctx.sequence_parallel:
                 grad_x = grad_total.new_empty(ctx.input_shape)
                 handle = comm.reduce_scatter(grad_x, grad_total, ctx.group, async_op=True, counter=ctx.counter)
@@ -161,35 +103,26 @@ class _ColumnParallelFn(torch.autograd.Function):
                 handle = comm.all_reduce(grad_x, ctx.group, async_op=True, counter=ctx.counter)
         if gathering is not None:
             gathering.wait()
-        store = ctx.store
-        if store is not None and store.deferring:
-            for i in reversed(range(n)):  # the order in which separate layers' backwards queued them
-                store.queue.append((total, grads[i], ctx.weights[i], ctx.biases[i]))
-            param_grads = [(None, None)] * n
-        else:
-            param_grads = [_param_grads(total, g, need[5 + i], need[5 + n + i]) for i, g in enumerate(grads)]
+        param_grads = [None] * n
+        for i in reversed(range(n)):  # deferred: the order in which separate layers' backwards queue them
+            param_grads[i] = gemm.linear_grads(calls[i], grads[i], total, ctx.weights[i], ctx.biases[i],
+                                               need[5 + i], need[5 + n + i])
         if handle is not None:
             handle.wait()
         return (grad_x, None, None, None, None, *(w for w, _ in param_grads), *(b for _, b in param_grads))
 
 
 def column_parallel_linear(x: torch.Tensor, params, dims: ParallelDims, sequence_parallel: bool = False,
-                           store: Optional[WeightGradStore] = None) -> tuple:
+                           gemm: Optional[GemmPath] = None) -> tuple:
     """(x A_i^T + b_i for each (A_i, b_i) in params): column-parallel GEMMs over one input that
     enter the TP region once (x [s, b, in], or [s/tp, b, in] under SP, all-gathered). The input
     gradient is summed over the outputs and all-reduced (SP: reduce-scattered) once, overlapped
-    with the weight-gradient GEMMs, which `store` may defer."""
+    with the weight-gradient GEMMs, which `gemm` may defer."""
     if dims.tp == 1:
-        return tuple(linear(x, w, b, store) for w, b in params)
+        return tuple(linear(x, w, b, gemm) for w, b in params)
+    gemm = gemm if gemm is not None else GemmPath()
     weights, biases = zip(*params)
-    apply = _ColumnParallelFn.apply if store is None else _deferrable_column_parallel
-    return apply(x, dims, sequence_parallel, store, len(params), *weights, *biases)
-
-
-@torch.compiler.disable
-def _deferrable_column_parallel(*args):
-    """As _deferrable_linear: the deferral decision stays in eager backward."""
-    return _ColumnParallelFn.apply(*args)
+    return gemm_apply(_ColumnParallelFn, gemm, x, dims, sequence_parallel, gemm, len(params), *weights, *biases)
 
 
 # --- layers -----------------------------------------------------------------------------------
@@ -202,11 +135,11 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, dims: ParallelDims, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
                  segments: Optional[List[int]] = None, replicas: int = 1, dtype=torch.float32,
-                 init: str = "normal", weight_grad_store: Optional[WeightGradStore] = None):
+                 init: str = "normal", gemm: Optional[GemmPath] = None):
         super().__init__()
         split = tp_split(dims, 0, output_size, segments, replicas)
         self.dims, self.gather_output, self.sequence_parallel = dims, gather_output, sequence_parallel
-        self.weight_grad_store = weight_grad_store
+        self.gemm = gemm if gemm is not None else GemmPath()
         self.weight = nn.Parameter(torch.empty(output_size // split.shards, input_size, dtype=dtype))
         set_spec(self.weight, ShardSpec((output_size, input_size), (split,), init=init))
         if bias:
@@ -223,8 +156,7 @@ class ColumnParallelLinear(nn.Module):
         gathering with --overlap-param-gather) still run."""
         if x is None:
             return self.weight, self.bias
-        y, = column_parallel_linear(x, [(self.weight, self.bias)], self.dims, self.sequence_parallel,
-                                    self.weight_grad_store)
+        y, = column_parallel_linear(x, [(self.weight, self.bias)], self.dims, self.sequence_parallel, self.gemm)
         return comm.gather_from_tp(y, self.dims.tp_group, counter=self.dims.comm_counter) if self.gather_output else y
 
     @staticmethod
@@ -235,9 +167,8 @@ class ColumnParallelLinear(nn.Module):
         first = layers[0]
         for layer in layers:
             assert (layer.dims is first.dims and layer.sequence_parallel == first.sequence_parallel
-                    and layer.weight_grad_store is first.weight_grad_store and not layer.gather_output)
-        return column_parallel_linear(x, [layer() for layer in layers], first.dims, first.sequence_parallel,
-                                      first.weight_grad_store)
+                    and layer.gemm is first.gemm and not layer.gather_output)
+        return column_parallel_linear(x, [layer() for layer in layers], first.dims, first.sequence_parallel, first.gemm)
 
 
 class RowParallelLinear(nn.Module):
@@ -246,11 +177,11 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, dims: ParallelDims, bias: bool = True,
                  sequence_parallel: bool = False, dtype=torch.float32, init: str = "normal_scaled",
-                 weight_grad_store: Optional[WeightGradStore] = None):
+                 gemm: Optional[GemmPath] = None):
         super().__init__()
         split = tp_split(dims, 1, input_size)
         self.dims, self.sequence_parallel = dims, sequence_parallel
-        self.weight_grad_store = weight_grad_store
+        self.gemm = gemm if gemm is not None else GemmPath()
         self.weight = nn.Parameter(torch.empty(output_size, input_size // split.shards, dtype=dtype))
         set_spec(self.weight, ShardSpec((output_size, input_size), (split,), init=init))
         if bias:
@@ -260,7 +191,7 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, None, self.weight_grad_store)
+        y = linear(x, self.weight, None, self.gemm)
         group = self.dims.tp_group
         counter = self.dims.comm_counter
         y = (comm.reduce_scatter_to_sp(y, group, counter) if self.sequence_parallel

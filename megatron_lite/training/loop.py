@@ -27,7 +27,7 @@ from .profiling import HostSyncCounter, StepProfiler, default_trace_dir, empty_u
 from ..parallel.context_parallel import split_batch_for_cp
 from ..parallel.pipeline.executor import PipelineExecutor
 from ..parallel.pipeline.schedules import ZERO_BUBBLE, default_schedule
-from ..parallel.tensor_parallel import WeightGradStore
+from ..parallel.gemm import GemmPath
 from ..optim.adam import fused_adamw_available
 from ..transformer.core_attention import describe_attention
 from ..transformer.fast_paths import describe_fast_paths
@@ -98,12 +98,12 @@ class Trainer:
         self.tracker = RNGStatesTracker(device)
         model_parallel_seed(self.tracker, t.seed, dims.tp_rank, dims.pp_rank)
         schedule = (p.pipeline_schedule or default_schedule(dims.vpp)) if dims.pp > 1 else None
-        store = WeightGradStore() if schedule in ZERO_BUBBLE else None
+        gemm = GemmPath(deferrable=schedule in ZERO_BUBBLE)
         # MoE: the scale of the auxiliary losses' gradient (set every step) and their statistics.
         self.aux_loss_scale = AuxLossScale() if m.moe is not None else None
         self.moe_tracker = MoEMetricsTracker(m.num_layers, m.moe.num_experts, device) if m.moe is not None else None
         ctx = BuildContext(dims, sequence_parallel=p.sequence_parallel, params_dtype=params_dtype(cfg),
-                           tracker=self.tracker, weight_grad_store=store,
+                           tracker=self.tracker, gemm=gemm,
                            recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
                            recompute_num_layers=t.recompute_num_layers, device=device,
                            cp_comm_type=[c.replace("allgather", "all_gather") for c in p.cp_comm_type],
@@ -117,7 +117,7 @@ class Trainer:
         self.num_microbatches = t.num_microbatches(dims.dp)  # at the full global batch: evaluation
         self.forward_backward = forward_backward_no_pipelining
         if dims.pp > 1:
-            executor = PipelineExecutor(self.chunks, dims, schedule, device, store)
+            executor = PipelineExecutor(self.chunks, dims, schedule, device, gemm)
             self.forward_backward = pipelined_forward_backward(executor)
 
         evals = t.train_iters // t.eval_interval + 1

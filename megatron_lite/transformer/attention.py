@@ -60,14 +60,14 @@ class SelfAttention(nn.Module):
         # consecutive ranks (their weight gradients are summed over those ranks after backward).
         kv_replicas = max(1, tp // groups)
         self.groups = max(1, groups // tp)
-        store = ctx.weight_grad_store
+        gemm = ctx.gemm
         self.linear_q = ColumnParallelLinear(cfg.hidden_size, q_size, dims, bias=config.qkv_bias, sequence_parallel=sp,
-                                             dtype=dt, weight_grad_store=store)
+                                             dtype=dt, gemm=gemm)
         self.linear_kv = ColumnParallelLinear(cfg.hidden_size, k_size + v_size, dims, bias=config.qkv_bias,
                                               sequence_parallel=sp, segments=[k_size, v_size], replicas=kv_replicas,
-                                              dtype=dt, weight_grad_store=store)
+                                              dtype=dt, gemm=gemm)
         self.linear_proj = RowParallelLinear(heads * dv, cfg.hidden_size, dims, bias=config.proj_bias,
-                                             sequence_parallel=sp, dtype=dt, weight_grad_store=store)
+                                             sequence_parallel=sp, dtype=dt, gemm=gemm)
         self.core_attention = core_attention(cfg, ctx, layer_number)
         if config.qk_layernorm:  # over each head's channels; the heads are split over TP: grads partial there
             self.q_layernorm = head_norm(cfg, ctx, d)

@@ -17,9 +17,9 @@ class MLP(nn.Module):
         # SwiGLU keeps [gate | up] in one GEMM; each TP rank holds its slice of both halves.
         self.linear_fc1 = ColumnParallelLinear(
             cfg.hidden_size, 2 * f if cfg.swiglu else f, dims, bias=cfg.add_bias_linear, sequence_parallel=sp,
-            segments=[f, f] if cfg.swiglu else None, dtype=dt, weight_grad_store=ctx.weight_grad_store)
+            segments=[f, f] if cfg.swiglu else None, dtype=dt, gemm=ctx.gemm)
         self.linear_fc2 = RowParallelLinear(f, cfg.hidden_size, dims, bias=cfg.add_bias_linear, sequence_parallel=sp,
-                                            dtype=dt, weight_grad_store=ctx.weight_grad_store)
+                                            dtype=dt, gemm=ctx.gemm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear_fc1(x)

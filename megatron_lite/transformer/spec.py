@@ -8,8 +8,9 @@ attention (or, next, MLA: what that slot's module provides is in attention.py), 
 MoE layer, local SDPA / flash-attn / a context-parallel wrapper as the core attention.
 
 `BuildContext` carries what every layer needs besides the model config, explicitly: the layout,
-whether activations are sequence-parallel, the parameter dtype, the RNG streams, the store that
-defers weight gradients for zero-bubble schedules, and the recomputation settings.
+whether activations are sequence-parallel, the parameter dtype, the RNG streams, the GEMM path
+of every weight (precision recipe, zero-bubble's deferral of weight gradients), and the
+recomputation settings.
 """
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ from typing import Callable, List, Optional, Union
 
 import torch
 
+from ..parallel.gemm import GemmPath
 from ..parallel.random import RNGStatesTracker
 from ..parallel.state import ParallelDims
-from ..parallel.tensor_parallel import WeightGradStore
 
 
 @dataclass
@@ -29,7 +30,7 @@ class BuildContext:
     sequence_parallel: bool = False  # activations split along the sequence over TP (tp > 1 only)
     params_dtype: torch.dtype = torch.float32
     tracker: RNGStatesTracker = field(default_factory=RNGStatesTracker)
-    weight_grad_store: Optional[WeightGradStore] = None  # zero-bubble pipelines: deferred weight GEMMs
+    gemm: GemmPath = field(default_factory=GemmPath)  # every weight GEMM; deferrable for zero-bubble schedules
     recompute_granularity: Optional[str] = None  # full | selective
     recompute_method: str = "uniform"  # full: uniform groups of recompute_num_layers, or the first ones
     recompute_num_layers: int = 1

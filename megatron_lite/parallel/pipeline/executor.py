@@ -4,7 +4,7 @@ One executor serves every schedule. Each rank walks its list in order; consecuti
 actions form one batch posted with batch_isend_irecv and waited for lazily (just before the
 first compute that needs what it received, before the next batch is posted, and at the end),
 which schedules.py proves deadlock-free. The zero-bubble B/W split defers the weight-gradient
-GEMMs of the linear layers built with the executor's WeightGradStore from B to the later W.
+GEMMs of the layers built with the executor's GemmPath from B to the later W.
 
 A forward is the forward-step protocol (training/step.py): `forward_step(batch, chunk)` after
 `chunk.set_input_tensor(received)` on a later stage, and on the last virtual stage the loss
@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from ..state import ParallelDims
-from ..tensor_parallel import WeightGradStore
+from ..gemm import GemmPath
 from .p2p import P2PBatch
 from .schedules import Action, build_schedule, comm_peer, group_steps
 
@@ -38,10 +38,10 @@ def _differentiable(msg: Message) -> List[torch.Tensor]:
 
 class PipelineExecutor:
     def __init__(self, chunks: List[nn.Module], dims: ParallelDims, schedule: str, device,
-                 weight_grad_store: Optional[WeightGradStore] = None):
+                 gemm: Optional[GemmPath] = None):
         self.chunks, self.dims, self.schedule, self.device = chunks, dims, schedule, device
         self.placement, self.rank = dims.placement, dims.pp_rank
-        self.store = weight_grad_store  # the chunks' linear layers defer into it during B (zb-h1)
+        self.gemm = gemm  # the chunks' weight GEMMs defer into it during B (zb-h1)
         self.trace: Optional[List[Action]] = None  # set to [] to record the executed actions
         self._lists: Dict[Tuple[int, bool], List[Action]] = {}
         self._warmed_up = False
@@ -50,8 +50,8 @@ class PipelineExecutor:
         key = (num_microbatches, forward_only)
         if key not in self._lists:
             acts = build_schedule(self.schedule, self.dims.pp, num_microbatches, self.dims.vpp)[self.rank]
-            assert self.store is not None or all(a.kind != "B" for a in acts), \
-                f"the {self.schedule} schedule needs a WeightGradStore"
+            assert all(a.kind != "B" for a in acts) or (self.gemm is not None and self.gemm.deferrable), \
+                f"the {self.schedule} schedule needs a deferrable GemmPath"
             if forward_only:  # evaluation: the same order without any backward work
                 acts = [a for a in acts if a.kind in ("F", "SEND_F", "RECV_F")]
             self._lists[key] = acts
@@ -128,7 +128,7 @@ class PipelineExecutor:
         if a.kind == "F":
             self._forward(key)
         elif a.kind == "W":
-            WeightGradStore.run(self.deferred.pop(key))
+            self.gemm.run(self.deferred.pop(key))
         else:
             self._backward(key, defer_weight_grads=a.kind == "B")
 
@@ -162,14 +162,14 @@ class PipelineExecutor:
         grads = self.out_grads.pop(key, (None,))  # the last stage: the loss, its own gradient
         pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
         if defer_weight_grads:
-            self.store.deferring = True
+            self.gemm.deferring = True
         try:
             torch.autograd.backward([o for o, _ in pairs], grad_tensors=[g for _, g in pairs])
         finally:
             if defer_weight_grads:
-                self.store.deferring = False
+                self.gemm.deferring = False
         if defer_weight_grads:
-            self.deferred[key] = self.store.take()
+            self.deferred[key] = self.gemm.take()
         x = self.inputs.pop(key, None)
         if x is not None:
             grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in _differentiable(x))

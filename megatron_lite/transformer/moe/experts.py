@@ -11,20 +11,22 @@ split of the ffn dimension (dim 1 of weight1 in two segments [F, F], dim 2 of we
 Expert gradients are summed over the expert-data-parallel group, not dp_cp, and in the global
 grad norm every rank counts all of its expert elements, all-reduced over `expert_mp`.
 
-Input: tokens [N, H] sorted by local expert with the count per expert. With moe_grouped_gemm
-each projection is one `torch._grouped_mm` call (fp32 on CPU, bf16 on CUDA; rows must be
+Input: tokens [N, H] sorted by local expert with the count per expert. Both projections go
+through the layer's GemmPath (parallel/gemm.py). With moe_grouped_gemm each is one grouped GEMM
+(by default one `torch._grouped_mm` call: fp32 on CPU, bf16 on CUDA; rows must be
 16-byte aligned: H and F/ETP multiples of 4 fp32 / 8 bf16 elements); otherwise a loop over the
 experts (the reference path). With ETP > 1 the output is this rank's partial sum.
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ...errors import ConfigError
+from ...parallel.gemm import GemmPath, apply as gemm_apply
 from ...parallel.sharding import ShardSpec, Split, replicated, set_spec, spec_of, tp_split
 from ...parallel.state import ParallelDims
 from ...parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -44,42 +46,58 @@ def is_expert_parameter(param: nn.Parameter) -> bool:
     return spec_of(param).split("ep") is not None
 
 
-class _GroupedLinear(torch.autograd.Function):
-    """y[rows of expert e] = x[rows of e] @ w[e]^T for stacked w [E, out, in], one grouped GEMM
-    per pass (the builtin backward rejects expanded or unaligned gradients)."""
+class _ExpertsLinear(torch.autograd.Function):
+    """y[rows of expert e] = x[rows of e] @ w[e]^T for stacked w [E, out, in] through `gemm`: one
+    grouped GEMM per pass, or the dense GEMM per expert (the reference loop). The weight
+    gradient may be deferred (zero-bubble's W pass)."""
 
     @staticmethod
-    def forward(ctx, x, w, offs):
-        ctx.save_for_backward(x, w, offs)
-        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+    def forward(ctx, x, w, gemm, tokens_per_expert, grouped):
+        ctx.save_for_backward(x, w)
+        ctx.gemm, ctx.weight, ctx.sizes, ctx.grouped = gemm, w, tokens_per_expert, grouped
+        if grouped:
+            ctx.offs = torch.tensor(tokens_per_expert, device=x.device).cumsum(0).to(torch.int32)
+            ctx.call = gemm.new_call()
+            return gemm.grouped_forward(ctx.call, x, w, ctx.offs)
+        ctx.calls = [gemm.new_call() for _ in tokens_per_expert]
+        return torch.cat([gemm.forward(c, xe, w[e]) for e, (c, xe) in enumerate(zip(ctx.calls, x.split(ctx.sizes)))])
 
     @staticmethod
     def backward(ctx, g):
-        x, w, offs = ctx.saved_tensors
-        g = g.contiguous()
-        grad_x = torch._grouped_mm(g, w, offs=offs) if ctx.needs_input_grad[0] else None
-        grad_w = torch._grouped_mm(g.t(), x, offs=offs) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None
+        x, w = ctx.saved_tensors
+        gemm, need, grad_x = ctx.gemm, ctx.needs_input_grad, None
+        if ctx.grouped:
+            g, call, offs = g.contiguous(), ctx.call, ctx.offs  # _grouped_mm rejects expanded gradients
+            grad_x = gemm.grouped_input_grad(call, g, w, offs) if need[0] else None
+
+            def weight_grad():
+                return (gemm.grouped_weight_grad(call, g, x, offs),)
+        else:
+            pieces = list(zip(ctx.calls, g.split(ctx.sizes), x.split(ctx.sizes)))
+            if need[0]:
+                grad_x = torch.cat([gemm.input_grad(c, ge, w[e]) for e, (c, ge, _) in enumerate(pieces)])
+
+            def weight_grad():
+                return (torch.stack([gemm.weight_grad(c, ge, xe) for c, ge, xe in pieces]),)
+        grad_w, = gemm.param_grads((ctx.weight,), weight_grad) if need[1] else (None,)
+        return grad_x, grad_w, None, None, None
 
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: List[int]) -> torch.Tensor:
-    offs = torch.tensor(tokens_per_expert, device=x.device).cumsum(0).to(torch.int32)
-    return _GroupedLinear.apply(x, w, offs)
-
-
-def looped_linear(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: List[int]) -> torch.Tensor:
-    outs = [F.linear(chunk, w[e]) for e, chunk in enumerate(x.split(tokens_per_expert))]
-    return torch.cat(outs) if outs else x.new_zeros((0, w.shape[1]))
+def experts_linear(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: List[int], gemm: GemmPath,
+                   grouped: bool) -> torch.Tensor:
+    return gemm_apply(_ExpertsLinear, gemm, x, w, gemm, tokens_per_expert, grouped)
 
 
 class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, dims: ParallelDims,
-                 swiglu: bool = True, activation: str = "gelu", grouped_gemm: bool = False, dtype=torch.float32):
+                 swiglu: bool = True, activation: str = "gelu", grouped_gemm: bool = False, dtype=torch.float32,
+                 gemm: Optional[GemmPath] = None):
         super().__init__()
         if not swiglu and activation not in ACTIVATIONS:
             raise ConfigError(f"expert activation {activation!r} is not one of {', '.join(ACTIVATIONS)}: "
                               f"pick one of those or use SwiGLU experts")
         self.swiglu, self.activation, self.grouped_gemm = swiglu, activation, grouped_gemm
+        self.gemm = gemm if gemm is not None else GemmPath()
         self.num_local_experts = num_experts // dims.ep
         self.local_expert_start = dims.ep_rank * self.num_local_experts
         ep_split = Split(0, "ep", dims.ep, dims.ep_rank, (num_experts,))
@@ -108,9 +126,9 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, tokens_per_expert: List[int]) -> torch.Tensor:
         """x [N, H] sorted by local expert, tokens_per_expert [E_local] -> [N, H]."""
-        linear = grouped_linear if self.grouped_gemm else looped_linear
-        h = activation_fn(linear(x, self.weight1, tokens_per_expert), self.swiglu, self.activation)
-        return linear(h, self.weight2, tokens_per_expert)
+        def linear(inp, w):
+            return experts_linear(inp, w, tokens_per_expert, self.gemm, self.grouped_gemm)
+        return linear(activation_fn(linear(x, self.weight1), self.swiglu, self.activation), self.weight2)
 
 
 class SharedExpertMLP(nn.Module):
@@ -120,16 +138,17 @@ class SharedExpertMLP(nn.Module):
     (partial gradients under SP, like a norm weight)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, dims: ParallelDims, sequence_parallel: bool,
-                 swiglu: bool = True, activation: str = "gelu", gate: bool = False, dtype=torch.float32):
+                 swiglu: bool = True, activation: str = "gelu", gate: bool = False, dtype=torch.float32,
+                 gemm: Optional[GemmPath] = None):
         super().__init__()
         self.dims, self.sequence_parallel = dims, sequence_parallel
         self.swiglu, self.activation = swiglu, activation
         i = intermediate_size
         self.linear_fc1 = ColumnParallelLinear(hidden_size, 2 * i if swiglu else i, dims, bias=False,
                                                sequence_parallel=sequence_parallel,
-                                               segments=[i, i] if swiglu else None, dtype=dtype)
+                                               segments=[i, i] if swiglu else None, dtype=dtype, gemm=gemm)
         self.linear_fc2 = RowParallelLinear(i, hidden_size, dims, bias=False, sequence_parallel=sequence_parallel,
-                                            dtype=dtype)
+                                            dtype=dtype, gemm=gemm)
         if gate:
             self.gate_weight = nn.Parameter(torch.empty(1, hidden_size, dtype=dtype))
             set_spec(self.gate_weight, replicated((1, hidden_size), sequence_parallel=sequence_parallel))
@@ -138,6 +157,6 @@ class SharedExpertMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear_fc2(activation_fn(self.linear_fc1(x), self.swiglu, self.activation))
-        if self.gate_weight is not None:
+        if self.gate_weight is not None:  # a [1, H] GEMV: not worth a recipe or a deferral
             y = y * torch.sigmoid(F.linear(x, self.gate_weight))
         return y

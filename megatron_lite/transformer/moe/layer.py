@@ -36,6 +36,7 @@ import torch.nn as nn
 
 from ...errors import ConfigError
 from ...parallel import comm
+from ...parallel.gemm import GemmPath
 from ...parallel.random import RNGStatesTracker, recompute
 from ...parallel.state import ParallelDims
 from .config import MoEConfig
@@ -50,19 +51,21 @@ class MoELayer(nn.Module):
     def __init__(self, cfg: MoEConfig, hidden_size: int, dims: ParallelDims, *, layer_number: int,
                  aux_loss_scale: AuxLossScale, tracker: Optional[MoEMetricsTracker] = None,
                  sequence_parallel: bool = False, swiglu: bool = True, activation: str = "gelu",
-                 dtype=torch.float32, recompute_tracker: Optional[RNGStatesTracker] = None):
-        """`recompute_tracker`: the RNG streams a --moe-layer-recompute replay restores."""
+                 dtype=torch.float32, recompute_tracker: Optional[RNGStatesTracker] = None,
+                 gemm: Optional[GemmPath] = None):
+        """`recompute_tracker`: the RNG streams a --moe-layer-recompute replay restores; `gemm`: the
+        GemmPath of the experts' and the shared expert's weights (the router's stays plain)."""
         super().__init__()
         cfg.validate(ep=dims.ep, etp=dims.etp)
         self.cfg, self.dims, self.sequence_parallel = cfg, dims, sequence_parallel
         self.router = TopKRouter(cfg, hidden_size, dims, layer_number, aux_loss_scale, tracker, dtype)
         self.experts = GroupedExperts(cfg.num_experts, hidden_size, cfg.moe_ffn_hidden_size, dims, swiglu,
-                                      activation, cfg.moe_grouped_gemm, dtype)
+                                      activation, cfg.moe_grouped_gemm, dtype, gemm)
         self.shared_experts = None
         if cfg.moe_shared_expert_intermediate_size:
             self.shared_experts = SharedExpertMLP(hidden_size, cfg.moe_shared_expert_intermediate_size, dims,
                                                   sequence_parallel, swiglu, activation, cfg.moe_shared_expert_gate,
-                                                  dtype)
+                                                  dtype, gemm)
         self.dispatcher = build_dispatcher(cfg.moe_token_dispatcher_type, cfg.num_experts, dims)
         self.recompute_tracker = recompute_tracker if cfg.moe_layer_recompute else None
 
