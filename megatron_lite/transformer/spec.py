@@ -8,7 +8,7 @@ MLP or an MoE layer, local SDPA / flash-attn / a context-parallel wrapper as the
 
 `BuildContext` carries what every layer needs besides the model config, explicitly: the layout,
 whether activations are sequence-parallel, the parameter dtype, the RNG streams, the store that
-defers weight gradients for zero-bubble schedules, and the recomputation settings.
+defers zero-bubble weight gradients, the recomputation settings, the loss weights and step hooks.
 """
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ import torch
 from ..parallel.random import RNGStatesTracker
 from ..parallel.state import ParallelDims
 from ..parallel.tensor_parallel import WeightGradStore
+from .loss_normalization import LossNormalizationSlot
+from .step_hooks import ModelHooks
 
 
 @dataclass
@@ -34,8 +36,8 @@ class BuildContext:
     recompute_num_layers: int = 1
     device: Optional[torch.device] = None  # where the built model goes (built on the CPU, then moved)
     cp_comm_type: Union[str, List[str]] = "p2p"  # context parallelism: one type, or one per layer
-    aux_loss_scale: Optional[object] = None  # MoE: moe.AuxLossScale the step sets (gradient of aux losses)
-    moe_tracker: Optional[object] = None  # MoE: moe.MoEMetricsTracker of the logged per-layer values
+    loss_normalization: LossNormalizationSlot = field(default_factory=LossNormalizationSlot)  # set every step
+    hooks: ModelHooks = field(default_factory=ModelHooks)  # the model's parts register their step hooks here
     compile: bool = False  # torch.compile each transformer layer (--compile)
     cross_entropy_chunk_size: Optional[int] = None  # tokens per cross-entropy chunk; 0: none; None: automatic
 
