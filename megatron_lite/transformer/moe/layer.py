@@ -36,10 +36,10 @@ from ...errors import ConfigError
 from ...parallel import comm
 from ...parallel.random import RNGStatesTracker, recompute
 from ...parallel.state import ParallelDims
+from ..loss_normalization import LossNormalizationSlot
 from .config import MoEConfig
 from .dispatcher import build_dispatcher
 from .experts import GroupedExperts, SharedExpertMLP
-from ..loss_normalization import LossNormalizationSlot
 from .router import TopKRouter, update_expert_bias
 from .tracker import MoEMetricsTracker
 

@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from ...parallel import comm
 from ...parallel.sharding import replicated, set_spec
 from ...parallel.state import ParallelDims
-from .config import MoEConfig
 from ..loss_normalization import LossNormalizationSlot
+from .config import MoEConfig
 from .losses import attach_aux_loss, load_balancing_loss, recording, sequence_load_balancing_loss, z_loss
 from .tracker import MoEMetricsTracker
 
