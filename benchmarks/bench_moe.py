@@ -38,7 +38,7 @@ import torch  # noqa: E402
 from megatron_lite.parallel.comm import CommCounter  # noqa: E402
 from megatron_lite.parallel.state import ParallelDims  # noqa: E402
 from megatron_lite.testing import run_distributed  # noqa: E402
-from megatron_lite.transformer.moe import AuxLossScale, MoEConfig, MoELayer  # noqa: E402
+from megatron_lite.transformer.moe import MoEConfig, MoELayer  # noqa: E402
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 EXPERTS, TOPK = 8, 2
@@ -50,7 +50,7 @@ def layer_worker(rank, world, dispatcher, grouped, tokens, hidden, ffn, repeats)
     dims = ParallelDims.from_world(ep=world)
     cfg = MoEConfig(num_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=ffn, moe_aux_loss_coeff=1e-2,
                     moe_token_dispatcher_type=dispatcher, moe_grouped_gemm=grouped)
-    layer = MoELayer(cfg, hidden, dims, layer_number=0, aux_loss_scale=AuxLossScale(1.0))
+    layer = MoELayer(cfg, hidden, dims, layer_number=0)
     gen = torch.Generator().manual_seed(rank)
     with torch.no_grad():
         for p in layer.parameters():

@@ -31,7 +31,7 @@ from megatron_lite.transformer.block import TransformerLayer
 from megatron_lite.transformer.core_attention import ContextParallelAttention, PackedSeq, core_attention_class
 from megatron_lite.transformer.fast_paths import compile_layer, cross_entropy_chunk_tokens
 from megatron_lite.transformer.mlp import MLP
-from megatron_lite.transformer.moe import AuxLossScale, MoELayer
+from megatron_lite.transformer.moe import MoELayer, MoEStepHooks
 from megatron_lite.transformer.norm import build_norm
 from megatron_lite.transformer.rope import rope_cos_sin, rope_inv_freq
 from megatron_lite.transformer.spec import BuildContext, TransformerLayerSpec
@@ -39,12 +39,20 @@ from megatron_lite.transformer.spec import BuildContext, TransformerLayerSpec
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
 
+def moe_hooks(cfg: C.ModelConfig, ctx: BuildContext) -> MoEStepHooks:
+    """The model's one MoEStepHooks (statistics, expert-bias updates), registered in ctx.hooks."""
+    return ctx.hooks.shared(MoEStepHooks, cfg.num_layers, cfg.moe.num_experts, ctx.dims, ctx.device)
+
+
 def moe_mlp(cfg: C.ModelConfig, ctx: BuildContext, layer_number: int) -> MoELayer:
     """The MLP slot of an MoE layer (experts over EP), built from the model's MoE config."""
-    scale = ctx.aux_loss_scale if ctx.aux_loss_scale is not None else AuxLossScale()  # 1.0 outside training
-    return MoELayer(cfg.moe, cfg.hidden_size, ctx.dims, layer_number=layer_number, aux_loss_scale=scale,
-                    tracker=ctx.moe_tracker, sequence_parallel=ctx.sequence_parallel, swiglu=cfg.swiglu,
-                    activation=cfg.activation, dtype=ctx.params_dtype, recompute_tracker=ctx.tracker, gemm=ctx.gemm)
+    hooks = moe_hooks(cfg, ctx)
+    layer = MoELayer(cfg.moe, cfg.hidden_size, ctx.dims, layer_number=layer_number,
+                     loss_normalization=ctx.loss_normalization, tracker=hooks.tracker,
+                     sequence_parallel=ctx.sequence_parallel, swiglu=cfg.swiglu, activation=cfg.activation,
+                     dtype=ctx.params_dtype, recompute_tracker=ctx.tracker, gemm=ctx.gemm)
+    hooks.routers.append(layer.router)
+    return layer
 
 
 def gpt_layer_spec(cfg: C.ModelConfig, ctx: BuildContext, layer_number: int) -> TransformerLayerSpec:
@@ -252,6 +260,8 @@ def build_model(cfg: C.ModelConfig, ctx, *, seed: int = 1234, device=None, first
     if isinstance(ctx, ParallelDims):
         ctx = BuildContext(ctx, **context)
     dims = ctx.dims
+    if any(cfg.moe_layers()):  # on every rank, MoE layers on its stages or not: the metrics are collective
+        moe_hooks(cfg, ctx)
     device = torch.device(device if device is not None else ctx.device if ctx.device is not None else "cpu")
     init = weight_init(cfg, seed, "cpu" if cpu_initialization else None)
     chunks = []

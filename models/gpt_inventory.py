@@ -17,7 +17,6 @@ from megatron_lite import config as C
 from megatron_lite.parallel.bucket_plan import ParamInfo
 from megatron_lite.parallel.sharding import spec_of
 from megatron_lite.parallel.state import ParallelDims
-from megatron_lite.transformer.moe import AuxLossScale
 from megatron_lite.transformer.spec import BuildContext
 from models.gpt import GPTModel
 
@@ -38,7 +37,7 @@ class GPTInventory:
         key = (tp, ep, etp, pre, post)
         if key not in self._cache:
             dims = ParallelDims(tp=tp, dp=ep, ep=ep, etp=etp)  # shapes only: no process group
-            ctx = BuildContext(dims, params_dtype=self.dtype, aux_loss_scale=AuxLossScale())
+            ctx = BuildContext(dims, params_dtype=self.dtype)
             layers, before, after = {}, [], []
             for kind in sorted(set(self.kinds)):
                 i = self.kinds.index(kind)

@@ -218,10 +218,9 @@ class _Source:
 def our_sizes(cfg: ModelConfig) -> Dict[str, int]:
     """Dim-0 sizes of our full tensors, from the model built on the meta device."""
     from models.gpt import build_model
-    from megatron_lite.transformer.moe import AuxLossScale
     from megatron_lite.transformer.spec import BuildContext
 
-    model = build_model(cfg, BuildContext(ParallelDims(), aux_loss_scale=AuxLossScale()), materialize=False)[0]
+    model = build_model(cfg, BuildContext(ParallelDims()), materialize=False)[0]
     return {n: spec_of(p).stored_shape[0] for n, p in model.named_parameters() if spec_of(p).stored_shape}
 
 

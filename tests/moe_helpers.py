@@ -4,7 +4,8 @@ import torch
 
 from megatron_lite.parallel import comm
 from megatron_lite.parallel.sharding import gather_full, spec_of
-from megatron_lite.transformer.moe import AuxLossScale, MoEConfig, MoELayer, MoEMetricsTracker, is_expert_parameter
+from megatron_lite.transformer.loss_normalization import LossNormalization, LossNormalizationSlot
+from megatron_lite.transformer.moe import MoEConfig, MoELayer, MoEMetricsTracker, is_expert_parameter
 
 
 def full_state(layer: MoELayer, seed: int, std: float = 0.3) -> dict:
@@ -39,10 +40,15 @@ def full_grads(module, dims) -> dict:
     return out
 
 
+def aux_weight(weight: float) -> LossNormalizationSlot:
+    """Loss weights whose auxiliary-loss weight is `weight` (one micro-batch, loss scale `weight`)."""
+    return LossNormalizationSlot(LossNormalization(loss_scale=weight))
+
+
 def build_layer(cfg_kw: dict, dims, hidden: int, sequence_parallel: bool = False, tracker_layers: int = 1,
                 scale: float = 1.0, **kw):
     cfg = MoEConfig(**cfg_kw)
     tracker = MoEMetricsTracker(tracker_layers, cfg.num_experts)
-    layer = MoELayer(cfg, hidden, dims, layer_number=0, aux_loss_scale=AuxLossScale(scale), tracker=tracker,
+    layer = MoELayer(cfg, hidden, dims, layer_number=0, loss_normalization=aux_weight(scale), tracker=tracker,
                      sequence_parallel=sequence_parallel, **kw)
     return layer, tracker

@@ -51,6 +51,11 @@ def test_parallel_imports_no_transformer_and_kernels_import_neither():
                                                  "megatron_lite.config", "megatron_lite.training", "models")) == []
 
 
+def test_training_knows_no_model_part():
+    """The trainer reaches MoE (and any later part with per-step work) only through the model's hooks."""
+    assert _violations("megatron_lite/training", ("megatron_lite.transformer.moe",)) == []
+
+
 @pytest.mark.parametrize("sub", ["megatron_lite", "models", "tools"])
 def test_no_global_statements(sub):
     found = [f"{p.relative_to(ROOT)}:{n.lineno}" for p in _files(sub) for n in ast.walk(ast.parse(p.read_text()))

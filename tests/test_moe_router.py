@@ -10,15 +10,17 @@ import torch
 from megatron_lite.parallel.random import RNGStatesTracker, recompute
 from megatron_lite.parallel.state import ParallelDims
 from megatron_lite.testing import assert_close, run_distributed
-from megatron_lite.transformer.moe import AuxLossScale, MoEConfig, MoEMetricsTracker, TopKRouter, update_expert_bias
+from megatron_lite.transformer.loss_normalization import LossNormalization
+from megatron_lite.transformer.moe import MoEConfig, MoEMetricsTracker, TopKRouter, update_expert_bias
 from megatron_lite.transformer.moe.router import Routing
+from tests.moe_helpers import aux_weight
 
 H = 16
 
 
 def _router(cfg, weight, bias=None, tracker=None, scale=None, dims=None):
     dims = dims or ParallelDims().build_groups()
-    r = TopKRouter(cfg.validate(), weight.shape[1], dims, layer_number=0, aux_loss_scale=scale or AuxLossScale(),
+    r = TopKRouter(cfg.validate(), weight.shape[1], dims, layer_number=0, loss_normalization=scale,
                    tracker=tracker)
     r.weight.data.copy_(weight)
     if bias is not None:
@@ -158,7 +160,7 @@ def test_aux_loss_value_and_injected_gradient(score):
     tracker = MoEMetricsTracker(1, e)
     cfg = MoEConfig(num_experts=e, moe_router_topk=k, moe_ffn_hidden_size=8, moe_aux_loss_coeff=coeff,
                     moe_router_score_function=score)
-    router = _router(cfg, weight, tracker=tracker, scale=AuxLossScale(scale))
+    router = _router(cfg, weight, tracker=tracker, scale=aux_weight(scale))
     x = torch.randn(t, H, generator=gen, requires_grad=True)
     routing = router(x, t, 1)
     logits = (x @ weight.t()).detach()
@@ -228,12 +230,12 @@ def test_recomputation_counts_once_and_injects_once():
     x = torch.randn(t, H, generator=gen)
     grads = []
     for use_recompute in (False, True):
-        tracker, scale = MoEMetricsTracker(1, e), AuxLossScale(2.0)
+        tracker, scale = MoEMetricsTracker(1, e), aux_weight(2.0)
         router = _router(cfg, weight, tracker=tracker, scale=scale)
         xi = x.clone().requires_grad_(True)
         fn = lambda inp: router(inp, t, 1).probs
         probs = recompute(fn, RNGStatesTracker(), xi) if use_recompute else fn(xi)
-        scale.set(1e6)  # changing the scale after the forward must not matter
+        scale.current = LossNormalization(loss_scale=1e6)  # changing the weight after the forward must not matter
         probs.backward(torch.zeros_like(probs))
         assert tracker.micro_batches[0].item() == 1
         assert router.local_tokens_per_expert.sum().item() == t * k
@@ -345,10 +347,11 @@ def test_routing_object_shapes():
 
 
 @pytest.mark.parametrize("mode", ["per_token", "per_micro_batch_mean"])
-def test_aux_loss_scale_values_give_the_documented_objective(mode):
-    """The values AuxLossScale documents for the two loss normalisations make the gradients those
-    of J = (1/N) sum_mb (loss_sum_mb + T_mb aux_mb) (per token) or (1/M) sum_mb (loss_mb / T_mb +
-    aux_mb) (per-micro-batch mean), micro-batches with different loss-token counts T_mb."""
+def test_loss_normalization_weights_give_the_documented_objective(mode):
+    """The weights of a step's LossNormalization (main loss, auxiliary losses, gradient factor) make
+    the gradients those of J = (1/N) sum_mb (loss_sum_mb + T aux_mb) (per token: T = s x b, the
+    micro-batch's nominal tokens, N the loss-bearing ones) or (1/M) sum_mb (loss_mb / T_mb + aux_mb)
+    (per-micro-batch mean), micro-batches with different loss-token counts T_mb."""
     from tests.moe_helpers import build_layer, full_state, load_full_state
     s, b, h, ls, coeff = 6, 2, 16, 4.0, 0.3
     cfg_kw = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=8, moe_aux_loss_coeff=coeff)
@@ -357,27 +360,23 @@ def test_aux_loss_scale_values_give_the_documented_objective(mode):
     batches = [(torch.randn(s, b, h, generator=gen), torch.randn(s, b, h, generator=gen),
                 (torch.rand(s, b, 1, generator=gen) < p).float()) for p in (0.9, 0.4)]
     n = sum(m.sum() for _, _, m in batches)
+    norm = LossNormalization(per_token=mode == "per_token", num_microbatches=len(batches), loss_scale=ls,
+                             normalizer=float(s * b * len(batches)), dims=dims)
     grads = []
     for injected in (True, False):
         layer, _ = build_layer(dict(cfg_kw, moe_aux_loss_coeff=coeff if injected else 0.0), dims, h)
         load_full_state(layer, full_state(layer, seed=2))
-        scale = layer.router.aux_loss_scale
+        layer.router.loss_normalization.current = norm  # what the trainer does before the step
         for x, probe, mask in batches:
             t_mb = mask.sum()
-            if injected:  # what a training step does: set the scale before the forward
-                if mode == "per_token":
-                    scale.set_per_token(ls, t_mb)
-                else:
-                    scale.set_per_micro_batch_mean(ls, len(batches))
             loss_sum = (layer(x) * probe * mask).sum()
-            if injected:  # ... and backpropagate the main loss only
-                main = loss_sum * ls if mode == "per_token" else loss_sum / t_mb * ls / len(batches)
-                main.backward()
+            if injected:  # what a training step does: backpropagate the weighted main loss only
+                norm(loss_sum, t_mb).backward()
             else:  # the objective written out, its aux term differentiated directly
                 aux = coeff * layer.router.aux_loss(layer.router.gating(x.reshape(s * b, h)), s, b)
-                j = (loss_sum + t_mb * aux) * ls if mode == "per_token" else (loss_sum / t_mb + aux) * ls / len(batches)
+                j = (loss_sum + s * b * aux) * ls / n if mode == "per_token" else (loss_sum / t_mb + aux) * ls / len(batches)
                 j.backward()
-        factor = 1.0 / n if mode == "per_token" else 1.0  # the step's final gradient multiplier
+        factor = norm.grad_factor(n) if injected else 1.0  # the step's final gradient multiplier
         grads.append({k: p.grad * factor for k, p in layer.named_parameters()})
     for k in grads[1]:
         assert_close(grads[0][k], grads[1][k], rtol=1e-5, what=k)

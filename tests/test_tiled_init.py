@@ -18,7 +18,6 @@ from megatron_lite.parallel.sharding import spec_of
 from megatron_lite.parallel.state import ParallelDims
 from megatron_lite.parallel.tiled_init import TiledInit, flat_boxes, materialize_, tiles_meeting
 from megatron_lite.testing import run_distributed
-from megatron_lite.transformer.moe import AuxLossScale
 from megatron_lite.transformer.spec import BuildContext
 from models.gpt import GPTModel, build_model, weight_init
 
@@ -47,7 +46,7 @@ def _rank_weights(cfg: ModelConfig, dims: ParallelDims, init: TiledInit):
 
 
 def _ctx(dims):
-    return BuildContext(dims, aux_loss_scale=AuxLossScale())
+    return BuildContext(dims)
 
 
 def _full(pieces, spec, axis="tp"):

@@ -192,7 +192,6 @@ def write_ml_checkpoint(out_dir: str, cfg: ModelConfig, state: Dict[str, torch.T
 def _target_ranks(cfg: ModelConfig, tp: int, pp: int, dp: int, vpp: int, ep: int = 1, etp: int = 1):
     """(dims, model chunks on the meta device) of every rank of the target layout, one at a time."""
     from megatron_lite.parallel.state import ParallelDims
-    from megatron_lite.transformer.moe import AuxLossScale
     from megatron_lite.transformer.spec import BuildContext
     from models.gpt import build_model
 
@@ -200,7 +199,7 @@ def _target_ranks(cfg: ModelConfig, tp: int, pp: int, dp: int, vpp: int, ep: int
         dims = ParallelDims(tp=tp, dp=dp, pp=pp, vpp=vpp, ep=ep, etp=etp, rank=rank)
         # Shapes and sharding metadata only: parameters left on the meta device (build_model
         # materializes and initializes them otherwise, whatever device context it is called in).
-        chunks = build_model(cfg, BuildContext(dims, aux_loss_scale=AuxLossScale()), materialize=False)
+        chunks = build_model(cfg, BuildContext(dims), materialize=False)
         yield dims, chunks
 
 

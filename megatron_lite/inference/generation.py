@@ -84,16 +84,8 @@ class DecodingSession:
 
 
 def inference_context(cfg, dims, params_dtype=torch.float32, device=None) -> BuildContext:
-    """How to build a model for generation: no sequence parallelism, no recomputation; an MoE
-    model gets the aux-loss scale and statistics tracker its layers need (unused here)."""
-    from ..transformer.moe import AuxLossScale, MoEMetricsTracker
-
-    moe = getattr(cfg, "moe", None)
-    extra = {}
-    if moe is not None and moe.num_experts:
-        extra = dict(aux_loss_scale=AuxLossScale(0.0), moe_tracker=MoEMetricsTracker(cfg.num_layers, moe.num_experts,
-                                                                                     device))
-    return BuildContext(dims, params_dtype=params_dtype, device=device, **extra)
+    """How to build a model for generation: no sequence parallelism, no recomputation."""
+    return BuildContext(dims, params_dtype=params_dtype, device=device)
 
 
 def check_generation_layout(cfg, tp: int, pp: int = 1, cp: int = 1) -> None:

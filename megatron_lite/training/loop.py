@@ -31,7 +31,7 @@ from ..parallel.gemm import GemmPath
 from ..optim.adam import fused_adamw_available
 from ..transformer.core_attention import describe_attention
 from ..transformer.fast_paths import describe_fast_paths
-from ..transformer.moe import AuxLossScale, MoEMetricsTracker, routers_of, update_expert_bias
+from ..transformer.loss_normalization import LossNormalization
 from ..transformer.spec import BuildContext
 from .step import eval_step, forward_backward_no_pipelining, move_batch, pipelined_forward_backward, train_step
 
@@ -80,6 +80,7 @@ class Trainer:
           optimizer's gradient buffers materialize in place (parallel/tiled_init.py); chunks may
           offer sharding_units() (ZeRO-3) and must offer set_input_tensor(x) and
           pipeline_input_spec(batch) (pipeline stages after the first: parallel/pipeline/executor.py);
+          it puts its step hooks in ctx.hooks, and reads ctx.loss_normalization;
       datasets_provider(cfg, tokenizer, num_samples: (train, valid, test)) -> three datasets (or None);
       forward_step(batch, chunk) -> (output, loss_func): the protocol of training/step.py."""
 
@@ -99,17 +100,14 @@ class Trainer:
         model_parallel_seed(self.tracker, t.seed, dims.tp_rank, dims.pp_rank)
         schedule = (p.pipeline_schedule or default_schedule(dims.vpp)) if dims.pp > 1 else None
         gemm = GemmPath(deferrable=schedule in ZERO_BUBBLE)
-        # MoE: the scale of the auxiliary losses' gradient (set every step) and their statistics.
-        self.aux_loss_scale = AuxLossScale() if m.moe is not None else None
-        self.moe_tracker = MoEMetricsTracker(m.num_layers, m.moe.num_experts, device) if m.moe is not None else None
         ctx = BuildContext(dims, sequence_parallel=p.sequence_parallel, params_dtype=params_dtype(cfg),
                            tracker=self.tracker, gemm=gemm,
                            recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
                            recompute_num_layers=t.recompute_num_layers, device=device,
                            cp_comm_type=[c.replace("allgather", "all_gather") for c in p.cp_comm_type],
-                           aux_loss_scale=self.aux_loss_scale, moe_tracker=self.moe_tracker, compile=t.compile,
-                           cross_entropy_chunk_size=t.cross_entropy_chunk_size)
-        self.chunks = model_provider(cfg, ctx)
+                           compile=t.compile, cross_entropy_chunk_size=t.cross_entropy_chunk_size)
+        self.chunks = model_provider(cfg, ctx)  # fills ctx.hooks with the model's step hooks
+        self.loss_normalization, self.hooks = ctx.loss_normalization, ctx.hooks
         self.optimizer, self.grad_sync = build_optimizer(self.chunks, dims, t, p, t.optimizer_precision(),
                                                          p.num_distributed_optimizer_instances)
         self.lr_schedule = t.param_scheduler()  # counts samples, as Megatron-LM's
@@ -236,20 +234,15 @@ class Trainer:
             dims.comm_counter.reset()  # count this step's traffic only
         start = time.perf_counter()
         batches = self._next_batches(self.train_iter, num_microbatches)
-        if self.aux_loss_scale is not None:
-            # An auxiliary loss per micro-batch weighs like the micro-batch in the main loss: by its
-            # tokens in the per-token mean (backward runs on loss sums / tokens_per_step, see
-            # train_step's normalizer), or 1 / M in the mean of micro-batch means.
-            weight = (t.micro_batch_size * t.seq_length / tokens_per_step if t.calculate_per_token_loss
-                      else 1.0 / num_microbatches)
-            self.aux_loss_scale.set(self.optimizer.loss_scale * weight)
-            self.moe_tracker.clear()
+        norm = LossNormalization(t.calculate_per_token_loss, num_microbatches, self.optimizer.loss_scale,
+                                 float(tokens_per_step), dims)  # the weight of every loss of the step
+        self.loss_normalization.current = norm  # ... the model's own (MoE's auxiliary losses) included
+        self.hooks.before_step(self.iteration)
         level = t.empty_unused_memory_level
         try:
             with self.host_syncs.step(self.iteration):
                 out = train_step(self.chunks, batches, dims, self.optimizer, self.grad_sync, lrs, self.forward_step,
-                                 self.forward_backward, loss_normalizer=float(tokens_per_step),
-                                 per_token_loss=t.calculate_per_token_loss, weight_decay=weight_decay,
+                                 self.forward_backward, loss_normalization=norm, weight_decay=weight_decay,
                                  after_backward=lambda: empty_unused_memory(level, "forward_backward"))
         except NonFiniteError as e:  # raised on every rank at once: stop before any save
             self._stop_on_nonfinite(e)
@@ -259,14 +252,13 @@ class Trainer:
         step_time = time.perf_counter() - start
         if out["update_successful"]:
             self.lr_schedule.step(gbs)  # the schedule advances by the samples of the update
-            if self.moe_tracker is not None:
-                update_expert_bias(routers_of(self.chunks), dims)  # aux-loss-free balancing, if on
+            self.hooks.after_update()
         self.consumed_samples += gbs
         if self.profiler.starts_or_stops(self.iteration, at_start=False):
             self.grad_sync.wait_param_gather()  # ... and inside it
         self.profiler.on_step_end(self.iteration)
-        moe = self.moe_tracker.reduce(dims) if self.moe_tracker is not None else None  # collective
-        rec = self._record(out, lrs[DEFAULT_GROUP], step_time, tokens_per_step, gbs, mem, moe)
+        model_metrics = self.hooks.metrics()  # collective
+        rec = self._record(out, lrs[DEFAULT_GROUP], step_time, tokens_per_step, gbs, mem, model_metrics)
         if self.valid_iter is not None and (self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters):
             rec["val_lm_loss"] = self.evaluate()
             self.consumed_valid_samples += t.eval_iters * t.global_batch_size
@@ -293,7 +285,7 @@ class Trainer:
         return f" ep={self.dims.ep} etp={self.dims.etp}" if self.cfg.model.moe is not None else ""
 
     def _record(self, out: dict, lr: float, step_time: float, tokens: int, global_batch_size: int,
-                mem: Optional[dict], moe: Optional[dict] = None) -> dict:
+                mem: Optional[dict], model_metrics: dict) -> dict:
         tokens_per_sec = tokens / step_time
         tflops = self.flops_per_token * tokens_per_sec / self.dims.world_size / 1e12
         rec = {"iteration": self.iteration, "lm_loss": out["lm_loss"], "grad_norm": out["grad_norm"], "lr": lr,
@@ -314,8 +306,5 @@ class Trainer:
         rec.update(self.host_syncs.fields())
         if self.cfg.training.log_comm_volume:
             rec["comm_bytes"] = self.dims.comm_counter.reset()
-        if moe is not None:  # MoE: per-layer router statistics, and their means / worst over layers
-            rec.update({k: moe[k] for k in ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance") if k in moe})
-            rec["moe_layers"] = {str(layer): {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in s.items()}
-                                 for layer, s in moe["layers"].items()}
+        rec.update(model_metrics)  # from the model's step hooks (MoE: router statistics)
         return rec

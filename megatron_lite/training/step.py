@@ -6,19 +6,12 @@ is no pipeline, the executor of parallel/pipeline otherwise):
     forward_step(batch, model_chunk) -> (output, loss_func)
     loss_func(output) -> (loss_sum, token_count, logs)        # on the last pipeline stage only
 
-Schedules backpropagate `loss_weight(loss_sum, tokens)` and know no batch keys and no loss
-formula. The loss of a step is one of Megatron-LM's two (`loss_weights`), exact whatever the layout:
-- per token (--calculate-per-token-loss): the mean over every loss-bearing token of the global
-  batch. The weight is the fp16 loss scale over a constant normalizer (about the global token
-  count, for the magnitude of a mean); after the data-parallel reduction the optimizer multiplies
-  the gradients by normalizer / (global token count).
-- per micro-batch (Megatron's default): the mean over the step's micro-batches of each one's token
-  mean. The weight is loss_scale / (M x the micro-batch's tokens), its tokens counted over the
-  context-parallel ranks sharing the micro-batch (so CP does not change the mean, unlike
-  Megatron-LM's per-shard means); the optimizer divides the summed gradients by DP.
-Extra losses (MoE auxiliary losses) add their gradient where they are computed and need nothing
-from the schedules. `logs` (name -> (sum, count)) are summed like the loss over micro-batches and
-data-parallel ranks and reported as sum / count; so is the logged loss, in both modes (as Megatron).
+Schedules backpropagate `loss_normalization(loss_sum, tokens)` and know no batch keys and no loss
+formula: the step's LossNormalization (Megatron-LM's per-token or per-micro-batch loss, exact
+whatever the layout) weighs the main loss, and its factor the reduced gradients. Extra losses (MoE
+auxiliary losses) add their gradient where they are computed, weighted by the same object. `logs`
+(name -> (sum, count)) are summed like the loss over micro-batches and data-parallel ranks and
+reported as sum / count; so is the logged loss, in both modes (as Megatron).
 """
 from __future__ import annotations
 
@@ -30,6 +23,7 @@ import torch.nn as nn
 
 from ..parallel import comm
 from ..parallel.state import ParallelDims
+from ..transformer.loss_normalization import LossNormalization
 
 Batch = Dict[str, torch.Tensor]
 ForwardStep = Callable[[Batch, nn.Module], Tuple[torch.Tensor, Callable]]
@@ -51,29 +45,9 @@ class LossTotals:
             self.logs[name] = self.logs.get(name, 0) + pair.to(self.tokens.device)
 
 
-LossWeight = Callable[[torch.Tensor, object], torch.Tensor]  # (loss_sum, tokens) -> what backward runs on
-
-
-def loss_weights(per_token: bool, num_microbatches: int, loss_scale: float, normalizer: float,
-                 dims: ParallelDims) -> Tuple[LossWeight, Callable[[float], float]]:
-    """(the micro-batch loss to backpropagate, the factor of the reduced gradients given the global
-    token count) of either loss mode (module docstring)."""
-    if per_token:
-        weight = loss_scale / normalizer
-        return (lambda loss_sum, tokens: loss_sum * weight), (lambda global_tokens: normalizer / global_tokens)
-    weight = loss_scale / num_microbatches
-
-    def per_microbatch(loss_sum, tokens):
-        n = torch.as_tensor(tokens, dtype=torch.float32, device=loss_sum.device).detach().clone()
-        comm.all_reduce(n, dims.cp_group, counter=dims.comm_counter)  # the micro-batch's tokens on every CP rank
-        return loss_sum * (weight / n.clamp_min(1.0))
-
-    return per_microbatch, (lambda global_tokens: 1.0 / dims.dp)
-
-
 def forward_backward_no_pipelining(chunks: List[nn.Module], batches: List[Batch], forward_step: ForwardStep,
-                                   loss_weight: LossWeight, forward_only: bool = False) -> LossTotals:
-    """All micro-batches through the one model chunk."""
+                                   loss_normalization: Optional[LossNormalization], forward_only=False) -> LossTotals:
+    """All micro-batches through the one model chunk (no loss_normalization when forward_only)."""
     model = chunks[0]
     totals = LossTotals(next(model.parameters()).device)
     for batch in batches:
@@ -81,7 +55,7 @@ def forward_backward_no_pipelining(chunks: List[nn.Module], batches: List[Batch]
             output, loss_func = forward_step(batch, model)
             loss_sum, tokens, logs = loss_func(output)
         if not forward_only:
-            loss_weight(loss_sum, tokens).backward()
+            loss_normalization(loss_sum, tokens).backward()
         totals.add(loss_sum, tokens, logs)
     return totals
 
@@ -89,9 +63,9 @@ def forward_backward_no_pipelining(chunks: List[nn.Module], batches: List[Batch]
 def pipelined_forward_backward(executor) -> Callable:
     """A forward_backward for train_step / eval_step that runs a PipelineExecutor's schedule."""
 
-    def forward_backward(chunks, batches, forward_step, loss_weight, forward_only=False):
+    def forward_backward(chunks, batches, forward_step, loss_normalization, forward_only=False):
         totals = LossTotals(executor.device)
-        return executor.run(batches, forward_step, loss_weight, totals, forward_only)
+        return executor.run(batches, forward_step, loss_normalization, totals, forward_only)
 
     forward_backward.executor = executor
     return forward_backward
@@ -125,25 +99,25 @@ def move_batch(batch: Batch, device) -> Batch:
 def train_step(chunks: List[nn.Module], batches: List[Batch], dims: ParallelDims, optimizer, grad_sync,
                lr, forward_step: ForwardStep, forward_backward: Callable = forward_backward_no_pipelining,
                loss_normalizer: float = 1.0, per_token_loss: bool = True, weight_decay: Optional[float] = None,
-               after_backward: Optional[Callable[[], None]] = None) -> Dict[str, Optional[float]]:
+               after_backward: Optional[Callable[[], None]] = None,
+               loss_normalization: Optional[LossNormalization] = None) -> Dict[str, Optional[float]]:
     """`lr`: one LR or a mapping LR group -> LR; `weight_decay`: this step's (None: the config's).
-    `per_token_loss`: which loss (module docstring). `loss_normalizer`: per-token mode's constant,
-    the same on every rank, about the global token count (the trainer passes global batch x
-    sequence length): the backward runs on loss_sum / normalizer, at the magnitude of a mean
-    (fp16's range), and the optimizer corrects by normalizer / tokens. `after_backward`: called
-    between the gradient reduction and the optimizer (--empty-unused-memory-level)."""
+    `loss_normalization`: the step's loss weights; None: from `per_token_loss` (which loss),
+    `loss_normalizer` (per-token mode's constant, about the global token count) and the optimizer's
+    loss scale. `after_backward`: called between the gradient reduction and the optimizer."""
     for c in chunks:
         c.train()
     grad_sync.start_step(len(batches))  # DP reductions start once every micro-batch's grads are in
-    loss_weight, grad_factor = loss_weights(per_token_loss, len(batches), optimizer.loss_scale, loss_normalizer, dims)
-    totals = forward_backward(chunks, batches, forward_step, loss_weight)
+    norm = loss_normalization or LossNormalization(per_token_loss, len(batches), optimizer.loss_scale,
+                                                   loss_normalizer, dims)
+    totals = forward_backward(chunks, batches, forward_step, norm)
     grad_sync.finish()
     if after_backward is not None:
         after_backward()
     loss_sum, tokens, logs = finalize_losses(totals, dims)
     lm_loss = loss_sum / tokens if dims.is_last_stage else None
     out = optimizer.step(lr, loss_is_finite=lm_loss is None or math.isfinite(lm_loss),
-                         grad_scale=grad_factor(tokens), weight_decay=weight_decay)
+                         grad_scale=norm.grad_factor(tokens), weight_decay=weight_decay)
     out["lm_loss"] = lm_loss
     out["logs"] = logs
     return out
@@ -154,6 +128,6 @@ def eval_step(chunks: List[nn.Module], batches: List[Batch], dims: ParallelDims,
               forward_backward: Callable = forward_backward_no_pipelining) -> Optional[float]:
     for c in chunks:
         c.eval()
-    totals = forward_backward(chunks, batches, forward_step, lambda loss_sum, tokens: loss_sum, forward_only=True)
+    totals = forward_backward(chunks, batches, forward_step, None, forward_only=True)
     loss_sum, tokens, _ = finalize_losses(totals, dims)
     return loss_sum / tokens if dims.is_last_stage else None

@@ -9,8 +9,8 @@ MoE layer, local SDPA / flash-attn / a context-parallel wrapper as the core atte
 
 `BuildContext` carries what every layer needs besides the model config, explicitly: the layout,
 whether activations are sequence-parallel, the parameter dtype, the RNG streams, the GEMM path
-of every weight (precision recipe, zero-bubble's deferral of weight gradients), and the
-recomputation settings.
+of every weight (precision recipe, zero-bubble's deferral of weight gradients), the
+recomputation settings, the loss weights and the step hooks.
 """
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ import torch
 from ..parallel.gemm import GemmPath
 from ..parallel.random import RNGStatesTracker
 from ..parallel.state import ParallelDims
+from .loss_normalization import LossNormalizationSlot
+from .step_hooks import ModelHooks
 
 
 @dataclass
@@ -36,8 +38,8 @@ class BuildContext:
     recompute_num_layers: int = 1
     device: Optional[torch.device] = None  # where the built model goes (built on the CPU, then moved)
     cp_comm_type: Union[str, List[str]] = "p2p"  # context parallelism: one type, or one per layer
-    aux_loss_scale: Optional[object] = None  # MoE: moe.AuxLossScale the step sets (gradient of aux losses)
-    moe_tracker: Optional[object] = None  # MoE: moe.MoEMetricsTracker of the logged per-layer values
+    loss_normalization: LossNormalizationSlot = field(default_factory=LossNormalizationSlot)  # set every step
+    hooks: ModelHooks = field(default_factory=ModelHooks)  # the model's parts register their step hooks here
     compile: bool = False  # torch.compile each transformer layer (--compile)
     cross_entropy_chunk_size: Optional[int] = None  # tokens per cross-entropy chunk; 0: none; None: automatic
 

@@ -57,16 +57,16 @@ class PipelineExecutor:
             self._lists[key] = acts
         return self._lists[key]
 
-    def run(self, batches: List[dict], forward_step, loss_weight, totals, forward_only: bool = False):
+    def run(self, batches: List[dict], forward_step, loss_normalization, totals, forward_only: bool = False):
         """One step over `batches`; the last stage adds each loss function's result to `totals`
         (anything with .add(loss_sum, tokens, logs)), which is returned, and backpropagates
-        `loss_weight(loss_sum, tokens)` (training/step.py)."""
+        `loss_normalization(loss_sum, tokens)` (the step's LossNormalization; unused when forward_only)."""
         if not self._warmed_up and self.device.type == "cuda":
             # NCCL sets up a group's communicators lazily; a first batched p2p that does not
             # involve every rank of the group can hang, so touch the whole group once.
             torch.distributed.barrier(group=self.dims.pp_group)
         self._warmed_up = True
-        self.batches, self.forward_step, self.loss_weight = batches, forward_step, loss_weight
+        self.batches, self.forward_step, self.loss_normalization = batches, forward_step, loss_normalization
         self.forward_only = forward_only
         self.inputs: Dict[Key, Message] = {}
         self.outputs: Dict[Key, Message] = {}  # what each forward returned (the last stage: its loss)
@@ -146,7 +146,7 @@ class PipelineExecutor:
             if last:
                 loss_sum, tokens, logs = loss_func(out)
                 self.totals.add(loss_sum, tokens, logs)
-                out = self.loss_weight(loss_sum, tokens)
+                out = loss_sum if self.forward_only else self.loss_normalization(loss_sum, tokens)
         self.outputs[key] = out = out if isinstance(out, tuple) else (out,)
         after = self.placement.neighbour(self.rank, c, 1)
         if after is not None and after[0] == self.rank:  # a local hand-off: the next chunk's input

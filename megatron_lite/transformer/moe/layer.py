@@ -19,17 +19,15 @@ What the caller passes (the GPT layer spec / the training step):
   cfg               a validated MoEConfig (`cfg.with_defaults(ffn_hidden_size).validate(...)`)
   dims              ParallelDims with the expert groups (ep, etp, edp, etp_ep, tp_cp, tp_dp_cp)
   layer_number      the global layer index (0-based), the tracker's key
-  aux_loss_scale    one AuxLossScale shared by all layers; the step sets it per micro-batch
-                    (losses.AuxLossScale says what value for each loss normalisation)
-  tracker           one MoEMetricsTracker shared by all layers (or None); the step calls
-                    `tracker.reduce(dims)` on every rank when it logs, then `tracker.clear()`
+  loss_normalization  the step's loss weights, one LossNormalizationSlot for all layers (None: unit)
+  tracker           one MoEMetricsTracker shared by all layers (or None)
   sequence_parallel, swiglu, activation, dtype as for the dense MLP.
-After each optimizer step the step calls `update_expert_bias(routers_of(chunks), dims)` when
-moe_router_enable_expert_bias is on (a collective over TP x DP x CP).
+Around each training step, a model's `MoEStepHooks` clears the tracker, moves the expert biases
+after the update (moe_router_enable_expert_bias) and reduces the statistics for the record.
 """
 from __future__ import annotations
 
-from typing import Iterable, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.nn as nn
@@ -39,26 +37,26 @@ from ...parallel import comm
 from ...parallel.gemm import GemmPath
 from ...parallel.random import RNGStatesTracker, recompute
 from ...parallel.state import ParallelDims
+from ..loss_normalization import LossNormalizationSlot
 from .config import MoEConfig
 from .dispatcher import build_dispatcher
 from .experts import GroupedExperts, SharedExpertMLP
-from .losses import AuxLossScale
-from .router import TopKRouter
+from .router import TopKRouter, update_expert_bias
 from .tracker import MoEMetricsTracker
 
 
 class MoELayer(nn.Module):
     def __init__(self, cfg: MoEConfig, hidden_size: int, dims: ParallelDims, *, layer_number: int,
-                 aux_loss_scale: AuxLossScale, tracker: Optional[MoEMetricsTracker] = None,
-                 sequence_parallel: bool = False, swiglu: bool = True, activation: str = "gelu",
-                 dtype=torch.float32, recompute_tracker: Optional[RNGStatesTracker] = None,
+                 loss_normalization: Optional[LossNormalizationSlot] = None,
+                 tracker: Optional[MoEMetricsTracker] = None, sequence_parallel: bool = False, swiglu: bool = True,
+                 activation: str = "gelu", dtype=torch.float32, recompute_tracker: Optional[RNGStatesTracker] = None,
                  gemm: Optional[GemmPath] = None):
         """`recompute_tracker`: the RNG streams a --moe-layer-recompute replay restores; `gemm`: the
         GemmPath of the experts' and the shared expert's weights (the router's stays plain)."""
         super().__init__()
         cfg.validate(ep=dims.ep, etp=dims.etp)
         self.cfg, self.dims, self.sequence_parallel = cfg, dims, sequence_parallel
-        self.router = TopKRouter(cfg, hidden_size, dims, layer_number, aux_loss_scale, tracker, dtype)
+        self.router = TopKRouter(cfg, hidden_size, dims, layer_number, loss_normalization, tracker, dtype)
         self.experts = GroupedExperts(cfg.num_experts, hidden_size, cfg.moe_ffn_hidden_size, dims, swiglu,
                                       activation, cfg.moe_grouped_gemm, dtype, gemm)
         self.shared_experts = None
@@ -104,6 +102,24 @@ class MoELayer(nn.Module):
         return comm.gather_from_sp(out, self.dims.tp_group, tensor_parallel_output_grad=False)
 
 
-def routers_of(modules: Iterable[nn.Module]) -> List[TopKRouter]:
-    """Every TopKRouter inside `modules` (e.g. this rank's model chunks), in module order."""
-    return [m for chunk in modules for m in chunk.modules() if isinstance(m, TopKRouter)]
+class MoEStepHooks:
+    """The MoE layers' step hooks (transformer/step_hooks.py), on every rank of an MoE model (the
+    statistics are reduced over the whole world): clear the statistics, move the expert biases after
+    an update (collective over TP x DP x CP), report per-layer statistics and their means / worst."""
+
+    def __init__(self, num_layers: int, num_experts: int, dims: ParallelDims, device=None):
+        self.dims, self.tracker = dims, MoEMetricsTracker(num_layers, num_experts, device)
+        self.routers: List[TopKRouter] = []  # this rank's, added by the model builder
+
+    def before_step(self, iteration: int) -> None:
+        self.tracker.clear()
+
+    def after_update(self) -> None:
+        update_expert_bias(self.routers, self.dims)
+
+    def metrics(self) -> dict:
+        moe = self.tracker.reduce(self.dims)
+        rec = {k: moe[k] for k in ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance") if k in moe}
+        rec["moe_layers"] = {str(layer): {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in s.items()}
+                             for layer, s in moe["layers"].items()}
+        return rec

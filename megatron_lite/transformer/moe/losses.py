@@ -15,53 +15,17 @@ gradient of the whole loss with respect to its own tokens.
   z-loss:       mean over tokens of logsumexp(logits)^2
 
 No pipeline schedule knows about these losses: `attach_aux_loss` ties each one to an activation
-of the forward pass, and in backward adds `scale * d(loss)` where `scale` is the value of the
-layer's `AuxLossScale` when the forward ran (read then, so 1F1B, interleaved schedules and
-activation recomputation, whose forward runs again during backward, all use the micro-batch's
-own value).
+of the forward pass, and in backward adds `weight * d(loss)`, with the auxiliary-loss weight of the
+step's LossNormalization (transformer/loss_normalization.py) read when the forward ran (so 1F1B,
+interleaved schedules and activation recomputation, whose forward runs again during backward, all
+use the micro-batch's own value).
 """
 from __future__ import annotations
 
 import torch
 
 from ...parallel import comm
-
-
-class AuxLossScale:
-    """The factor the training step sets, per micro-batch before its forward, for the gradient of
-    every auxiliary loss (coefficient included) relative to that of the loss it is part of.
-
-    Objective of one step, with M micro-batches on each of D data-parallel replicas:
-    (a) per-token loss over the global batch. The step backpropagates `loss_sum * loss_scale`
-        per micro-batch and multiplies the reduced gradients by 1 / N (N loss-bearing tokens in
-        the global batch). Each micro-batch's auxiliary loss is weighted like its tokens:
-        J = (1/N) sum_mb (loss_sum_mb + T_mb * aux_mb), so set
-            value = loss_scale * T_mb             (`set_per_token`)
-        with T_mb the loss-bearing tokens of this micro-batch on this replica, over all of its
-        CP (and SP) shards - the same number on every rank of the replica. If instead the step
-        already divides each micro-batch by N before backward, pass loss_scale / N.
-        With equal T_mb this is the mean of aux_mb over all M x D micro-batches.
-    (b) Megatron's default, the mean over micro-batches of per-micro-batch token means. The step
-        backpropagates `(loss_sum_mb / T_mb) * loss_scale / M` (this rank's loss sum, T_mb of the
-        whole micro-batch) and divides the gradients summed over DP x CP by D:
-        J = (1/(M D)) sum_mb (lm_mb + aux_mb), so set
-            value = loss_scale / M                (`set_per_micro_batch_mean`)
-    Either way the injected gradient then passes through the same reductions as the main loss
-    (sum over DP x CP, and over TP for sequence-sharded parameters) and the same final factor.
-    `loss_scale` is the fp16 loss scale (1.0 without one).
-    """
-
-    def __init__(self, value: float = 1.0):
-        self.value = float(value)
-
-    def set(self, value: float) -> None:
-        self.value = float(value)
-
-    def set_per_token(self, loss_scale: float, micro_batch_tokens: float) -> None:
-        self.value = float(loss_scale) * float(micro_batch_tokens)
-
-    def set_per_micro_batch_mean(self, loss_scale: float, num_micro_batches: int) -> None:
-        self.value = float(loss_scale) / num_micro_batches
+from ..loss_normalization import LossNormalizationSlot
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -79,9 +43,9 @@ class _AttachAuxLoss(torch.autograd.Function):
         return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
 
 
-def attach_aux_loss(activation: torch.Tensor, loss: torch.Tensor, scale: AuxLossScale) -> torch.Tensor:
-    """`activation`, unchanged, carrying `loss` into backward with the current `scale.value`."""
-    return _AttachAuxLoss.apply(activation, loss, scale.value)
+def attach_aux_loss(activation: torch.Tensor, loss: torch.Tensor, weights: LossNormalizationSlot) -> torch.Tensor:
+    """`activation`, unchanged, carrying `loss` into backward with the current step's aux weight."""
+    return _AttachAuxLoss.apply(activation, loss, weights.current.aux_weight)
 
 
 def recording() -> bool:

@@ -35,9 +35,9 @@ import torch.nn.functional as F
 from ...parallel import comm
 from ...parallel.sharding import replicated, set_spec
 from ...parallel.state import ParallelDims
+from ..loss_normalization import LossNormalizationSlot
 from .config import MoEConfig
-from .losses import (AuxLossScale, attach_aux_loss, load_balancing_loss, recording,
-                     sequence_load_balancing_loss, z_loss)
+from .losses import attach_aux_loss, load_balancing_loss, recording, sequence_load_balancing_loss, z_loss
 from .tracker import MoEMetricsTracker
 
 
@@ -95,15 +95,15 @@ def apply_capacity(probs: torch.Tensor, routing_map: torch.Tensor, capacity: int
 class TopKRouter(nn.Module):
     """Routes [T, h] tokens to `num_experts` experts. Constructor arguments:
     cfg (validated MoEConfig), hidden_size, dims (groups), layer_number (global layer index, for
-    the tracker), aux_loss_scale (the step's AuxLossScale), tracker (MoEMetricsTracker or None),
-    dtype of the router weight."""
+    the tracker), loss_normalization (the step's loss weights; None: the unit weighting), tracker
+    (MoEMetricsTracker or None), dtype of the router weight."""
 
     def __init__(self, cfg: MoEConfig, hidden_size: int, dims: ParallelDims, layer_number: int,
-                 aux_loss_scale: AuxLossScale, tracker: Optional[MoEMetricsTracker] = None,
-                 dtype=torch.float32):
+                 loss_normalization: Optional[LossNormalizationSlot] = None,
+                 tracker: Optional[MoEMetricsTracker] = None, dtype=torch.float32):
         super().__init__()
         self.cfg, self.dims, self.layer_number = cfg, dims, layer_number
-        self.aux_loss_scale, self.tracker = aux_loss_scale, tracker
+        self.loss_normalization, self.tracker = loss_normalization or LossNormalizationSlot(), tracker
         self.num_experts, self.topk = cfg.num_experts, cfg.moe_router_topk
         self.router_dtype = router_dtype(cfg.moe_router_dtype)
         # Every TP rank routes its own tokens (the layer shards them over TP), so the router
@@ -206,13 +206,13 @@ class TopKRouter(nn.Module):
         loss = self.aux_loss(logits, seq_len, batch)
         if self.tracker is not None and recording():
             self.tracker.record_loss(self.layer_number, "load_balancing_loss", loss)
-        return attach_aux_loss(probs, loss * self.cfg.moe_aux_loss_coeff, self.aux_loss_scale)
+        return attach_aux_loss(probs, loss * self.cfg.moe_aux_loss_coeff, self.loss_normalization)
 
     def _with_z_loss(self, logits):
         loss = z_loss(logits, self.sequence_group, self.dims.comm_counter)
         if self.tracker is not None and recording():
             self.tracker.record_loss(self.layer_number, "z_loss", loss)
-        return attach_aux_loss(logits, loss * self.cfg.moe_z_loss_coeff, self.aux_loss_scale)
+        return attach_aux_loss(logits, loss * self.cfg.moe_z_loss_coeff, self.loss_normalization)
 
     # --- token counts -------------------------------------------------------------------------
     def _count(self, routing_map: torch.Tensor) -> None:

@@ -1,0 +1,59 @@
+"""LossNormalization: the weights of one training step's losses, built once per step.
+
+A step's loss is one of Megatron-LM's two, exact whatever the layout (M micro-batches on each of D
+data-parallel replicas, N loss-bearing tokens in the global batch, `loss_scale` fp16's or 1.0):
+- per token (--calculate-per-token-loss): the mean over the global batch's loss-bearing tokens.
+  Backward runs on loss_sum x loss_scale / normalizer (a constant about N: a mean's magnitude, in
+  fp16's range); the reduced gradients are multiplied by normalizer / N.
+- per micro-batch (Megatron's default): the mean over micro-batches of each one's token mean.
+  Backward runs on loss_sum x loss_scale / (M x the micro-batch's tokens, counted over its CP
+  ranks, so CP does not change the mean, unlike Megatron-LM); the gradients summed over DP are
+  divided by D.
+An auxiliary loss computed once per micro-batch (MoE's) adds its gradient where it is computed,
+weighted like its micro-batch in the main loss: 1 / M, or per token by its nominal tokens,
+normalizer / (M x D) (the trainer's normalizer is global batch x sequence length); that gradient
+then passes through the main loss's reductions and final factor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..parallel import comm
+from ..parallel.state import ParallelDims
+
+
+@dataclass(frozen=True)
+class LossNormalization:
+    """One step's loss weights. Called as `norm(loss_sum, tokens)`: the micro-batch's main loss as
+    backward runs it, which is what every schedule backpropagates (on the last pipeline stage)."""
+    per_token: bool = False
+    num_microbatches: int = 1
+    loss_scale: float = 1.0
+    normalizer: float = 1.0  # per token: the constant backward divides by (about the global token count)
+    dims: ParallelDims = field(default_factory=ParallelDims, compare=False, repr=False)
+
+    def __call__(self, loss_sum: torch.Tensor, tokens) -> torch.Tensor:
+        if self.per_token:
+            return loss_sum * (self.loss_scale / self.normalizer)
+        n = torch.as_tensor(tokens, dtype=torch.float32, device=loss_sum.device).detach().clone()
+        comm.all_reduce(n, self.dims.cp_group, counter=self.dims.comm_counter)  # over the micro-batch's CP ranks
+        return loss_sum * ((self.loss_scale / self.num_microbatches) / n.clamp_min(1.0))
+
+    @property
+    def aux_weight(self) -> float:
+        """The gradient of an auxiliary loss computed once per micro-batch (module docstring)."""
+        share = 1.0 / (self.num_microbatches * self.dims.dp) if self.per_token else 1.0 / self.num_microbatches
+        return self.loss_scale * share
+
+    def grad_factor(self, global_tokens: float) -> float:
+        """The factor of the gradients after the data-parallel reduction, given N."""
+        return self.normalizer / global_tokens if self.per_token else 1.0 / self.dims.dp
+
+
+@dataclass
+class LossNormalizationSlot:
+    """The current step's LossNormalization (put in by the trainer before each step), for modules
+    with losses of their own (MoE's auxiliary losses; next, multi-token prediction)."""
+    current: LossNormalization = field(default_factory=LossNormalization)

@@ -1,0 +1,38 @@
+"""ModelHooks: what a model does around each training step besides its forward and backward.
+
+Parts of a model with per-step state (MoE; next, multi-token prediction, FP8 scales) register one
+object each while it is built (`BuildContext.hooks`), in the same order on every rank; the trainer
+calls them all on every rank and knows none of them:
+  before_step(iteration)  before the step's first forward
+  after_update()          after an optimizer update that was applied (not skipped)
+  metrics() -> dict       collective, once per step: fields for the step's record
+"""
+from __future__ import annotations
+
+from typing import Dict, Type, TypeVar
+
+Part = TypeVar("Part")
+
+
+class ModelHooks:
+    """The step hooks of this rank's model chunks: one part per kind, each with the methods above."""
+
+    def __init__(self):
+        self.parts: Dict[type, object] = {}
+
+    def shared(self, kind: Type[Part], *args) -> Part:
+        """The model's one `kind` part, built as kind(*args) by whichever builder asks first."""
+        if kind not in self.parts:
+            self.parts[kind] = kind(*args)
+        return self.parts[kind]
+
+    def before_step(self, iteration: int) -> None:
+        for part in self.parts.values():
+            part.before_step(iteration)
+
+    def after_update(self) -> None:
+        for part in self.parts.values():
+            part.after_update()
+
+    def metrics(self) -> dict:
+        return {k: v for part in self.parts.values() for k, v in part.metrics().items()}
