@@ -10,6 +10,7 @@ reduce-scatter) the input gradient asynchronously while it computes the weight g
 """
 from __future__ import annotations
 
+import functools
 from typing import List, Optional
 
 import torch
@@ -98,6 +99,17 @@ class _LinearFn(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
+def _eager(fn):
+    """torch.compiler.disable(fn), made when torch.compile traces a call: the decorator itself
+    imports torch._dynamo, seconds of every start-up that only --compile needs."""
+    @functools.wraps(fn)
+    def call(*args):
+        if torch.compiler.is_compiling():
+            return torch.compiler.disable(fn)(*args)
+        return fn(*args)
+    return call
+
+
 def linear(x, weight, bias=None, store: Optional[WeightGradStore] = None):
     """F.linear whose weight gradient `store` (if given) may defer. Autograd saves the parameter
     itself, not F.linear's view of its storage (weight.t()): under ZeRO-3 a layer's gathered
@@ -107,7 +119,7 @@ def linear(x, weight, bias=None, store: Optional[WeightGradStore] = None):
     return _LinearFn.apply(x, weight, bias, store)
 
 
-@torch.compiler.disable
+@_eager
 def _deferrable_linear(x, weight, bias, store):
     """Outside torch.compile (--compile): a compiled backward would fix `store.deferring` at its
     value when the forward was traced, and the W pass of zero-bubble schedules would get nothing."""
@@ -186,7 +198,7 @@ def column_parallel_linear(x: torch.Tensor, params, dims: ParallelDims, sequence
     return apply(x, dims, sequence_parallel, store, len(params), *weights, *biases)
 
 
-@torch.compiler.disable
+@_eager
 def _deferrable_column_parallel(*args):
     """As _deferrable_linear: the deferral decision stays in eager backward."""
     return _ColumnParallelFn.apply(*args)
