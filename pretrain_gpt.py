@@ -15,32 +15,54 @@ from megatron_lite.arguments import parse_args
 from megatron_lite.config import Config
 from megatron_lite.errors import ConfigError
 
+# Model fields that are the run's, not the architecture's: --use-checkpoint-args keeps these flags.
+RUN_MODEL_FIELDS = ("attention_dropout", "hidden_dropout", "init_method_std", "attention_backend")
+
 
 def resolve(argv=None) -> tuple:
-    """Parse and validate; returns (config, tokenizer). Raises ConfigError on bad input."""
-    from megatron_lite.checkpoint.manager import checkpoint_model_config, inherit_global_batch_size
+    """Parse and validate; returns (config, tokenizer). Raises ConfigError on bad input. Torch and
+    the model stack are not imported here unless a checkpoint must be read, so that `--help` and a
+    configuration error take a second, not the import of the model stack."""
     from megatron_lite.config import ModelConfig
     from megatron_lite.data.tokenizers import tokenizer_from_config
-    from megatron_lite.data.builder import check_data_paths, parse_split
 
     from models.zoo import zoo
 
     cfg: Config = parse_args(argv, zoo())
-    d = cfg.data
+    d, t = cfg.data, cfg.training
     tokenizer = tokenizer_from_config(d)
-    saved_model = checkpoint_model_config(cfg.training)
-    if saved_model is not None:  # --use-checkpoint-args: the checkpoint's shape, not the model flags
-        cfg.model = ModelConfig(**saved_model)
+    if t.use_checkpoint_args or (t.global_batch_size is None and t.save):  # the checkpoint's model / batch
+        from megatron_lite.checkpoint.manager import checkpoint_model_config, inherit_global_batch_size
+
+        saved_model = checkpoint_model_config(t)
+        if saved_model is not None:  # --use-checkpoint-args: the checkpoint's architecture, the run's flags
+            cfg.model = ModelConfig(**_with_run_flags(saved_model, cfg))
+        inherited = inherit_global_batch_size(t)
+        if inherited is not None and int(os.environ.get("RANK", "0")) == 0:
+            print(f"> global batch size {inherited} from the checkpoint in --save (--global-batch-size not given)")
     cfg.model.vocab_size = tokenizer.vocab_size
-    inherited = inherit_global_batch_size(cfg.training)
-    if inherited is not None and int(os.environ.get("RANK", "0")) == 0:
-        print(f"> global batch size {inherited} from the checkpoint in --save (--global-batch-size not given)")
+    if int(os.environ.get("RANK", "0")) == 0:
+        for note in cfg.notes:
+            print(f"> note: {note}", flush=True)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.finalize(world_size).validate(world_size)
+    from megatron_lite.data.builder import check_data_paths, parse_split
+
     check_data_paths(d, tokenizer)
-    if cfg.training.train_iters > 0 and parse_split(d.split)[0] == 0:
+    if t.train_iters > 0 and parse_split(d.split)[0] == 0:
         raise ConfigError(f"--split {d.split} leaves no training data; give the first (train) part a weight")
     return cfg, tokenizer
+
+
+def _with_run_flags(saved: dict, cfg: Config) -> dict:
+    """The checkpoint's model config with the run's own model flags given on the command line
+    (dropout, init, attention backend: Megatron-LM's load_args_from_checkpoint takes only the
+    architecture); an architecture flag that the checkpoint overrides gets a note."""
+    for k, v in cfg.model_flags.items():
+        if k not in RUN_MODEL_FIELDS and k in saved and saved[k] != v:
+            cfg.notes.append(f"--{k.replace('_', '-')} {v} is overridden by --use-checkpoint-args: the checkpoint's "
+                             f"{saved[k]}")
+    return {**saved, **{k: v for k, v in cfg.model_flags.items() if k in RUN_MODEL_FIELDS}}
 
 
 def model_provider(cfg: Config, ctx):

@@ -166,7 +166,7 @@ def _given(args: argparse.Namespace, cls) -> Dict[str, object]:
     return {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
 
 
-def _model_config(args: argparse.Namespace, preset: dict) -> ModelConfig:
+def _model_config(args: argparse.Namespace, preset: dict, notes: List[str]) -> ModelConfig:
     given = _given(args, ModelConfig)
     preset_moe = preset.pop("moe", None)
     moe = {**(preset_moe or {}), **_given(args, MoEConfig)}
@@ -174,8 +174,11 @@ def _model_config(args: argparse.Namespace, preset: dict) -> ModelConfig:
         given["moe"] = moe
     elif moe:
         raise ConfigError(f"--{next(iter(moe)).replace('_', '-')} is an MoE setting: add --num-experts N")
-    if not args.group_query_attention:  # Megatron reads --num-query-groups only with it
-        given.pop("num_query_groups", None)
+    if not args.group_query_attention and "num_query_groups" in given and not preset:
+        # Megatron-LM reads --num-query-groups only with --group-query-attention (a launch script
+        # trains here what it trains there); over a --model preset the explicit flag wins, as all do.
+        notes.append(f"--num-query-groups {given.pop('num_query_groups')} is dropped: Megatron-LM reads it only with "
+                     f"--group-query-attention (add it for grouped-query attention)")
     if any(k in given for k in ("hidden_size", "num_attention_heads", "swiglu")):
         for k in ("kv_channels", "ffn_hidden_size"):  # derived sizes follow the new shape
             if k not in given:
@@ -244,7 +247,8 @@ def config_from_args(args: argparse.Namespace, zoo: Zoo) -> Config:
     default_run = args.model is None and not any(hasattr(args, k) for k in SHAPE_FIELDS)
     named = zoo.model_config(args.model or zoo.default_run["model"]) if args.model or default_run else {}
     seq_length = named.pop("seq_length", None)
-    model = _model_config(args, named)
+    notes: List[str] = []
+    model = _model_config(args, named, notes)
     if not named and "activation" not in vars(args) and not model.swiglu and model.add_bias_linear \
             and not args.no_bias_gelu_fusion:
         # Megatron-LM's defaults: --bias-gelu-fusion is on, and its fused bias-GELU kernel is the
@@ -264,8 +268,10 @@ def config_from_args(args: argparse.Namespace, zoo: Zoo) -> Config:
             data["tokenizer_type"] = "NullTokenizer"
         elif data.get("vocab_file"):  # Megatron-LM's pretrain_gpt.py default, with its files
             data["tokenizer_type"] = "GPT2BPETokenizer"
-    return Config(model=model, parallel=_parallel_config(args, model), training=TrainingConfig(**training),
-                  data=DataConfig(**data))
+    cfg = Config(model=model, parallel=_parallel_config(args, model), training=TrainingConfig(**training),
+                 data=DataConfig(**data))
+    cfg.notes, cfg.model_flags = notes, _given(args, ModelConfig)
+    return cfg
 
 
 def parse_args(argv: Optional[List[str]], zoo: Zoo) -> Config:

@@ -554,9 +554,8 @@ class TrainingConfig:
             _require(value is None or value >= 1, f"{flag} ({value}) must be >= 1")
         _require(self.exit_duration_in_mins is None or self.exit_duration_in_mins > 0,
                  f"--exit-duration-in-mins ({self.exit_duration_in_mins}) must be positive")
-        for flag, value in (("--finetune", self.finetune), ("--no-load-optim", self.no_load_optim),
-                            ("--no-load-rng", self.no_load_rng)):
-            _require(not value or self.load, f"{flag} needs --load DIR (the checkpoint to load)")
+        # --no-load-optim / --no-load-rng without --load: nothing to skip (Megatron-LM accepts them)
+        _require(not self.finetune or self.load, "--finetune needs --load DIR (the checkpoint to load)")
         if self.finetune:
             _require(os.path.isdir(self.load), f"--finetune: --load directory {self.load} does not exist")
         for flag, path in (("--save", self.save), ("--load", self.load)):
@@ -574,6 +573,10 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
+
+    def __post_init__(self):
+        self.notes: List[str] = []  # start-up lines: flags that the configuration drops or overrides
+        self.model_flags: dict = {}  # the model fields given on the command line (arguments.py)
 
     def finalize(self, world_size: int) -> "Config":
         """Fill what depends on the world size (the default global batch: micro-batch x DP).

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 from typing import Callable, TypeVar
 
-import torch
-import torch.distributed as dist
-
 T = TypeVar("T")
 
 
@@ -29,6 +26,9 @@ class NonFiniteError(ConfigError):
 def agree_on_errors(step: Callable[[], T], device=None) -> T:
     """Collective over the whole world: run `step()` here; if it raised a ConfigError on any
     rank, raise on every rank a ConfigError with the lowest such rank's message and number."""
+    import torch  # here, not at the top: flags are parsed and checked before torch is imported
+    import torch.distributed as dist
+
     error = None
     try:
         result = step()

@@ -314,6 +314,19 @@ def test_generate_tool_streams_the_text_it_reports(checkpoint):
     assert streamed == "class " + record["text"] + "\n\n"
 
 
+def test_every_prompt_and_row_samples_its_own_stream_and_a_seed_reproduces_them(checkpoint):
+    """Issue 28: each prompt's generator was seeded afresh with --seed, so prompts drew the same numbers."""
+    path, _ = checkpoint
+    argv = ["--load", path, "--prompt", "def ", "--prompt", "def ", "--max-new-tokens", "16", "--temperature", "1",
+            "--seed", "7", "--json"]
+    for batch_size in ("1", "2"):  # one prompt per generate() call, and both rows of one batch
+        runs = [[json.loads(line)["ids"] for line in _run_tool(generate_tool, 0, 1, argv + ["--batch-size",
+                                                                                            batch_size])[1].splitlines()]
+                for _ in range(2)]
+        assert len(runs[0]) == 2 and runs[0] == runs[1], "the same seed reproduces every prompt"
+        assert runs[0][0] != runs[0][1], f"identical prompts sample independently (--batch-size {batch_size})"
+
+
 def test_generate_tool_null_tokenizer_prompts(checkpoint):
     path, _ = checkpoint
     byte_run = json.loads(_run_tool(generate_tool, 0, 1, ["--load", path] + GREEDY_JSON[:2] + GREEDY_JSON[4:])[1])

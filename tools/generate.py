@@ -249,7 +249,8 @@ def run(setup: Setup, model, out: Optional[TextIO]) -> None:
         if stream is not None:
             out.write(texts[0])
         completions = generate(model, ids, setup.max_new_tokens, setup.sampling, eod=tok.eod,
-                               on_token=(lambda i, token: stream.push(token)) if stream is not None else None)
+                               on_token=(lambda i, token: stream.push(token)) if stream is not None else None,
+                               first_index=start)
         if stream is not None:
             stream.finish()
         elif out is not None:

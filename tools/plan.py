@@ -12,10 +12,13 @@ The parameter, gradient and optimizer bytes are the trainer's own accounting (th
 this rank` line); activations follow the layers' saved tensors per micro-batch in flight under
 the schedule; the step time is a roofline (planning/timing.py). Without --bf16 / --fp16 the
 planner assumes bf16 mixed precision (--fp32 plans fp32); without --micro-batch-size, 1; without
---global-batch-size, a search keeps one sequence per GPU per step.
+--global-batch-size, a search keeps one sequence per GPU per step. --json prints the same plan as
+one JSON object for scripts (bytes and seconds as numbers; the search's table under "ranked").
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import sys
 import time
@@ -50,6 +53,7 @@ def parser():
     g.add_argument("--search", action="store_true", help="search TP/PP/VPP/CP/EP/DP/ZeRO/recompute for the best fits")
     g.add_argument("--top", type=int, default=5, help="layouts listed by --search")
     g.add_argument("--max-pp", type=int, default=16, help="largest pipeline size --search tries")
+    g.add_argument("--json", action="store_true", help="print the plan as one JSON object (for scripts)")
     return p
 
 
@@ -91,6 +95,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     base = from_config(cfg, world)
     m = cfg.model
     inventory = GPTInventory(m, base.params_dtype).chunk
+    header = dict(model=args.model or "model from flags", parameters=m.num_parameters(), num_layers=m.num_layers,
+                  hidden_size=m.hidden_size, vocab_size=m.vocab_size, world_size=world, gpu=hw.name,
+                  usable_bytes=hw.usable_bytes, gpus_per_node=hw.gpus_per_node, seq_length=base.seq_length,
+                  global_batch_size=base.global_batch_size, micro_batch_size=base.micro_batch_size,
+                  params_dtype=str(base.params_dtype).split(".")[-1])
+    if args.json:
+        return _json(args, cfg, base, hw, inventory, header)
     print(f"plan: {args.model or 'model from flags'} ({m.num_parameters() / 1e9:.2f}B parameters, {m.num_layers} layers, "
           f"h {m.hidden_size}, vocab {m.vocab_size}), {world} x {hw.name} ({gib(hw.usable_bytes)} usable each, "
           f"{hw.gpus_per_node} per node), seq {base.seq_length}, global batch {base.global_batch_size} x "
@@ -120,6 +131,43 @@ def main(argv: Optional[List[str]] = None) -> int:
     for line in reasons(result, hw) + neighbours(cfg, best, hw, inventory):
         print(f"  {line}")
     return 0
+
+
+def _evaluation(ev, hw) -> dict:
+    """One layout's plan: the layout, per-rank bytes, the step time's parts, whether it fits."""
+    out = dict(layout=ev.layout.describe(), settings={k: str(v) if not isinstance(v, (int, float, str, bool, type(None)))
+                                                      else v for k, v in dataclasses.asdict(ev.layout).items()},
+               valid=ev.valid, error=ev.error)
+    if not ev.valid:
+        return out
+    out.update(fits=ev.fits, peak_bytes=ev.peak_bytes, usable_bytes=ev.usable,
+               ranks=[dict(pp_rank=r.pp_rank, **r.state, activation_bytes=r.step.activations,
+                           in_flight=r.step.in_flight, buffers=dict(r.step.buffers), device_bytes=r.device_bytes)
+                      for r in ev.ranks])
+    t, lay = ev.time, ev.layout
+    out["time"] = dict(total_s=t.total_s, compute_s=t.compute_s, bubble_s=t.bubble_s, tp_s=t.tp_s, cp_s=t.cp_s,
+                       ep_s=t.ep_s, dp_exposed_s=t.dp_s, optimizer_s=t.optimizer_s, bubble_fraction=t.bubble_fraction,
+                       tokens_per_s_per_gpu=lay.global_batch_size * lay.seq_length / t.total_s / lay.world_size,
+                       mfu=t.mfu(hw), detail=dict(t.detail))
+    return out
+
+
+def _json(args, cfg, base, hw, inventory, header: dict) -> int:
+    """--json: the plan (or the search: every fitting layout ranked, the counts, the reasons) on stdout."""
+    if not args.search:
+        ev = evaluate(cfg, base, hw, inventory)
+        print(json.dumps(dict(header, plan=_evaluation(ev, hw))))
+        return 0 if ev.fits else (1 if ev.valid else 2)
+    start = time.perf_counter()
+    result = search(cfg, base, hw, inventory, max_pp=args.max_pp)
+    refused = sum(1 for e in result.rejected if not e.valid)
+    out = dict(header, evaluated=result.evaluated, search_s=time.perf_counter() - start, fitting=len(result.ranked),
+               not_fitting=len(result.rejected) - refused, refused=refused,
+               ranked=[_evaluation(ev, hw) for ev in result.ranked[:args.top]])
+    if result.ranked:
+        out["why_best"] = reasons(result, hw) + neighbours(cfg, result.ranked[0], hw, inventory)
+    print(json.dumps(out))
+    return 0 if result.ranked else 1
 
 
 def _one(cfg, lay, hw, inventory) -> int:

@@ -128,20 +128,21 @@ def check_prompts(cfg, prompts: Sequence[Sequence[int]], max_new_tokens: int) ->
 
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              sampling: SamplingParams = SamplingParams(greedy=True), eod: Optional[int] = None,
-             on_token: Optional[Callable[[int, int], None]] = None) -> List[Completion]:
+             on_token: Optional[Callable[[int, int], None]] = None, first_index: int = 0) -> List[Completion]:
     """Up to `max_new_tokens` tokens after each prompt (token-id lists); a sequence stops after
     producing `eod` (when given). `on_token(prompt index, token id)` is called for each token as
     it is produced (streaming). An empty prompt starts from `eod`: what precedes every document
-    in training."""
+    in training. `first_index`: the index of prompts[0] among the command's prompts, whose
+    sampling streams these are (SamplingParams.generators)."""
     if eod is not None:
         prompts = [list(p) if len(p) else [eod] for p in prompts]
     session = DecodingSession(model, prompts, max_new_tokens, pad_id=eod if eod is not None else 0)
-    generator = sampling.generator(session.batch.tokens.device)
+    generators = sampling.generators(session.batch.tokens.device, first_index, len(prompts))
     completions = [Completion() for _ in prompts]
     running = [True] * len(prompts)
     logits = session.prefill()
     for step in range(max_new_tokens):
-        tokens, logprobs = sample(logits, sampling, generator)
+        tokens, logprobs = sample(logits, sampling, generators)
         for i, (token, logprob) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
             if not running[i]:
                 continue  # a finished sequence is still computed with the batch, and ignored

@@ -2,13 +2,15 @@
 
 Tensor parallelism: the model gathers its vocab-parallel logits (GPTModel.forward without labels),
 so every TP rank holds the same full logits, bit for bit (each vocabulary slice is computed by
-one rank and copied to the others). With the same seed, every rank's generator draws the same
-numbers, so every rank picks the same token without any further communication.
+one rank and copied to the others). Each prompt samples from a random stream of its own, seeded
+from the seed and the prompt's index in the command: prompts and rows draw independent numbers
+(two identical prompts get two samples), a seed reproduces them whatever the batching, and every
+rank draws the same numbers, so every rank picks the same token without any further communication.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -31,9 +33,13 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"--top-p ({self.top_p}) must lie in (0, 1] (1 keeps every token)")
 
-    def generator(self, device) -> Optional[torch.Generator]:
-        """The random stream of one generation (None when greedy)."""
-        return None if self.greedy else torch.Generator(device=device).manual_seed(self.seed)
+    def generators(self, device, first: int, count: int) -> Optional[List[torch.Generator]]:
+        """The random streams of prompts first .. first + count - 1 of a command (None when greedy):
+        prompt i's is seeded with (seed, i) mixed into 64 bits (golden-ratio increments)."""
+        if self.greedy:
+            return None
+        return [torch.Generator(device=device).manual_seed((self.seed + (i + 1) * 0x9E3779B97F4A7C15) % 2**64)
+                for i in range(first, first + count)]
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -53,14 +59,15 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams,
-           generator: Optional[torch.Generator]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(next tokens [b], their log-probabilities [b]) from logits [b, vocab]. The log-probability
-    is the model's own (log-softmax of the raw logits), whatever the sampling settings."""
+           generators: Optional[Sequence[torch.Generator]]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(next tokens [b], their log-probabilities [b]) from logits [b, vocab], row r drawn from
+    generators[r]. The log-probability is the model's own (log-softmax of the raw logits),
+    whatever the sampling settings."""
     logits = logits.float()
     if params.greedy:
         tokens = logits.argmax(dim=-1)
     else:
         probs = filter_logits(logits, params).softmax(dim=-1)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        tokens = torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators)])
     logprobs = logits.log_softmax(dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return tokens, logprobs

@@ -104,8 +104,11 @@ def apply(fn, gemm: GemmPath, *args):
     return _eager_apply(fn, *args) if gemm.deferrable else fn.apply(*args)
 
 
-@torch.compiler.disable
 def _eager_apply(fn, *args):
     """Outside torch.compile (--compile): a compiled backward would fix `gemm.deferring` at its
-    value when the forward was traced, and the W pass of zero-bubble schedules would get nothing."""
+    value when the forward was traced, and the W pass of zero-bubble schedules would get nothing.
+    The disable is made only while compiling: the decorator imports torch._dynamo, seconds of
+    every start-up that only --compile needs."""
+    if torch.compiler.is_compiling():
+        return torch.compiler.disable(fn.apply)(*args)
     return fn.apply(*args)

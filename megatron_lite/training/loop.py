@@ -67,6 +67,18 @@ def init_distributed(device: torch.device) -> None:
     dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}", store), rank=rank, world_size=world)
 
 
+SLOW_PHASE_S = 5.0  # a start-up phase (data, model build, checkpoint load, first step) slower than this says so
+
+
+def _phase_done(name: str, since: float) -> float:
+    """Ends a start-up phase begun at `since`: when it was slow, one line with its time on rank 0, so
+    that a slow start shows where it is. Returns the time now (the next phase's start)."""
+    now = time.perf_counter()
+    if now - since > SLOW_PHASE_S and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"> start-up: {name} took {now - since:.1f} s", flush=True)
+    return now
+
+
 def params_dtype(cfg: Config) -> torch.dtype:
     return torch.bfloat16 if cfg.training.bf16 else torch.float16 if cfg.training.fp16 else torch.float32
 
@@ -106,10 +118,12 @@ class Trainer:
                            recompute_num_layers=t.recompute_num_layers, device=device,
                            cp_comm_type=[c.replace("allgather", "all_gather") for c in p.cp_comm_type],
                            compile=t.compile, cross_entropy_chunk_size=t.cross_entropy_chunk_size)
+        clock = time.perf_counter()
         self.chunks = model_provider(cfg, ctx)  # fills ctx.hooks with the model's step hooks
         self.loss_normalization, self.hooks = ctx.loss_normalization, ctx.hooks
         self.optimizer, self.grad_sync = build_optimizer(self.chunks, dims, t, p, t.optimizer_precision(),
                                                          p.num_distributed_optimizer_instances)
+        clock = _phase_done("model build", clock)
         self.lr_schedule = t.param_scheduler()  # counts samples, as Megatron-LM's
         self.batch_schedule = t.batch_schedule(dims.dp)  # the global batch of each step (ramp-up)
         self.num_microbatches = t.num_microbatches(dims.dp)  # at the full global batch: evaluation
@@ -121,7 +135,9 @@ class Trainer:
         evals = t.train_iters // t.eval_interval + 1
         train_samples = t.train_samples if t.train_samples is not None else t.train_iters * t.global_batch_size
         num_samples = (train_samples, evals * t.eval_iters * t.global_batch_size, t.eval_iters * t.global_batch_size)
+        clock = time.perf_counter()
         train_ds, valid_ds, _ = agree_on_errors(lambda: datasets_provider(cfg, tokenizer, num_samples), device)
+        clock = _phase_done("data", clock)
         self.iteration, self.consumed_samples, self.consumed_valid_samples = 0, 0, 0
         self.state = TrainState(cfg, dims, device, self.chunks, self.optimizer, self.tracker)  # what checkpoints hold
         for name in ("iteration", "consumed_samples", "consumed_valid_samples"):  # the data position
@@ -131,6 +147,7 @@ class Trainer:
         self.state.register("optimizer", self.optimizer.scalar_state, optimizer=self.optimizer.load_scalar_state)
         self.checkpointing = Checkpointing(cfg, device)
         loaded = self.checkpointing.load_at_start(self.state)  # sets the iteration and consumed samples
+        _phase_done("checkpoint load", clock)
         self.train_loader = build_pretraining_data_loader(train_ds, self.consumed_samples, t.micro_batch_size,
                                                           self.batch_schedule.running_global_batch_size,
                                                           dims.dp_rank, dims.dp, cfg.data.num_workers)
@@ -197,7 +214,10 @@ class Trainer:
         first = self.iteration == 0  # a fresh run's first record holds this rank's memory
         try:
             while self.iteration < t.train_iters:
+                clock = time.perf_counter()
                 rec = self._train_iteration(mem if first else None)
+                if not history:
+                    _phase_done("first step", clock)
                 first = False
                 history.append(rec)
                 self.logger.log(rec, console=self.iteration % t.log_interval == 0
