@@ -105,3 +105,41 @@ def test_torchrun_max_restarts_resumes_from_the_latest_checkpoint(tmp_path):
     for rec in read_metrics(metrics):  # before and after the crash: the uninterrupted run's losses
         assert rec["lm_loss"] == straight[rec["iteration"] - 1], rec["iteration"]
     assert read_tracker(str(ckpt)) == 8
+
+
+def _main_with_file_size_limit(rank, world, argv, limit):
+    """pretrain_gpt.main(argv) on this forked rank with files limited to `limit` bytes (as a full
+    disk: writes beyond it fail, EFBIG): (exit status, stderr)."""
+    import contextlib
+    import io
+    import resource
+
+    import pretrain_gpt
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of the process dying
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    os.environ["WORLD_SIZE"] = str(world)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = pretrain_gpt.main(argv)
+    return code, err.getvalue()
+
+
+def test_a_save_into_a_full_file_system_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
+    """Issue 26: a full disk during a save was a RuntimeError traceback (exit 1) that left
+    iter_*.staging behind. Now: every rank exits 2 with one line naming the directory and the space
+    the save needs; no staging directory is left; the previous checkpoint loads."""
+    ckpt = str(tmp_path / "ckpt")
+    flags = TINY + ["--save", ckpt, "--save-interval", "2"]
+    run(2, flags + ["--train-iters", "4", "--exit-interval", "2"])  # (the data's index cache is written here)
+    assert read_tracker(ckpt) == 2
+    results = run_distributed(_main_with_file_size_limit, 2, flags + ["--train-iters", "4", "--load", ckpt], 64 << 10)
+    assert [code for code, _ in results] == [2, 2], results
+    err = results[0][1].strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    assert err.startswith(f"error: [rank 0] saving checkpoint iteration 4 to {ckpt} failed: File too large "
+                          f"({ckpt}/iter_0000004.staging/shard_00000.safetensors); it needs "), err
+    assert "MiB and" in err and "MiB are free there" in err and "give --save another directory" in err, err
+    assert results[1][1] == ""  # one line, from rank 0
+    assert read_tracker(ckpt) == 2 and sorted(os.listdir(ckpt)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert len(run(2, flags + ["--train-iters", "3", "--load", ckpt])) == 1  # iteration 3 from the kept checkpoint
