@@ -42,7 +42,7 @@ COMPAT_NOOP_FLAGS = [
     # parameters are initialized layout-independently from their global names, wherever built
     "--init-model-with-meta-device",
 ]
-COMPAT_VALUE_FLAGS = ["--distributed-backend", "--timing-log-level", "--distributed-timeout-minutes",
+COMPAT_VALUE_FLAGS = ["--distributed-backend", "--timing-log-level",
                       "--num-dataset-builder-threads", "--data-impl", "--tensorboard-log-interval", "--ckpt-format",
                       "--tensorboard-queue-size"]
 # Megatron-LM flags that would change training here but are not implemented: refused with one

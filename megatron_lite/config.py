@@ -404,6 +404,8 @@ class TrainingConfig:
                                            "(only the first ones)", choices=["uniform", "block"])
     recompute_num_layers: int = arg(1, "layers per recomputed group (uniform) or recomputed layers (block)")
     device: Optional[str] = arg(None, "cpu or cuda; None: cuda when available", choices=["cpu", "cuda"])
+    distributed_timeout_minutes: float = arg(10, "timeout of every process group (gloo and NCCL): a collective that "
+                                                 "waits longer for a peer fails")
     compile: bool = arg(False, "torch.compile each transformer layer (fuses norms, RoPE, SwiGLU; compile time "
                                "bounded by the layer, not the model)", store="true")
     cross_entropy_chunk_size: Optional[int] = arg(
@@ -533,6 +535,8 @@ class TrainingConfig:
                  f"recompute_granularity ({self.recompute_granularity}) must be full or selective")
         _require(self.device in (None, "cpu", "cuda"), f"device ({self.device}) must be cpu or cuda")
         _require(self.log_interval >= 1, f"log_interval ({self.log_interval}) must be >= 1")
+        _require(self.distributed_timeout_minutes > 0,
+                 f"--distributed-timeout-minutes ({self.distributed_timeout_minutes}) must be positive")
         _require(self.eval_interval >= 1, f"eval_interval ({self.eval_interval}) must be >= 1")
         self._validate_checkpointing()
 
