@@ -140,6 +140,7 @@ def test_a_save_into_a_full_file_system_is_one_line_and_keeps_the_last_checkpoin
     assert err.startswith(f"error: [rank 0] saving checkpoint iteration 4 to {ckpt} failed: File too large "
                           f"({ckpt}/iter_0000004.staging/shard_00000.safetensors); it needs "), err
     assert "MiB and" in err and "MiB are free there" in err and "give --save another directory" in err, err
+    assert err.endswith("; checkpoint iteration 2 stays the latest"), err
     assert results[1][1] == ""  # one line, from rank 0
     assert read_tracker(ckpt) == 2 and sorted(os.listdir(ckpt)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
     assert len(run(2, flags + ["--train-iters", "3", "--load", ckpt])) == 1  # iteration 3 from the kept checkpoint

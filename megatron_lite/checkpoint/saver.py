@@ -136,6 +136,8 @@ class PendingSave:
         """Collective, once a rank's write or rank 0's commit failed: the staging directory is
         removed (the last complete checkpoint stays the latest) and every rank raises the same
         error: one line for a file-system error (a full disk names the space the save needs)."""
+        if self.thread is not None:
+            self.thread.join()  # (a background writer): nobody writes into what rank 0 removes
         needed = torch.tensor([self.needed], dtype=torch.int64, device=self.device)
         if world_size() > 1:
             dist.all_reduce(needed)
@@ -143,19 +145,19 @@ class PendingSave:
             shutil.rmtree(directory.staging_dir(self.root, self.iteration), ignore_errors=True)
 
         def report():
-            e = self.error
+            e, kept = self.error, directory.read_tracker(self.root)
             if not isinstance(e, OSError):
                 return
             where = e.filename or self.path or self.root
+            kept = "no checkpoint is kept" if kept is None else f"checkpoint iteration {kept} stays the latest"
             if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                 free = shutil.disk_usage(self.root).free
                 raise CheckpointError(
                     f"saving checkpoint iteration {self.iteration} to {self.root} failed: {e.strerror} ({where}); "
                     f"it needs {int(needed.item()) / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free there: free "
-                    f"space (or raise the quota or file-size limit) or give --save another directory; the last "
-                    f"complete checkpoint is kept")
+                    f"space (or raise the quota or file-size limit) or give --save another directory; {kept}")
             raise CheckpointError(f"saving checkpoint iteration {self.iteration} to {self.root} failed: {e.strerror} "
-                                  f"({where}); the last complete checkpoint is kept")
+                                  f"({where}); {kept}")
 
         agree_on_errors(report, self.device)
         raise RuntimeError(fallback)  # not the file system's: a bug, with its traceback
