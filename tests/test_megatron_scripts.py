@@ -215,7 +215,8 @@ def test_fsdp_script_maps_onto_zero3_and_the_gpt3_ramp(script_files, monkeypatch
     with pytest.raises(ConfigError, match="expects no batch-size rampup for iteration-based training"):
         resolve(_mock_data(_fill(shlex.split(SCRIPTS["gpt3_175b"]), script_files)))
     cfg, _ = resolve(_mock_data(_fill(_argv("gpt3_175b"), script_files)))
-    assert cfg.training.train_samples == 500_000 * 1536 and cfg.training.train_iters > 500_000  # ramp steps are smaller
+    # the ramp's steps are smaller than the full batch: more of them
+    assert cfg.training.train_samples == 500_000 * 1536 and cfg.training.train_iters > 500_000
     b = cfg.training.batch_schedule(1)  # DP = 128 / (8 x 16)
     assert [b.global_batch_size(c) for c in (0, 61677, 61678, 5859375, 5859376)] == [16, 16, 32, 1536, 1536]
     assert cfg.data.tokenizer_type == "GPT2BPETokenizer"  # Megatron's default, from --vocab-file

@@ -167,5 +167,6 @@ def test_switches_that_turn_off_say_so_in_their_help():
     from models.zoo import zoo
 
     actions = {a.option_strings[0]: a for a in build_parser(zoo())._actions if a.option_strings}
-    assert actions["--no-verify-checkpoint"].help == "turn off (on by default): check the checkpoint's checksums on load"
+    assert actions["--no-verify-checkpoint"].help == ("turn off (on by default): check the checkpoint's checksums "
+                                                      "on load")
     assert actions["--no-check-for-nan-in-loss-and-grad"].help.startswith("turn off (on by default): stop on")

@@ -2,9 +2,9 @@
 
 Arrays live in `{dir}/{key}-{name}.npy`, where key hashes everything that determines them (paths,
 file sizes, mtimes, inodes and ctimes, split, seq_length, seed, sizes...), so stale entries are
-simply never looked up again. Each file is written under a unique temporary name and moved into place with
-os.replace: readers see either no file or a complete one, and ranks that race write identical
-bytes, so the last rename is as good as the first.
+simply never looked up again. Each file is written under a unique temporary name and moved into
+place with os.replace: readers see either no file or a complete one, and ranks that race write
+identical bytes, so the last rename is as good as the first.
 """
 from __future__ import annotations
 
