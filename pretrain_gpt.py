@@ -98,7 +98,8 @@ def main(argv=None) -> int:
     from megatron_lite.launch import launch
 
     return launch(lambda: resolve(argv), lambda resolved: resolved[0].training.device,
-                  lambda resolved, device: make_trainer(*resolved, device).train())
+                  lambda resolved, device: make_trainer(*resolved, device).train(),
+                  timeout_of=lambda resolved: resolved[0].training.distributed_timeout_minutes)
 
 
 if __name__ == "__main__":

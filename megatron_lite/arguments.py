@@ -42,7 +42,7 @@ COMPAT_NOOP_FLAGS = [
     # parameters are initialized layout-independently from their global names, wherever built
     "--init-model-with-meta-device",
 ]
-COMPAT_VALUE_FLAGS = ["--distributed-backend", "--timing-log-level", "--distributed-timeout-minutes",
+COMPAT_VALUE_FLAGS = ["--distributed-backend", "--timing-log-level",
                       "--num-dataset-builder-threads", "--data-impl", "--tensorboard-log-interval", "--ckpt-format",
                       "--tensorboard-queue-size"]
 # Megatron-LM flags that would change training here but are not implemented: refused with one
@@ -92,7 +92,9 @@ def _add_field(group, f) -> None:
     doc = meta.get("help", "")
     kw = dict(dest=f.name, default=argparse.SUPPRESS)
     if meta.get("store") in ("true", "false"):
-        group.add_argument(flag, action=f"store_{meta['store']}", help=doc, **kw)
+        off = meta["store"] == "false"  # the flag turns off what the field's doc describes
+        group.add_argument(flag, action=f"store_{meta['store']}", help=f"turn off (on by default): {doc}" if off
+                           else doc, **kw)
         return
     kw.update(type=_scalar_type(f.type), help=f"{doc} (default: {default})")
     if meta.get("choices"):

@@ -218,6 +218,8 @@ class ParallelConfig:
             _require(t in CP_COMM_TYPES, f"--cp-comm-type {t!r} is not one of {', '.join(CP_COMM_TYPES)}")
         _require(len(types) in (1, model.num_layers),
                  f"--cp-comm-type takes one value or one per layer ({model.num_layers}), got {len(types)}")
+        _require(self.hierarchical_context_parallel_sizes is None or "a2a+p2p" in types,
+                 "--hierarchical-context-parallel-sizes applies to --cp-comm-type a2a+p2p: add it, or drop the sizes")
         if cp == 1:
             return
         _require(seq_length % (2 * cp) == 0,
@@ -252,11 +254,16 @@ class ParallelConfig:
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // (self.tp * self.pp * self.cp)
 
+    def validate_sizes(self) -> None:
+        """The parallel sizes are >= 1 (checked before anything divides by them)."""
+        for name, v in (("tensor_model_parallel_size", self.tp), ("pipeline_model_parallel_size", self.pp),
+                        ("context_parallel_size", self.cp),
+                        ("expert_model_parallel_size", self.expert_model_parallel_size)):
+            _require(v >= 1, f"{name} ({v}) must be >= 1")
+
     def validate(self, world_size: int, model: ModelConfig, seq_length: int) -> None:
         tp, pp, cp = self.tp, self.pp, self.cp
-        for name, v in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
-                        ("context_parallel_size", cp), ("expert_model_parallel_size", self.expert_model_parallel_size)):
-            _require(v >= 1, f"{name} ({v}) must be >= 1")
+        self.validate_sizes()
         _require(world_size % (tp * pp * cp) == 0,
                  f"world size ({world_size}) must be divisible by tensor_model_parallel_size ({tp}) x "
                  f"pipeline_model_parallel_size ({pp}) x context_parallel_size ({cp}) = {tp * pp * cp}; "
@@ -397,6 +404,8 @@ class TrainingConfig:
                                            "(only the first ones)", choices=["uniform", "block"])
     recompute_num_layers: int = arg(1, "layers per recomputed group (uniform) or recomputed layers (block)")
     device: Optional[str] = arg(None, "cpu or cuda; None: cuda when available", choices=["cpu", "cuda"])
+    distributed_timeout_minutes: float = arg(10, "timeout of every process group (gloo and NCCL): a collective that "
+                                                 "waits longer for a peer fails")
     compile: bool = arg(False, "torch.compile each transformer layer (fuses norms, RoPE, SwiGLU; compile time "
                                "bounded by the layer, not the model)", store="true")
     cross_entropy_chunk_size: Optional[int] = arg(
@@ -456,9 +465,10 @@ class TrainingConfig:
             _require(self.train_iters is None, "--train-iters and --train-samples are exclusive; choose one")
             self.train_iters = self.batch_schedule(dp).train_iters(self.train_samples)
         else:
-            # With --train-iters a ramp-up (which Megatron-LM refuses) grows the batch by the samples
-            # consumed as it does by samples; the schedule's lengths are iterations x the full batch.
             _require(self.train_iters is not None, "give the training length: --train-iters N or --train-samples N")
+            _require(self.rampup_batch_size is None, "--rampup-batch-size with --train-iters: Megatron-LM expects no "
+                                                     "batch-size rampup for iteration-based training; give the "
+                                                     "length with --train-samples instead")
 
     def batch_schedule(self, dp: int):
         """The global batch and micro-batches of every step (training/microbatches.py)."""
@@ -525,6 +535,8 @@ class TrainingConfig:
                  f"recompute_granularity ({self.recompute_granularity}) must be full or selective")
         _require(self.device in (None, "cpu", "cuda"), f"device ({self.device}) must be cpu or cuda")
         _require(self.log_interval >= 1, f"log_interval ({self.log_interval}) must be >= 1")
+        _require(self.distributed_timeout_minutes > 0,
+                 f"--distributed-timeout-minutes ({self.distributed_timeout_minutes}) must be positive")
         _require(self.eval_interval >= 1, f"eval_interval ({self.eval_interval}) must be >= 1")
         self._validate_checkpointing()
 
@@ -581,6 +593,7 @@ class Config:
     def finalize(self, world_size: int) -> "Config":
         """Fill what depends on the world size (the default global batch: micro-batch x DP).
         The one step that derives values; validate() only checks."""
+        self.parallel.validate_sizes()
         self.training.finalize(self.parallel.data_parallel_size(world_size))
         return self
 
@@ -610,7 +623,7 @@ class Config:
             _require(t.recompute_num_layers <= most,
                      f"--recompute-num-layers ({t.recompute_num_layers}) exceeds the {most} layers of a model chunk "
                      f"({self.model.num_layers} layers over {p.pp * vpp} pipeline stages); use at most {most}")
-        if p.pp > 1:
+        if p.pp > 1 or p.pipeline_schedule is not None:
             validate_schedule_args(p.pipeline_schedule or default_schedule(vpp), p.pp, num_microbatches, vpp,
                                    self.model.num_layers)
 

@@ -105,3 +105,94 @@ def test_torchrun_max_restarts_resumes_from_the_latest_checkpoint(tmp_path):
     for rec in read_metrics(metrics):  # before and after the crash: the uninterrupted run's losses
         assert rec["lm_loss"] == straight[rec["iteration"] - 1], rec["iteration"]
     assert read_tracker(str(ckpt)) == 8
+
+
+def _main_with_file_size_limit(rank, world, argv, limit):
+    """pretrain_gpt.main(argv) on this forked rank with files limited to `limit` bytes (as a full
+    disk: writes beyond it fail, EFBIG): (exit status, stderr)."""
+    import contextlib
+    import io
+    import resource
+
+    import pretrain_gpt
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of the process dying
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    os.environ["WORLD_SIZE"] = str(world)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = pretrain_gpt.main(argv)
+    return code, err.getvalue()
+
+
+def test_a_save_into_a_full_file_system_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
+    """Issue 26: a full disk during a save was a RuntimeError traceback (exit 1) that left
+    iter_*.staging behind. Now: every rank exits 2 with one line naming the directory and the space
+    the save needs; no staging directory is left; the previous checkpoint loads."""
+    ckpt = str(tmp_path / "ckpt")
+    flags = TINY + ["--save", ckpt, "--save-interval", "2"]
+    run(2, flags + ["--train-iters", "4", "--exit-interval", "2"])  # (the data's index cache is written here)
+    assert read_tracker(ckpt) == 2
+    results = run_distributed(_main_with_file_size_limit, 2, flags + ["--train-iters", "4", "--load", ckpt], 64 << 10)
+    assert [code for code, _ in results] == [2, 2], results
+    err = results[0][1].strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    assert err.startswith(f"error: [rank 0] saving checkpoint iteration 4 to {ckpt} failed: File too large "
+                          f"({ckpt}/iter_0000004.staging/shard_00000.safetensors); it needs "), err
+    assert "MiB and" in err and "MiB are free there" in err and "give --save another directory" in err, err
+    assert err.endswith("; checkpoint iteration 2 stays the latest"), err
+    assert results[1][1] == ""  # one line, from rank 0
+    assert read_tracker(ckpt) == 2 and sorted(os.listdir(ckpt)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert len(run(2, flags + ["--train-iters", "3", "--load", ckpt])) == 1  # iteration 3 from the kept checkpoint
+
+
+def _main_with_a_late_rank(rank, world, argv, port, late_s):
+    """pretrain_gpt.main(argv) in a world it joins itself (env://, as under torchrun); rank 1 sleeps
+    `late_s` before training. (exit status, stderr, timeouts of the world and the TP group)."""
+    import contextlib
+    import io
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    import pretrain_gpt
+
+    dist.destroy_process_group()  # the harness's world: main joins its own, with the flag's timeout
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    make_trainer, seen = pretrain_gpt.make_trainer, {}
+
+    def late_trainer(cfg, tokenizer, device):
+        trainer = make_trainer(cfg, tokenizer, device)
+        timeout = (lambda g: g._get_backend(torch.device("cpu")).options._timeout / timedelta(seconds=1))
+        seen.update(world=timeout(dist.group.WORLD), tp=timeout(trainer.dims.groups["tp"]))
+        if rank == 1:
+            time.sleep(late_s)
+        return trainer
+
+    pretrain_gpt.make_trainer = late_trainer
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = pretrain_gpt.main(argv)
+    return code, err.getvalue(), seen
+
+
+def test_distributed_timeout_minutes_sets_every_group_and_a_late_peer_is_one_line():
+    """Issue 26: --distributed-timeout-minutes was accepted and ignored. Now the world and every
+    group time out after it; a collective that waits longer ends each rank with one error line
+    (exit 1, for torchrun to restart), not a gloo traceback."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = TINY + ["--tensor-model-parallel-size", "2", "--distributed-timeout-minutes", "0.05"]
+    results = run_distributed(_main_with_a_late_rank, 2, argv, port, 4.5, timeout=120)
+    for rank, (code, err, seen) in enumerate(results):
+        assert seen == {"world": 3.0, "tp": 3.0}, seen
+        assert code == 1, (code, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: [rank {rank}] a collective failed: "), err
+        assert lines[0].endswith("a peer rank died or did not answer in time (--distributed-timeout-minutes); "
+                                 "restart from the last checkpoint"), err
+    assert "Timed out waiting 3000ms" in results[0][1], results[0][1]

@@ -107,3 +107,18 @@ def test_bad_data_path_lists(tmp_path):
 def test_bad_split(tmp_path):
     expect(tmp_path, [corpus(tmp_path)], "--split", split="a,b")
     expect(tmp_path, [corpus(tmp_path)], "--split", split="1,2,3,4")
+
+
+def test_a_bin_swapped_with_the_same_size_and_mtime_is_checked_again(tmp_path):
+    """Issue 26: the cached token range outlived a .bin replaced by one of the same size and mtime
+    whose ids exceed the vocabulary (an IndexError in the embedding later)."""
+    p = corpus(tmp_path, "swap", dtype=np.int32, tokens=range(10, 50))
+    build(tmp_path, [p])  # the token range [10, 49] is cached
+    st = os.stat(p + ".bin")
+    bad = np.fromfile(p + ".bin", dtype=np.int32)
+    bad[-1] = 300
+    bad.tofile(p + ".bin.new")
+    os.replace(p + ".bin.new", p + ".bin")
+    os.utime(p + ".bin", ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(p + ".bin").st_size == st.st_size and os.stat(p + ".bin").st_mtime_ns == st.st_mtime_ns
+    expect(tmp_path, [p], p + ".bin", "token id 300", "vocab [0, 257)")

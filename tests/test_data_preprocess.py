@@ -145,3 +145,15 @@ def test_invalid_unicode_is_skipped_and_counted(tmp_path):
     assert stats["skipped"] == {"'text' is not valid Unicode": 1}
     ds = IndexedDataset(str(tmp_path / "s_text_document"))
     assert len(ds) == 2 and bytes(ds.document(1)[:-1].tolist()).decode() == "also fine"
+
+
+def test_a_key_no_line_has_is_an_error_and_writes_nothing(tmp_path, capsys):
+    """Issue 26: --json-keys content on lines that only have 'text' wrote an empty dataset, exit 0."""
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}, {"text": "b"}])
+    out = tmp_path / "out"
+    argv = ["--input", inp, "--output-prefix", str(out / "ds"), "--quiet", "--json-keys", "content"]
+    assert preprocess_data.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"preprocess_data: error: --json-keys content: no line of {inp} gives a document for it "
+                   f"(missing key 'content': 2); nothing written: name a key the lines have"), err
+    assert not out.exists() or os.listdir(out) == []

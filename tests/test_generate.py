@@ -349,6 +349,7 @@ def test_generate_tool_null_tokenizer_prompts(checkpoint):
     (["--prompt-file", "/nonexistent/prompts.txt"], "--prompt-file"),
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--no-such-flag"], "see --help"),
+    (["--prompt", ""], "error: prompt 1 is empty: give it some text to continue"),
 ])
 def test_generate_tool_errors_are_one_line(checkpoint, extra, message):
     path, _ = checkpoint
@@ -356,6 +357,16 @@ def test_generate_tool_errors_are_one_line(checkpoint, extra, message):
     code, out, err = _run_tool(generate_tool, 0, 1, argv)
     assert code == 2 and out == ""
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and message in err, err
+
+
+def test_a_prompt_longer_than_the_trained_length_is_warned_about(checkpoint):
+    path, _ = checkpoint
+    trained = int(TINY[TINY.index("--seq-length") + 1])
+    code, out, err = _run_tool(generate_tool, 0, 1, ["--load", path, "--prompt", "y" * (trained + 3), "--greedy",
+                                                     "--max-new-tokens", "1"])
+    assert code == 0 and out.startswith("y" * (trained + 3))
+    assert err == (f"> warning: a prompt of {trained + 3} tokens is longer than the {trained} tokens the model was "
+                   f"trained on (its --seq-length): expect worse text\n"), err
 
 
 def test_generate_tool_prompt_file(checkpoint, tmp_path):

@@ -198,3 +198,20 @@ def test_bad_inputs_are_one_line_errors(saved, tmp_path, capsys):
     for line, fragment in zip(err, ["not a directory", "model_type 'bert'", "rope_type 'yarn'", "missing",
                                     "weights_only"]):
         assert line.startswith("convert_checkpoint.py hf-to-ml: error: ") and fragment in line, line
+
+
+def test_a_header_claiming_a_terabyte_is_one_line(tmp_path, capsys):
+    """Issue 26: a safetensors header whose length field says 10^12 bytes was a MemoryError."""
+    import struct
+
+    hf = tmp_path / "hf"
+    hf_model("llama_gqa").save_pretrained(hf)
+    with open(hf / "model.safetensors", "r+b") as f:
+        f.write(struct.pack("<Q", 10 ** 12))
+    size = os.path.getsize(hf / "model.safetensors")
+    capsys.readouterr()
+    assert _convert("hf-to-ml", "--hf-dir", hf, "--out", tmp_path / "o") == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"convert_checkpoint.py hf-to-ml: error: {hf / 'model.safetensors'} is not a readable safetensors "
+                   f"file: the header claims {10 ** 12} bytes but the file has {size}"), err
+    assert not (tmp_path / "o").exists()

@@ -108,7 +108,20 @@ CONF_RUN = "--train-iters 2 --global-batch-size 2 --lr 1e-4 --mock-data --tokeni
 
 
 def _argv(name):
-    return shlex.split(SCRIPTS[name]) + (shlex.split(CONF_RUN) if name.startswith("conf_") else [])
+    argv = shlex.split(SCRIPTS[name]) + (shlex.split(CONF_RUN) if name.startswith("conf_") else [])
+    return _by_samples(argv) if name == "gpt3_175b" else argv
+
+
+def _by_samples(argv):
+    """The GPT-3 script's ramp-up with --train-iters is refused, as Megatron-LM refuses it ('expected
+    no batch-size rampup for iteration-based training'): its run by samples, iterations x the
+    global batch (500000 x 1536), decay likewise."""
+    gbs = int(argv[argv.index("--global-batch-size") + 1])
+    out = list(argv)
+    for flag, to in (("--train-iters", "--train-samples"), ("--lr-decay-iters", "--lr-decay-samples")):
+        i = out.index(flag)
+        out[i:i + 2] = [to, str(int(out[i + 1]) * gbs)]
+    return out
 
 
 def _without_package_flags(argv):
@@ -199,7 +212,11 @@ def test_fsdp_script_maps_onto_zero3_and_the_gpt3_ramp(script_files, monkeypatch
     cfg, _ = resolve(_fill(_without_package_flags(_argv("llama3_8b_fsdp_nsys")), script_files))
     assert cfg.parallel.zero_stage == 3 and cfg.training.profile_ranks == [0] and cfg.training.logging_level == 20
     monkeypatch.setenv("WORLD_SIZE", "128")
+    with pytest.raises(ConfigError, match="expects no batch-size rampup for iteration-based training"):
+        resolve(_mock_data(_fill(shlex.split(SCRIPTS["gpt3_175b"]), script_files)))
     cfg, _ = resolve(_mock_data(_fill(_argv("gpt3_175b"), script_files)))
+    # the ramp's steps are smaller than the full batch: more of them
+    assert cfg.training.train_samples == 500_000 * 1536 and cfg.training.train_iters > 500_000
     b = cfg.training.batch_schedule(1)  # DP = 128 / (8 x 16)
     assert [b.global_batch_size(c) for c in (0, 61677, 61678, 5859375, 5859376)] == [16, 16, 32, 1536, 1536]
     assert cfg.data.tokenizer_type == "GPT2BPETokenizer"  # Megatron's default, from --vocab-file

@@ -170,12 +170,15 @@ def test_rampup_batch_sizes_data_and_resume(tmp_path):
     assert_same_run(straight, first + second, rtol=1e-6, what="resumed mid-ramp")
 
 
-def test_rampup_by_iterations_runs_with_the_full_batch_schedule():
-    """Megatron-LM refuses a ramp-up with --train-iters; here it ramps by the samples consumed and
-    the schedule's lengths are iterations x the full global batch (what the GPT-3 script asks)."""
-    argv = NO_LENGTH + RAMP_BATCH + ["--train-iters", "5"]
-    records = records_of(run_distributed(train_in_process, 1, argv))
-    assert [r["global_batch_size"] for r in records] == [2, 2, 4, 6, 6]
+def test_rampup_by_iterations_is_refused_as_in_megatron(monkeypatch, capsys):
+    """Megatron-LM asserts 'expected no batch-size rampup for iteration-based training': one line, exit 2."""
+    import pretrain_gpt
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert pretrain_gpt.main(NO_LENGTH + RAMP_BATCH + ["--train-iters", "5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: --rampup-batch-size with --train-iters: Megatron-LM expects no batch-size rampup for "
+                   "iteration-based training; give the length with --train-samples instead"), err
 
 
 # --- flags that map onto what exists ------------------------------------------------------------

@@ -73,3 +73,20 @@ def test_a_pasted_launch_script_plans_its_own_layout():
     print(out.stdout)
     assert "layout: TP4 PP2 DP1 ZeRO-1 SP 1f1b mbs 1 x 256 micro-batches" in out.stdout
     assert "pipeline rank 0:" in out.stdout and "pipeline rank 1:" in out.stdout and "s/step" in out.stdout
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--world-size", "0"], "error: --world-size (0) must be >= 1: the GPUs of the run"),
+    (["--world-size=-8"], "error: --world-size (-8) must be >= 1: the GPUs of the run"),
+    (["--world-size", "7", "--tensor-model-parallel-size", "2"],
+     "error: world size (7) must be divisible by tensor_model_parallel_size (2) x pipeline_model_parallel_size (1) x "
+     "context_parallel_size (1) = 2; change --nproc_per_node or the parallel sizes"),
+    (["--world-size", "8", "--gpu-memory", "0GB"], "error: --gpu-memory (0GB) must be positive"),
+])
+def test_impossible_plan_requests_are_one_line(flags, line, capsys):
+    """Issue 26: --world-size 0 was a ZeroDivisionError, 7 GPUs at TP2 planned DP3, 0GB planned."""
+    from tools import plan
+
+    assert plan.main(["--model", "llama3-8b", *flags]) == 2
+    out = capsys.readouterr()
+    assert out.err.strip() == line and out.out == "", out

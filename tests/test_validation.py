@@ -57,7 +57,14 @@ CASES = [
     (1, ["--eval-iters", "-1"], ["eval_iters (-1)"]),
     (1, ["--split", "0,100,0"], ["--split 0,100,0", "no training data"]),
     (1, ["--lr-warmup-iters", "5", "--lr-warmup-fraction", "0.1"], ["exclusive"]),
-    (1, ["--rampup-batch-size", "16", "16", "1000"], ["--rampup-batch-size START (16)", "--global-batch-size (2)"]),
+    (1, ["--rampup-batch-size", "16", "16", "1000"], ["--rampup-batch-size with --train-iters", "--train-samples"]),
+    # issue 26: parallel sizes of 0 (no ZeroDivisionError), sizes or schedules that would be ignored
+    (1, ["--tensor-model-parallel-size", "0"], ["tensor_model_parallel_size (0) must be >= 1"]),
+    (1, ["--pipeline-model-parallel-size", "0"], ["pipeline_model_parallel_size (0) must be >= 1"]),
+    (1, ["--context-parallel-size", "0"], ["context_parallel_size (0) must be >= 1"]),
+    (2, ["--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "1", "2"],
+     ["--hierarchical-context-parallel-sizes applies to --cp-comm-type a2a+p2p"]),
+    (1, ["--pipeline-schedule", "interleaved"], ["'interleaved' needs virtual pipeline size > 1 (got 1)"]),
     (1, ["--fp8-format", "hybrid"], ["--fp8-format", "Transformer Engine"]),
     (2, ["--num-distributed-optimizer-instances", "2"], ["--num-distributed-optimizer-instances (2)",
                                                           "distributed optimizer"]),
@@ -152,3 +159,14 @@ def test_fp16_weights_that_overflow_stop_the_run(monkeypatch, capsys):
                                      "--loss-scale", "1"]) == 2
     err = _last_error_line(capsys)
     assert "iteration 1: fp16 parameters overflow" in err and "--bf16" in err, err
+
+
+def test_switches_that_turn_off_say_so_in_their_help():
+    """--no-verify-checkpoint skips the checksums: its help must not read as if it checked them."""
+    from megatron_lite.arguments import build_parser
+    from models.zoo import zoo
+
+    actions = {a.option_strings[0]: a for a in build_parser(zoo())._actions if a.option_strings}
+    assert actions["--no-verify-checkpoint"].help == ("turn off (on by default): check the checkpoint's checksums "
+                                                      "on load")
+    assert actions["--no-check-for-nan-in-loss-and-grad"].help.startswith("turn off (on by default): stop on")

@@ -82,6 +82,8 @@ def read_prompts(args) -> List[str]:
         prompts += [_decode_line(line) for line in lines if line.strip()]
     if not prompts:
         raise ConfigError("give at least one --prompt or a --prompt-file")
+    if "" in prompts:
+        raise ConfigError(f"prompt {prompts.index('')} is empty: give it some text to continue")
     return prompts
 
 
@@ -162,13 +164,15 @@ class Setup:
         trained = self.trained_length
         if trained is None:
             return requested or 128
-        room = trained - max(len(p) for p in self.prompts)
-        if requested is None:
-            return min(128, max(1, room))
-        if requested > room and int(os.environ.get("RANK", "0")) == 0:
+        longest = max(len(p) for p in self.prompts)
+        room = trained - longest
+        if longest > trained and int(os.environ.get("RANK", "0")) == 0:
+            print(f"> warning: a prompt of {longest} tokens is longer than the {trained} tokens the model was trained "
+                  f"on (its --seq-length): expect worse text", file=sys.stderr)
+        elif (requested or 0) > room and int(os.environ.get("RANK", "0")) == 0:
             print(f"> note: prompt and completion go past the {trained} tokens the model was trained on: expect "
                   f"worse text from there on", file=sys.stderr)
-        return requested
+        return requested if requested is not None else min(128, max(1, room))
 
 
 # --- output -----------------------------------------------------------------------------------

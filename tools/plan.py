@@ -67,7 +67,27 @@ def _hardware(args):
                               ("nvlink_gbps", args.nvlink_gbps), ("network_gbps", args.network_gbps)) if v is not None}
     if args.gpu_memory:
         over["memory_bytes"] = parse_bytes(args.gpu_memory)
+    for name, v in over.items():
+        if v <= 0:
+            flag, given = ("gpu-memory", args.gpu_memory) if name == "memory_bytes" else (name.replace("_", "-"), v)
+            raise ConfigError(f"--{flag} ({given}) must be positive")
     return hw.with_(**over)
+
+
+def _prepare(cfg, args, argv) -> None:
+    """The planner's defaults over the flags, then the trainer's finalize (ConfigError if impossible)."""
+    t = cfg.training
+    if cfg.data.vocab_size:  # NullTokenizer's vocabulary; other tokenizers are not loaded here
+        cfg.model.vocab_size = cfg.data.vocab_size
+    if not (t.bf16 or t.fp16 or args.fp32):
+        t.bf16 = True
+    if not _given(argv, "--micro-batch-size"):
+        t.micro_batch_size = 1
+    if args.search and not _given(argv, "--global-batch-size"):
+        t.global_batch_size = args.world_size * t.micro_batch_size
+    if t.train_iters is None and t.train_samples is None:
+        t.train_iters = 1  # a plan is per step: the run's length does not matter
+    cfg.finalize(args.world_size)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -76,22 +96,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         args = parser().parse_args(argv)
         cfg = config_from_args(args, zoo())
         hw = _hardware(args)
+        if args.world_size < 1:
+            raise ConfigError(f"--world-size ({args.world_size}) must be >= 1: the GPUs of the run")
+        _prepare(cfg, args, argv)
+        if not args.search:  # the layout of the flags must fill the world, as the trainer requires
+            cfg.parallel.validate(args.world_size, cfg.model, cfg.training.seq_length)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    t = cfg.training
-    if cfg.data.vocab_size:  # NullTokenizer's vocabulary; other tokenizers are not loaded here
-        cfg.model.vocab_size = cfg.data.vocab_size
-    if not (t.bf16 or t.fp16 or args.fp32):
-        t.bf16 = True
-    if not _given(argv, "--micro-batch-size"):
-        t.micro_batch_size = 1
-    world = args.world_size
-    if args.search and not _given(argv, "--global-batch-size"):
-        t.global_batch_size = world * t.micro_batch_size
-    if t.train_iters is None and t.train_samples is None:
-        t.train_iters = 1  # a plan is per step: the run's length does not matter
-    cfg.finalize(world)
+    world, t = args.world_size, cfg.training
     base = from_config(cfg, world)
     m = cfg.model
     inventory = GPTInventory(m, base.params_dtype).chunk

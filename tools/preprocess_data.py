@@ -224,6 +224,11 @@ def run(args) -> dict:
                     writers[key].add_documents(kr.tokens(encoder.dtype), np.asarray(kr.seq_lengths),
                                                np.asarray(kr.seqs_per_doc))
             progress.update(res.num_bytes, len(next(iter(res.docs.values())).seqs_per_doc))
+        for key, w in writers.items():
+            if not w.num_documents:  # a wrong --json-keys (or a file of nothing usable): write nothing
+                why = ", ".join(f"{reason}: {n}" for reason, n in sorted(skipped.items())) or "no lines"
+                raise ConfigError(f"--json-keys {key}: no line of {args.input} gives a document for it ({why}); "
+                                  f"nothing written: name a key the lines have")
         for w in writers.values():
             w.finalize()
     except BaseException:

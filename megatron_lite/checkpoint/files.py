@@ -177,6 +177,9 @@ def read_header(path: str) -> Tuple[int, dict]:
     """(offset of the data section, header entries) of a safetensors file."""
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
+        size = os.fstat(f.fileno()).st_size
+        if n > size - 8:  # read nothing a damaged length claims (10^12 bytes: a MemoryError)
+            raise ValueError(f"the header claims {n} bytes but the file has {size}")
         return 8 + n, json.loads(f.read(n))
 
 

@@ -13,6 +13,7 @@ A save is three steps:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import shutil
 import threading
@@ -22,8 +23,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..errors import agree_on_errors
 from . import directory, rng
-from .files import FORMAT, PieceSet, describe_files
+from .files import FORMAT, CheckpointError, PieceSet, describe_files
 from .geometry import whole_box
 from .plan import buffer_key, bucket_sources, persistent_buffers, regions, stored_key, write_range
 from .state import TrainState
@@ -92,9 +94,11 @@ class PendingSave:
         self.thread: Optional[threading.Thread] = None
         self.write_s = 0.0  # how long writing this rank's file took (checksums included)
         self.checksum_s = 0.0
+        self.needed, self.path = 0, None  # this rank's file and its bytes (about: the header aside)
 
     def write(self, pieces: PieceSet, background: bool) -> None:
         path = os.path.join(directory.staging_dir(self.root, self.iteration), directory.shard_file(world_rank()))
+        self.needed, self.path = sum(t.numel() * t.element_size() for _, t in pieces.tensors), path
 
         def run():
             start = time.perf_counter()
@@ -122,9 +126,39 @@ class PendingSave:
         """Collective: True when every rank's file is written (raises if any rank failed)."""
         state = world_min(self.status(), self.device)
         if state < 0:
-            raise RuntimeError(f"saving checkpoint iteration {self.iteration} failed on a rank"
-                               + (f": {self.error!r}" if self.error else " (see that rank's error)"))
+            self._failed(f"saving checkpoint iteration {self.iteration} failed on a rank"
+                         + (f": {self.error!r}" if self.error else " (see that rank's error)"))
         return state == 1
+
+    def _failed(self, fallback: str) -> None:
+        """Collective, once a rank's write or rank 0's commit failed: the staging directory is
+        removed (the last complete checkpoint stays the latest) and every rank raises the same
+        error: one line for a file-system error (a full disk names the space the save needs)."""
+        if self.thread is not None:
+            self.thread.join()  # (a background writer): nobody writes into what rank 0 removes
+        needed = torch.tensor([self.needed], dtype=torch.int64, device=self.device)
+        if world_size() > 1:
+            dist.all_reduce(needed)
+        if world_rank() == 0:
+            shutil.rmtree(directory.staging_dir(self.root, self.iteration), ignore_errors=True)
+
+        def report():
+            e, kept = self.error, directory.read_tracker(self.root)
+            if not isinstance(e, OSError):
+                return
+            where = e.filename or self.path or self.root
+            kept = "no checkpoint is kept" if kept is None else f"checkpoint iteration {kept} stays the latest"
+            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                free = shutil.disk_usage(self.root).free
+                raise CheckpointError(
+                    f"saving checkpoint iteration {self.iteration} to {self.root} failed: {e.strerror} ({where}); "
+                    f"it needs {int(needed.item()) / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free there: free "
+                    f"space (or raise the quota or file-size limit) or give --save another directory; {kept}")
+            raise CheckpointError(f"saving checkpoint iteration {self.iteration} to {self.root} failed: {e.strerror} "
+                                  f"({where}); {kept}")
+
+        agree_on_errors(report, self.device)
+        raise RuntimeError(fallback)  # not the file system's: a bug, with its traceback
 
     def commit(self, keep_last: Optional[int]) -> None:
         """Collective, after ready(): rank 0 writes metadata.json and moves `latest`."""
@@ -135,7 +169,7 @@ class PendingSave:
             except BaseException as e:
                 self.error, ok = e, -1
         if world_min(ok, self.device) < 0:
-            raise RuntimeError(f"committing checkpoint iteration {self.iteration} failed on rank 0: {self.error!r}")
+            self._failed(f"committing checkpoint iteration {self.iteration} failed on rank 0: {self.error!r}")
 
     def _commit_rank0(self, keep_last: Optional[int]) -> None:
         staging = directory.staging_dir(self.root, self.iteration)

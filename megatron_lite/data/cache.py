@@ -1,10 +1,10 @@
 """On-disk cache of index arrays, safe when every rank builds at once.
 
 Arrays live in `{dir}/{key}-{name}.npy`, where key hashes everything that determines them (paths,
-file sizes and mtimes, split, seq_length, seed, sizes...), so stale entries are simply never
-looked up again. Each file is written under a unique temporary name and moved into place with
-os.replace: readers see either no file or a complete one, and ranks that race write identical
-bytes, so the last rename is as good as the first.
+file sizes, mtimes, inodes and ctimes, split, seq_length, seed, sizes...), so stale entries are
+simply never looked up again. Each file is written under a unique temporary name and moved into
+place with os.replace: readers see either no file or a complete one, and ranks that race write
+identical bytes, so the last rename is as good as the first.
 """
 from __future__ import annotations
 
@@ -26,9 +26,12 @@ def cache_key(description: dict) -> str:
 
 
 def file_identity(path: str) -> dict:
-    """Its absolute path, size and modification time (not enough alone: copies keep them)."""
+    """Its absolute path, size, modification time, inode and change time. Copies (`cp -p`,
+    rsync) and `touch -d` can restore size and mtime, but a file replaced or rewritten gets a new
+    inode or ctime, which no tool sets back."""
     st = os.stat(path)
-    return {"path": os.path.abspath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return {"path": os.path.abspath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino,
+            "ctime_ns": st.st_ctime_ns}
 
 
 def corpus_identity(indexed) -> dict:

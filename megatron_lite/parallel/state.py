@@ -24,6 +24,7 @@ span the TP ranks there; keeping EP inside DP x CP makes every TP size fold the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
@@ -47,6 +48,7 @@ class ParallelDims:
     groups: Dict[str, Optional[dist.ProcessGroup]] = field(default_factory=dict, repr=False)
     comm_counter: Optional[object] = field(default=None, repr=False)  # a comm.CommCounter: bytes moved
     group_ranks: Dict[str, List[int]] = field(default_factory=dict, repr=False)
+    timeout: Optional[timedelta] = None  # of every group (--distributed-timeout-minutes); None: torch's default
 
     def __post_init__(self):
         if (self.dp * self.cp) % self.ep != 0:
@@ -258,7 +260,7 @@ class ParallelDims:
         for name, lists in self._rank_lists().items():
             for ranks in lists:
                 # new_group is collective over the whole world, even for non-members.
-                g = dist.new_group(ranks) if len(ranks) > 1 else None
+                g = dist.new_group(ranks, timeout=self.timeout) if len(ranks) > 1 else None
                 if self.rank in ranks:
                     self.groups[name] = g
                     self.group_ranks[name] = ranks
@@ -266,11 +268,11 @@ class ParallelDims:
 
     @classmethod
     def from_world(cls, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, vpp: int = 1,
-                   cp_a2a: int = 0, etp: int = 1) -> "ParallelDims":
+                   cp_a2a: int = 0, etp: int = 1, timeout: Optional[timedelta] = None) -> "ParallelDims":
         """Derive DP from the initialized world and build the groups (or a single-process layout)."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         dims = cls(tp=tp, cp=cp, dp=world // (tp * cp * pp), pp=pp, ep=ep, vpp=vpp, cp_a2a=cp_a2a, etp=etp,
-                   rank=dist.get_rank() if dist.is_initialized() else 0)
+                   rank=dist.get_rank() if dist.is_initialized() else 0, timeout=timeout)
         return dims.build_groups()
 
 
@@ -292,7 +294,7 @@ def partial_dp_groups(dims: ParallelDims, instances: int):
     for suffix, groups in kinds.items():
         for ranks in groups:
             # new_group is collective over the whole world, even for non-members.
-            g = dist.new_group(ranks) if len(ranks) > 1 and dist.is_initialized() else None
+            g = dist.new_group(ranks, timeout=dims.timeout) if len(ranks) > 1 and dist.is_initialized() else None
             if dims.rank in ranks:
                 dims.groups[key + suffix], dims.group_ranks[key + suffix] = g, ranks
     return dims.groups[key + "_shard"], dims.groups[key + "_replica"]

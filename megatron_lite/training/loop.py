@@ -48,14 +48,16 @@ def choose_device(requested: Optional[str]) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device: torch.device) -> None:
-    """Join the torchrun world (NCCL on GPUs, gloo on CPU); nothing to do for a single process."""
+def init_distributed(device: torch.device, timeout_minutes: Optional[float] = None) -> None:
+    """Join the torchrun world (NCCL on GPUs, gloo on CPU); nothing to do for a single process.
+    `timeout_minutes` (--distributed-timeout-minutes): how long a collective waits for a peer."""
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = None if timeout_minutes is None else timedelta(minutes=timeout_minutes)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
         return
     # Under torchrun every restart of the workers reuses the agent's store, where the failed
     # attempt's keys would hand the new ranks the dead ranks' addresses (torch 2.13: "connection
@@ -64,7 +66,8 @@ def init_distributed(device: torch.device) -> None:
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=not agent_store and rank == 0, timeout=timedelta(minutes=10))
-    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}", store), rank=rank, world_size=world)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}", store), rank=rank, world_size=world,
+                            timeout=timeout)
 
 
 SLOW_PHASE_S = 5.0  # a start-up phase (data, model build, checkpoint load, first step) slower than this says so
@@ -105,7 +108,8 @@ class Trainer:
         m, p, t = cfg.model, cfg.parallel, cfg.training
         self.dims = ParallelDims.from_world(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.expert_model_parallel_size,
                                             vpp=p.virtual_pipeline_model_parallel_size or 1, cp_a2a=p.cp_a2a_size(),
-                                            etp=p.expert_tensor_parallel_size)
+                                            etp=p.expert_tensor_parallel_size,
+                                            timeout=timedelta(minutes=t.distributed_timeout_minutes))
         dims = self.dims
         dims.comm_counter = comm.CommCounter() if t.log_comm_volume else None  # bytes per step in the metrics
         self.tracker = RNGStatesTracker(device)
