@@ -18,7 +18,8 @@ import torch.nn as nn
 from ..parallel.random import recompute
 from ..parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from .core_attention import PackedSeq
-from .norm import head_norm
+from .counts import Counts, MicroBatch, weights
+from .norm import head_norm, norm_weights
 from .rope import apply_rope
 
 
@@ -108,3 +109,20 @@ class SelfAttention(nn.Module):
             out = self._core(q, k, v, packed, q_offset)
         out = out.transpose(0, 1).reshape(s, b, self.heads * dv)
         return self.linear_proj(out)
+
+    @classmethod
+    def counts(cls, cfg, mb: MicroBatch) -> Counts:
+        """Q, K/V, output projections, their biases and q/k norms; the core's 4 H Q T FLOPs per token.
+        Kept per token (widths per TP rank): q and k after RoPE and [k | v], a (q + 3 kv) (no RoPE:
+        a (q + 2 kv)); the core's output a q and its log-sum-exp, 4 per head (fused kernels keep no
+        [s, s] scores; under selective recomputation the core is replayed: no log-sum-exp)."""
+        h, d, heads = cfg.hidden_size, cfg.kv_channels, cfg.num_attention_heads
+        q, kv = heads * d, cfg.num_query_groups * d
+        n = 2 * h * q + 2 * h * kv + (q + 2 * kv if cfg.add_bias_linear or cfg.add_qkv_bias else 0)
+        n += (h if cfg.add_bias_linear else 0) + (2 * norm_weights(cfg, d) if cfg.qk_layernorm else 0)
+        keys = min(mb.seq_length, cfg.window_size) if cfg.window_size else mb.seq_length
+        core = 4 * heads * d * keys
+        q_rank, kv_rank = heads // mb.tp * d, max(1, cfg.num_query_groups // mb.tp) * d
+        kept = mb.a * (2 * q_rank + (3 if cfg.position_embedding_type == "rope" else 2) * kv_rank)
+        kept += 4 * (heads // mb.tp) if mb.recompute != "selective" else 0
+        return weights(n, act_bytes=kept * mb.tokens) + Counts(flops=core, core_flops=core)
