@@ -100,9 +100,8 @@ class ModelConfig:
         return parse_moe_layer_freq(self.moe.moe_layer_freq, self.num_layers)
 
     def num_parameters(self, include_embedding: bool = True, active: bool = False) -> int:
-        """Parameter count of the unsharded model (true vocab size, no padding) as its layer types
-        report it; with `active`, an MoE layer counts only the experts a token is routed to (what
-        FLOPs and MFU count)."""
+        """Parameter count of the unsharded model (true vocab, no padding) as its layer types report
+        it; with `active`, an MoE layer counts only the experts a token is routed to (what MFU counts)."""
         counts = model_counts(self)
         total = counts.total.active if active else counts.total.params
         return total if include_embedding else total - counts.embedding.params

@@ -112,17 +112,18 @@ class SelfAttention(nn.Module):
 
     @classmethod
     def counts(cls, cfg, mb: MicroBatch) -> Counts:
-        """Q, K/V, output projections, their biases and q/k norms; the core's 4 H Q T FLOPs per token.
-        Kept per token (widths per TP rank): q and k after RoPE and [k | v], a (q + 3 kv) (no RoPE:
-        a (q + 2 kv)); the core's output a q and its log-sum-exp, 4 per head (fused kernels keep no
-        [s, s] scores; under selective recomputation the core is replayed: no log-sum-exp)."""
-        h, d, heads = cfg.hidden_size, cfg.kv_channels, cfg.num_attention_heads
-        q, kv = heads * d, cfg.num_query_groups * d
-        n = 2 * h * q + 2 * h * kv + (q + 2 * kv if cfg.add_bias_linear or cfg.add_qkv_bias else 0)
-        n += (h if cfg.add_bias_linear else 0) + (2 * norm_weights(cfg, d) if cfg.qk_layernorm else 0)
+        """Q, K, V and output projections, their biases and q/k norms; the core's 2 H (d + dv) T FLOPs
+        per token (4 H Q T). Kept per token (heads per TP rank): q and k after RoPE and [k | v]; the
+        core's output and its log-sum-exp, 4 per head (fused kernels keep no [s, s] scores; under
+        selective recomputation the core is replayed: no log-sum-exp)."""
+        c, h = AttentionConfig.from_model(cfg), cfg.hidden_size
+        d, dv, heads, groups = c.kv_channels, c.v_head_dim, c.num_attention_heads, c.num_query_groups
+        qkv = heads * d + groups * (d + dv)
+        n = h * qkv + heads * dv * h + (qkv if c.qkv_bias else 0) + (h if c.proj_bias else 0)
+        n += 2 * norm_weights(cfg, d) if c.qk_layernorm else 0
         keys = min(mb.seq_length, cfg.window_size) if cfg.window_size else mb.seq_length
-        core = 4 * heads * d * keys
-        q_rank, kv_rank = heads // mb.tp * d, max(1, cfg.num_query_groups // mb.tp) * d
-        kept = mb.a * (2 * q_rank + (3 if cfg.position_embedding_type == "rope" else 2) * kv_rank)
-        kept += 4 * (heads // mb.tp) if mb.recompute != "selective" else 0
+        core = 2 * heads * (d + dv) * keys
+        heads, groups = heads // mb.tp, max(1, groups // mb.tp)
+        kept = heads * (d + dv) + groups * ((2 if cfg.position_embedding_type == "rope" else 1) * d + dv)
+        kept = mb.a * kept + (4 * heads if mb.recompute != "selective" else 0)
         return weights(n, act_bytes=kept * mb.tokens) + Counts(flops=core, core_flops=core)
