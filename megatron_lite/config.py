@@ -13,7 +13,6 @@ from typing import List, Optional
 
 from .errors import ConfigError
 from .options import arg
-from .transformer.model_counts import model_counts
 from .transformer.moe.config import MoEConfig, parse_moe_layer_freq
 
 
@@ -102,6 +101,7 @@ class ModelConfig:
     def num_parameters(self, include_embedding: bool = True, active: bool = False) -> int:
         """Parameter count of the unsharded model (true vocab, no padding) as its layer types report
         it; with `active`, an MoE layer counts only the experts a token is routed to (what MFU counts)."""
+        from .transformer.model_counts import model_counts  # the model stack: not loaded to parse flags
         counts = model_counts(self)
         total = counts.total.active if active else counts.total.params
         return total if include_embedding else total - counts.embedding.params
