@@ -98,43 +98,13 @@ class ModelConfig:
             return [False] * self.num_layers
         return parse_moe_layer_freq(self.moe.moe_layer_freq, self.num_layers)
 
-    def _moe_mlp_parameters(self, active: bool) -> int:
-        """Parameters of one MoE layer's MLP slot: router, experts (the k a token uses when
-        `active`), shared expert and its gate."""
-        m, h, per = self.moe, self.hidden_size, 3 if self.swiglu else 2
-        experts = m.moe_router_topk if active else m.num_experts
-        n = m.num_experts * h + experts * per * h * m.moe_ffn_hidden_size
-        if m.moe_shared_expert_intermediate_size:
-            n += per * h * m.moe_shared_expert_intermediate_size + (h if m.moe_shared_expert_gate else 0)
-        return n
-
     def num_parameters(self, include_embedding: bool = True, active: bool = False) -> int:
-        """Parameter count of the unsharded model (true vocab size, no padding); with `active`, an
-        MoE layer counts only the experts a token is routed to (what FLOPs and MFU count)."""
-        h, f, d = self.hidden_size, self.ffn_hidden_size, self.kv_channels
-        q, kv = self.num_attention_heads * d, self.num_query_groups * d
-        bias = self.add_bias_linear
-        norm = h * (2 if self.normalization == "LayerNorm" else 1)
-        attn = h * (q + 2 * kv) + q * h
-        if bias or self.add_qkv_bias:
-            attn += q + 2 * kv
-        if bias:
-            attn += h
-        mlp = h * f * (3 if self.swiglu else 2) + ((f * (2 if self.swiglu else 1) + h) if bias else 0)
-        if self.qk_layernorm:
-            attn += 2 * d * (2 if self.normalization == "LayerNorm" else 1)
-        moe = self.moe_layers()
-        total = self.num_layers * (attn + 2 * norm) + norm + (self.num_layers - sum(moe)) * mlp
-        if any(moe):
-            total += sum(moe) * self._moe_mlp_parameters(active)
-        emb = self.vocab_size * h
-        if self.position_embedding_type == "learned_absolute":
-            emb += self.max_position_embeddings * h
-        if include_embedding:
-            total += emb
-        if self.untie_embeddings_and_output_weights:
-            total += self.vocab_size * h
-        return total
+        """Parameter count of the unsharded model (true vocab, no padding) as its layer types report
+        it; with `active`, an MoE layer counts only the experts a token is routed to (what MFU counts)."""
+        from .transformer.model_counts import model_counts  # the model stack: not loaded to parse flags
+        counts = model_counts(self)
+        total = counts.total.active if active else counts.total.params
+        return total if include_embedding else total - counts.embedding.params
 
     def validate(self, seq_length: int) -> None:
         _require(self.num_layers > 0, f"num_layers ({self.num_layers}) must be positive")

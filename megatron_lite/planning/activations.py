@@ -3,33 +3,15 @@ the activations autograd keeps, for as many micro-batches as the pipeline schedu
 flight, plus what is alive at the worst moment (the loss's logits, ZeRO's gathered parameters
 and full gradients).
 
-The activation terms follow what this project's layers save for backward (checked tensor by
-tensor with planning/measure.py; bytes per token of a micro-batch, `a` the activation element
-size, widths per TP rank: q = heads/tp x head dim, kv = groups/tp x head dim, f = ffn/tp):
+What a layer keeps for backward is what its type reports (transformer/counts.py: norms, attention,
+MLP, MoE layer, the residual stream; the embedding, final norm and loss in model_counts.py), checked
+tensor by tensor with planning/measure.py. Per model chunk on top (bytes per token of a micro-batch,
+`a` the activation element size, widths per TP rank: q = heads/tp x head dim, kv = groups/tp x head
+dim, f = ffn/tp):
 
-  norm (x2 per layer)  RMSNorm: its fp32 input copy (bf16) and normalized value, 1/rms: (8 - a) h + 4;
-                       LayerNorm: mean and 1/std: 8; on the residual stream's tokens (1/tp of them
-                       under SP); plus its output as the next linear's input, a h on the same
-                       tokens (under SP the shard: backward all-gathers it again)
-  attention            q and k after RoPE, the [k | v] projection: a (q + 3 kv) (without RoPE: a (q + 2 kv));
-                       the attention output a q and its log-sum-exp, 4 per head (fused kernels: no
-                       [s, s] scores are kept)
-  MLP                  SwiGLU: [gate | up] 2 a f, silu(gate) a f, their product a f; GELU: 2 a f
-  residual stream      two sums per layer, 2 a h (1/tp of the tokens under SP); dropout masks 1 byte each
-  MoE MLP              per routed copy of a token (top-k), its rows through the dispatch (permuted,
-                       exchanged, on their way back) 3 a h, the experts' activations as a SwiGLU /
-                       GELU MLP of the expert ffn size (expected routing: the ranks of a measured run
-                       scatter around it with the load imbalance, a few percent here);
-                       the router's fp32 logits and scores, 12 per expert per token
-  chunk                its input a h (residual tokens); RoPE's cos and sin 2 a d; under TP the
-                       embedding's masked ids and mask, 9
-  last stage           final norm as above; the loss keeps the fp32 softmax over this rank's
-                       vocabulary in the fp32 logits' own buffer, 4 V/tp (bf16: the chunked cross
-                       entropy keeps the logits, a V/tp, and 8 bytes of max and exp sum), and 14
-                       bytes per token of targets and masks
+  chunk                its input a h (residual tokens); RoPE's cos and sin 2 a d
   recomputation        full: only each recomputed group's input a h (residual tokens), and while a
-                       group's backward runs, its recomputed activations; selective: the attention
-                       core's log-sum-exp is not kept
+                       group's backward runs, its recomputed activations
 
 Transients at their worst moment: the chunked loss's fp32 copy of one chunk of logits, forward and
 backward (fp32 logits are worked on in place: none); its backward the input gradient a h and the
@@ -58,26 +40,29 @@ import torch
 from ..config import ModelConfig
 from ..parallel.bucket_plan import plan_buckets
 from ..parallel.pipeline.schedules import Action, compute_orders
-from ..transformer.fast_paths import cross_entropy_chunk_tokens
+from ..transformer.model_counts import MicroBatch, loss_chunk_tokens, model_counts
 from .layout import Layout
 from .state import rank_buckets, stage_chunks
 
-MOE_ROUTER_BYTES_PER_EXPERT = 12  # fp32 router logits, scores and the top-k mask per token and expert
 
-
-def _size(dtype: torch.dtype) -> int:
+def element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def micro_batch(lay: Layout) -> MicroBatch:
+    """One micro-batch on one rank of the layout (tokens of this CP rank's sequence part)."""
+    return MicroBatch(lay.seq_length, lay.seq_length // lay.cp * lay.micro_batch_size, lay.tp, lay.etp, lay.sp,
+                      element_size(lay.params_dtype), lay.recompute)
 
 
 @dataclass
 class Widths:
-    """Per-rank tensor widths of one micro-batch (tokens of this CP rank's sequence part)."""
+    """Per-rank tensor widths of one micro-batch."""
     tokens: int  # s / cp x b
     residual_tokens: int  # tokens of residual-stream tensors: / tp under SP
     a: int  # activation element size
     h: int
     d: int
-    heads: int  # per TP rank
     q: int
     kv: int
     f: int
@@ -85,74 +70,9 @@ class Widths:
 
     @classmethod
     def of(cls, cfg: ModelConfig, lay: Layout) -> "Widths":
-        tp = lay.tp
-        tokens = lay.seq_length // lay.cp * lay.micro_batch_size
-        heads = cfg.num_attention_heads // tp
-        groups = max(1, cfg.num_query_groups // tp)
-        return cls(tokens, tokens // tp if lay.sp else tokens, _size(lay.params_dtype), cfg.hidden_size,
-                   cfg.kv_channels, heads, heads * cfg.kv_channels, groups * cfg.kv_channels,
-                   cfg.ffn_hidden_size // tp, cfg.padded_vocab_size(tp) // tp)
-
-
-def _norm_internal(cfg: ModelConfig, w: Widths) -> int:
-    """Bytes per residual token a norm keeps besides its input and output."""
-    return (8 - w.a) * w.h + 4 if cfg.normalization == "RMSNorm" else 8
-
-
-def _mlp(w: Widths, swiglu: bool, f: int) -> int:
-    return (4 if swiglu else 2) * w.a * f
-
-
-def _moe_mlp(cfg: ModelConfig, lay: Layout, w: Widths) -> int:
-    """Bytes per token of an MoE MLP slot (expected routing: every expert gets its share)."""
-    m = cfg.moe
-    k, e = m.moe_router_topk, m.num_experts
-    f = m.moe_ffn_hidden_size // lay.etp
-    # Each TP rank routes its own share of the tokens (the layer shards the sequence over TP):
-    # per routed token, k dispatched rows in, k rows of expert MLP, k combined rows out.
-    per_routed = 3 * w.a * w.h + _mlp(w, cfg.swiglu, f)  # rows permuted, exchanged, and on their way back
-    out = (k * per_routed + MOE_ROUTER_BYTES_PER_EXPERT * e) // lay.tp
-    if m.moe_shared_expert_intermediate_size:
-        out += _mlp(w, cfg.swiglu, m.moe_shared_expert_intermediate_size // lay.tp)
-    return out
-
-
-def layer_bytes(cfg: ModelConfig, lay: Layout, w: Widths, moe: bool) -> int:
-    """Activation bytes one transformer layer keeps for backward, one micro-batch."""
-    rope = cfg.position_embedding_type == "rope"
-    per_token = w.a * (w.q + (3 if rope else 2) * w.kv) + w.a * w.q
-    per_token += 4 * w.heads if lay.recompute != "selective" else 0
-    per_token += _moe_mlp(cfg, lay, w) if moe else _mlp(w, cfg.swiglu, w.f)
-    # the two sums of the residual stream, and the two norms' outputs as the column-parallel
-    # inputs (under SP only the shard: backward gathers it again)
-    per_residual = 2 * _norm_internal(cfg, w) + 4 * w.a * w.h
-    if cfg.hidden_dropout > 0:
-        per_residual += 2 * w.h  # the masks, one byte per element
-    return per_token * w.tokens + per_residual * w.residual_tokens
-
-
-def chunk_extra_bytes(cfg: ModelConfig, lay: Layout, w: Widths, pre: bool, post: bool) -> int:
-    out = w.a * w.h * w.residual_tokens  # the chunk's input: embedding output or the received activation
-    if cfg.position_embedding_type == "rope":
-        out += 2 * w.a * w.d * w.tokens
-    if pre and lay.tp > 1:
-        out += 9 * w.tokens
-    if post:
-        out += _loss_part(cfg, w)
-    return out
-
-
-def _ce_chunk(w: Widths) -> int:
-    """Tokens per chunk of the cross entropy (its automatic setting; 0: unchunked)."""
-    return cross_entropy_chunk_tokens(None, torch.float32 if w.a == 4 else torch.bfloat16, w.vocab)
-
-
-def _loss_part(cfg: ModelConfig, w: Widths) -> int:
-    """What the last stage keeps for the loss (final norm, output layer input, the softmax: fp32
-    in the logits' own buffer, or chunked: the bf16 logits and 8 bytes per token of max and exp
-    sum; targets and masks): freed by the time the layers' backward (and any recomputation) starts."""
-    kept = (w.a * w.vocab + 8) if _ce_chunk(w) else 4 * w.vocab
-    return (_norm_internal(cfg, w) + w.a * w.h) * w.residual_tokens + (kept + 14) * w.tokens
+        mb, tp, d = micro_batch(lay), lay.tp, cfg.kv_channels
+        return cls(mb.tokens, mb.residual_tokens, mb.a, cfg.hidden_size, d, cfg.num_attention_heads // tp * d,
+                   max(1, cfg.num_query_groups // tp) * d, cfg.ffn_hidden_size // tp, cfg.padded_vocab_size(tp) // tp)
 
 
 def _layer_forward_transient(cfg: ModelConfig, w: Widths) -> int:
@@ -183,7 +103,7 @@ def _loss_transients(cfg: ModelConfig, lay: Layout, w: Widths, padded_here: bool
     the softmax's buffer (in place); chunked bf16 logits add one chunk's fp32 copy, forward and
     backward (whose gradient overwrites the logits). Backward: the input gradient a h and the
     output layer's weight gradient."""
-    chunk = _ce_chunk(w)
+    chunk = loss_chunk_tokens(w.a, w.vocab)
     fwd = 4 * w.vocab * min(chunk, w.tokens) if chunk else 0
     bwd = fwd + w.a * w.h * w.tokens + w.a * w.vocab * w.h
     return fwd, bwd
@@ -198,12 +118,16 @@ class ChunkCost:
 
 
 def chunk_costs(cfg: ModelConfig, lay: Layout, pp_rank: int, tp_rank: int = 0) -> List[ChunkCost]:
-    w = Widths.of(cfg, lay)
-    kinds = cfg.moe_layers()
+    w, counts = Widths.of(cfg, lay), model_counts(cfg, micro_batch(lay))
+    # A chunk's input (the embedding's output or the received activation), RoPE's cos and sin;
+    # the last stage's loss part is freed by the time the layers' backward (and recomputation) starts.
+    chunk_input = w.a * w.h * w.residual_tokens
+    chunk_input += 2 * w.a * w.d * w.tokens if cfg.position_embedding_type == "rope" else 0
+    loss = counts.final_norm.act_bytes + counts.output.act_bytes
     out = []
     for (lo, hi), pre, post in stage_chunks(cfg.num_layers, lay, pp_rank):
-        layers = [layer_bytes(cfg, lay, w, kinds[i]) for i in range(lo, hi)]
-        extra = chunk_extra_bytes(cfg, lay, w, pre, post)
+        layers = [layer.act_bytes for layer in counts.layers[lo:hi]]
+        extra = chunk_input + (counts.embedding.act_bytes if pre else 0) + (loss if post else 0)
         recomputed = 0
         if lay.recompute == "full":
             n = max(1, lay.recompute_num_layers)
@@ -214,7 +138,7 @@ def chunk_costs(cfg: ModelConfig, lay: Layout, pp_rank: int, tp_rank: int = 0) -
                 plain = []
             saved = extra + len(groups) * w.a * w.h * w.residual_tokens + sum(plain)
             # One group is recomputed at a time, once the loss's own tensors are gone.
-            recomputed = max(sum(g) for g in groups) - (_loss_part(cfg, w) if post else 0) if groups else 0
+            recomputed = max(sum(g) for g in groups) - (loss if post else 0) if groups else 0
             recomputed += _layer_backward_working_set(w)
             if pre and post and not cfg.untie_embeddings_and_output_weights:
                 # The tied weight's gradient from the output layer waits in autograd's input buffer
@@ -293,7 +217,7 @@ def step_memory(cfg: ModelConfig, lay: Layout, pp_rank: int, inventory, tp_rank:
     if lay.zero_stage >= 2 and m > 1:
         # From the second micro-batch on, every bucket's full gradient exists (they are reduced
         # after the last micro-batch's); with one micro-batch they arrive as activations go.
-        g = _size(lay.grad_dtype)
+        g = element_size(lay.grad_dtype)
         buffers["full_grads"] = sum(b.numel * g for b in rank_buckets(cfg.num_layers, lay, pp_rank, inventory))
     if lay.zero_stage == 3:
         # Gathered at once, forward or backward: the root, the running layer and the prefetched
@@ -310,5 +234,5 @@ def _unit_param_bytes(cfg, lay, pp_rank, inventory) -> List[int]:
     units: Dict[int, int] = {}
     for b in plan_buckets(params, 3, lay.buckets, lay.dp * lay.cp, lay.edp):
         u = params[b.params[0]].unit
-        units[u] = units.get(u, 0) + b.numel * _size(b.dtype)
+        units[u] = units.get(u, 0) + b.numel * element_size(b.dtype)
     return [units.get(0, 0)] + [units[k] for k in sorted(units) if k]

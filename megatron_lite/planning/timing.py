@@ -10,8 +10,9 @@ What overlaps (and so counts only where it sticks out):
     the next forward of the first micro-batch; ZeRO-3's per-micro-batch gathers: with compute;
   - the context-parallel ring: with the attention it feeds.
 TP collectives, Ulysses and expert all-to-alls are on the critical path (no TP comm overlap here).
-FLOPs follow training/flops.py (the MFU convention: 6N + 12 L H Q T per token, MoE counting the
-active experts), plus what recomputation redoes.
+FLOPs are what the layer types report (transformer/counts.py), in the MFU convention of
+training/flops.py (6N + 12 L H Q T per token, MoE counting the active experts), plus what
+recomputation redoes.
 """
 from __future__ import annotations
 
@@ -19,21 +20,17 @@ import functools
 from dataclasses import dataclass
 from typing import Dict
 
-import torch
-
 from ..config import ModelConfig
 from ..parallel.pipeline.schedules import compute_orders
 from ..parallel.pipeline.simulator import simulate
 from ..training.flops import flops_per_token
+from ..transformer.model_counts import MicroBatch, model_counts
+from .activations import element_size
 from .hardware import Hardware
 from .layout import Layout
 from .state import rank_buckets, stage_chunks
 
 SIM_MAX_MICROBATCHES = 64  # longer schedules: the idle time of a schedule with fewer (it stops growing)
-
-
-def _size(dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 @functools.lru_cache(maxsize=4096)
@@ -76,13 +73,14 @@ def _bw(hw: Hardware, span: int) -> float:
 
 
 def step_time(cfg: ModelConfig, lay: Layout, hw: Hardware, inventory, pp_rank: int = 0) -> StepTime:
-    a = _size(lay.params_dtype)
+    a = element_size(lay.params_dtype)
     tokens = lay.global_batch_size * lay.seq_length
     m, v, p = lay.num_microbatches, lay.vpp, lay.pp
     per_token = flops_per_token(cfg, lay.seq_length)
     model_flops = per_token * tokens / lay.world_size
-    attention = 12 * cfg.num_layers * cfg.num_attention_heads * cfg.kv_channels * lay.seq_length
-    logits = 6 * cfg.vocab_size * cfg.hidden_size  # the output layer's GEMM, forward and backward
+    counts = model_counts(cfg, MicroBatch(seq_length=lay.seq_length))  # forward FLOPs per token
+    attention = 3 * sum(layer.core_flops for layer in counts.layers)  # the core's, forward and backward
+    logits = 3 * counts.output.flops  # the output layer's GEMM, forward and backward
     per_layer = (per_token - logits) / cfg.num_layers
     redo = 0.0  # recomputed forward FLOPs per token and layer (a forward is a third of forward + backward)
     if lay.recompute == "full":
@@ -138,7 +136,7 @@ def step_time(cfg: ModelConfig, lay: Layout, hw: Hardware, inventory, pp_rank: i
         ep = 4 * (lay.ep - 1) / lay.ep * rows * moe_layers * m / _bw(hw, lay.tp * lay.ep)
 
     plans = rank_buckets(cfg.num_layers, lay, pp_rank, inventory)
-    d, g = lay.dp * lay.cp, _size(lay.grad_dtype)
+    d, g = lay.dp * lay.cp, element_size(lay.grad_dtype)
     dense = [b for b in plans if not b.expert]
     expert = [b for b in plans if b.expert]
     dp_s = 0.0
@@ -149,7 +147,7 @@ def step_time(cfg: ModelConfig, lay: Layout, hw: Hardware, inventory, pp_rank: i
             continue
         bw = _bw(hw, lay.world_size // lay.pp if n == d else lay.tp * lay.dp * lay.cp)
         grad_full = sum(b.numel for b in group) * g
-        param_full = sum(b.numel * _size(b.dtype) for b in group)
+        param_full = sum(b.numel * element_size(b.dtype) for b in group)
         frac = (n - 1) / n
         if lay.zero_stage == 0:
             reduce, gather = 2 * frac * grad_full / bw, 0.0

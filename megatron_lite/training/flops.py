@@ -2,23 +2,19 @@
 from __future__ import annotations
 
 from ..config import ModelConfig
+from ..transformer.model_counts import MicroBatch, model_counts
 
 # Dense bf16 peak of known accelerators (TFLOP/s); MFU is reported only when the device is known.
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0}
 
 
 def flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
-    """Training FLOPs per token: 6N + 12 * L * H * Q * T, with N the parameters a token uses
-    excluding the input embedding (the output layer counted; of an MoE layer only the router, the
-    k experts it is sent to and the shared expert), L layers, H heads, Q head dim, T the keys a
-    query sees (the sequence, or the sliding window). The attention term is not halved for
-    causality."""
-    n = cfg.num_parameters(include_embedding=False, active=True)
-    if not cfg.untie_embeddings_and_output_weights:
-        n += cfg.vocab_size * cfg.hidden_size  # the tied output projection still does its GEMM
-    keys = min(seq_length, cfg.window_size) if cfg.window_size else seq_length
-    attn = 12 * cfg.num_layers * cfg.num_attention_heads * cfg.kv_channels * keys
-    return 6.0 * n + attn
+    """Training FLOPs per token, 3 x the forward its layer types report: 6N + 12 * L * H * Q * T,
+    with N the weights a token uses excluding the input embedding (the output layer counted, tied or
+    not; of an MoE layer only the router, the k experts it is sent to and the shared expert), L
+    layers, H heads, Q head dim, T the keys a query sees (the sequence, or the sliding window). The
+    attention term is not halved for causality."""
+    return 3.0 * model_counts(cfg, MicroBatch(seq_length=seq_length)).total.flops
 
 
 def device_peak_tflops(device) -> float:

@@ -18,7 +18,8 @@ import torch.nn as nn
 from ..parallel.random import recompute
 from ..parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from .core_attention import PackedSeq
-from .norm import head_norm
+from .counts import Counts, MicroBatch, weights
+from .norm import head_norm, norm_weights
 from .rope import apply_rope
 
 
@@ -108,3 +109,21 @@ class SelfAttention(nn.Module):
             out = self._core(q, k, v, packed, q_offset)
         out = out.transpose(0, 1).reshape(s, b, self.heads * dv)
         return self.linear_proj(out)
+
+    @classmethod
+    def counts(cls, cfg, mb: MicroBatch) -> Counts:
+        """Q, K, V and output projections, their biases and q/k norms; the core's 2 H (d + dv) T FLOPs
+        per token (4 H Q T). Kept per token (heads per TP rank): q and k after RoPE and [k | v]; the
+        core's output and its log-sum-exp, 4 per head (fused kernels keep no [s, s] scores; under
+        selective recomputation the core is replayed: no log-sum-exp)."""
+        c, h = AttentionConfig.from_model(cfg), cfg.hidden_size
+        d, dv, heads, groups = c.kv_channels, c.v_head_dim, c.num_attention_heads, c.num_query_groups
+        qkv = heads * d + groups * (d + dv)
+        n = h * qkv + heads * dv * h + (qkv if c.qkv_bias else 0) + (h if c.proj_bias else 0)
+        n += 2 * norm_weights(cfg, d) if c.qk_layernorm else 0
+        keys = min(mb.seq_length, cfg.window_size) if cfg.window_size else mb.seq_length
+        core = 2 * heads * (d + dv) * keys
+        heads, groups = heads // mb.tp, max(1, groups // mb.tp)
+        kept = heads * (d + dv) + groups * ((2 if cfg.position_embedding_type == "rope" else 1) * d + dv)
+        kept = mb.a * kept + (4 * heads if mb.recompute != "selective" else 0)
+        return weights(n, act_bytes=kept * mb.tokens) + Counts(flops=core, core_flops=core)

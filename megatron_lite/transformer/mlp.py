@@ -6,6 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from .counts import Counts, MicroBatch, weights
 
 
 class MLP(nn.Module):
@@ -29,3 +30,16 @@ class MLP(nn.Module):
         else:
             h = F.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
         return self.linear_fc2(h)
+
+    @classmethod
+    def counts(cls, cfg, mb: MicroBatch) -> Counts:
+        f = cfg.ffn_hidden_size
+        return ffn_counts(cfg.hidden_size, f, cfg.swiglu, cfg.add_bias_linear, mb.a, f // mb.tp, mb.tokens)
+
+
+def ffn_counts(h: int, f: int, swiglu: bool, bias: bool, a: int, f_rank: int, tokens: int = 1) -> Counts:
+    """One feed-forward block h -> f -> h (a dense MLP, an expert, a shared expert), its activations
+    over `tokens` with `f_rank` channels on this rank: SwiGLU's [gate | up], silu(gate) and their
+    product, 4 a f; GELU's input and output, 2 a f."""
+    fc1 = 2 * f if swiglu else f
+    return weights(h * (fc1 + f) + (fc1 + h if bias else 0), act_bytes=(4 if swiglu else 2) * a * f_rank * tokens)

@@ -6,6 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..parallel.sharding import replicated, set_spec
+from .counts import Counts, MicroBatch, weights
 
 
 class LayerNorm(nn.Module):
@@ -52,3 +53,17 @@ def head_norm(cfg, ctx, head_dim: int) -> nn.Module:
     over TP, so each rank's gradient of the shared weight is partial: summed over TP."""
     cls = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}[cfg.normalization]
     return cls(head_dim, cfg.norm_epsilon, ctx.dims.tp > 1, ctx.params_dtype, cfg.apply_layernorm_1p)
+
+
+def norm_weights(cfg, width: int) -> int:
+    """Parameters of one norm over `width` channels: LayerNorm's weight and bias, RMSNorm's weight."""
+    return width * (2 if cfg.normalization == "LayerNorm" else 1)
+
+
+def norm_counts(cfg, mb: MicroBatch) -> Counts:
+    """One norm over the hidden size. Kept per residual-stream token besides its input: RMSNorm its
+    fp32 input copy (bf16) and normalized value and 1/rms, (8 - a) h + 4; LayerNorm mean and 1/std,
+    8; and its output as the next linear's input, a h (under SP the shard: backward gathers it)."""
+    h = cfg.hidden_size
+    internal = (8 - mb.a) * h + 4 if cfg.normalization == "RMSNorm" else 8
+    return weights(norm_weights(cfg, h), act_bytes=(internal + mb.a * h) * mb.residual_tokens)

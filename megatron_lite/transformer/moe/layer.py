@@ -37,7 +37,9 @@ from ...parallel import comm
 from ...parallel.gemm import GemmPath
 from ...parallel.random import RNGStatesTracker, recompute
 from ...parallel.state import ParallelDims
+from ..counts import Counts, MicroBatch, weights
 from ..loss_normalization import LossNormalizationSlot
+from ..mlp import ffn_counts
 from .config import MoEConfig
 from .dispatcher import build_dispatcher
 from .experts import GroupedExperts, SharedExpertMLP
@@ -100,6 +102,23 @@ class MoELayer(nn.Module):
         if self.dims.tp == 1 or self.sequence_parallel:
             return out
         return comm.gather_from_sp(out, self.dims.tp_group, tensor_parallel_output_grad=False)
+
+    @classmethod
+    def counts(cls, cfg, mb: MicroBatch) -> Counts:
+        """Router, experts (a token uses k), shared expert and its gate. Kept per token, each TP rank
+        routing its share: per routed copy its rows through the dispatch (permuted, exchanged, back)
+        3 a h and the expert MLP's activations; the router's fp32 logits, scores and top-k mask, 12
+        per expert (expected routing: a measured run scatters around it by the load imbalance)."""
+        m, h, a = cfg.moe, cfg.hidden_size, mb.a
+        k, e, f = m.moe_router_topk, m.num_experts, m.moe_ffn_hidden_size
+        expert = ffn_counts(h, f, cfg.swiglu, False, a, f // mb.etp)
+        kept = (k * (3 * a * h + expert.act_bytes) + 12 * e) // mb.tp * mb.tokens
+        out = weights(e * h + e * expert.params, e * h + k * expert.params, kept)
+        if m.moe_shared_expert_intermediate_size:
+            i = m.moe_shared_expert_intermediate_size
+            gate = h if m.moe_shared_expert_gate else 0
+            out += ffn_counts(h, i, cfg.swiglu, False, a, i // mb.tp, mb.tokens) + weights(gate)
+        return out
 
 
 class MoEStepHooks:

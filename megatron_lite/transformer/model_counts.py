@@ -1,0 +1,64 @@
+"""The decoder's counts: what its layer types report (counts.py), laid out as models/gpt.py builds
+them (each layer two norms, self-attention and an MLP slot, MoE where --moe-layer-freq says so)."""
+from __future__ import annotations
+
+from typing import List, NamedTuple
+
+import torch
+
+from .attention import SelfAttention
+from .counts import Counts, MicroBatch
+from .fast_paths import cross_entropy_chunk_tokens
+from .mlp import MLP
+from .moe import MoELayer
+from .norm import norm_counts
+
+
+class ModelCounts(NamedTuple):
+    embedding: Counts  # word (and learned position) embeddings
+    layers: List[Counts]
+    final_norm: Counts
+    output: Counts  # the output layer and the loss
+
+    @property
+    def total(self) -> Counts:
+        return sum(self.layers, self.embedding + self.final_norm + self.output)
+
+
+def model_counts(cfg, mb: MicroBatch = MicroBatch()) -> ModelCounts:
+    kinds = cfg.moe_layers()
+    layer = {moe: layer_counts(cfg, mb, moe) for moe in set(kinds)}
+    return ModelCounts(embedding_counts(cfg, mb), [layer[moe] for moe in kinds], norm_counts(cfg, mb),
+                       output_counts(cfg, mb))
+
+
+def layer_counts(cfg, mb: MicroBatch, moe: bool) -> Counts:
+    """One pre-norm layer. It keeps the residual stream's two sums, 2 a h per residual-stream token,
+    and with hidden dropout their masks, a byte per element."""
+    h, norm, mlp = cfg.hidden_size, norm_counts(cfg, mb), MoELayer if moe else MLP
+    residual = Counts(act_bytes=(2 * mb.a * h + (2 * h if cfg.hidden_dropout > 0 else 0)) * mb.residual_tokens)
+    return norm + SelfAttention.counts(cfg, mb) + norm + mlp.counts(cfg, mb) + residual
+
+
+def embedding_counts(cfg, mb: MicroBatch) -> Counts:
+    """Lookups: no FLOPs. Under TP it keeps the masked ids and the mask, 9 bytes per token."""
+    n = cfg.vocab_size * cfg.hidden_size
+    if cfg.position_embedding_type == "learned_absolute":
+        n += cfg.max_position_embeddings * cfg.hidden_size
+    return Counts(n, n, act_bytes=9 * mb.tokens if mb.tp > 1 else 0)
+
+
+def loss_chunk_tokens(a: int, vocab: int) -> int:
+    """Tokens per chunk of the cross entropy over `vocab` logits per rank (automatic; 0: unchunked)."""
+    return cross_entropy_chunk_tokens(None, torch.float32 if a == 4 else torch.bfloat16, vocab)
+
+
+def output_counts(cfg, mb: MicroBatch) -> Counts:
+    """The output GEMM over the true vocabulary (its weight here only when untied). Kept for the loss:
+    the fp32 softmax over this rank's padded vocabulary in the logits' buffer, 4 V (chunked bf16 cross
+    entropy: the logits a V and 8 bytes of max and exp sum), and 14 bytes of targets and masks."""
+    vh = cfg.vocab_size * cfg.hidden_size
+    n = vh if cfg.untie_embeddings_and_output_weights else 0
+    vocab = cfg.padded_vocab_size(mb.tp) // mb.tp
+    kept = mb.a * vocab + 8 if loss_chunk_tokens(mb.a, vocab) else 4 * vocab
+    return Counts(n, n, 2 * vh, 0, (kept + 14) * mb.tokens)
