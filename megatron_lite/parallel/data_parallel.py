@@ -46,7 +46,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from . import comm
 from .bucket_plan import BucketPlan, ParamInfo, padded, plan_buckets, state_bytes
 from .grads import finalize_model_grads
 from .sharding import spec_of
@@ -319,11 +318,10 @@ class GradientSync:
             self._alloc_grad(b)
         finalize_model_grads(b.params, self.dims)
         if self.stage == 0:
-            b.handle = comm.all_reduce(b.grad_data, b.group, async_op=True, counter=self.dims.comm_counter)
+            b.handle = self.dims.comm.all_reduce(b.grad_data, b.group, async_op=True)
         else:
             out = b.grad_shard if b.grad_shard is not None else b.grad_data[b.shard]
-            b.handle = comm.reduce_scatter(out, b.grad_data, b.group, async_op=True,
-                                           counter=self.dims.comm_counter)
+            b.handle = self.dims.comm.reduce_scatter(out, b.grad_data, b.group, async_op=True)
         b.launched = True
         self._inflight.append(b)
         self._complete(wait=False)
@@ -341,7 +339,7 @@ class GradientSync:
                 b.handle.wait()
                 b.handle = None
             if b.replica_group is not None:  # the same shard of the other instances
-                comm.all_reduce(b.grad_shard_view(), b.replica_group, counter=self.dims.comm_counter)
+                self.dims.comm.all_reduce(b.grad_shard_view(), b.replica_group)
             if self.stage >= 2:
                 self._free_grad(b)
         self._inflight = pending
@@ -372,8 +370,7 @@ class GradientSync:
         if self.stage not in (1, 2):
             return
         for b in self.buckets:
-            b.param_handle = comm.all_gather(b.param_data, b.param_data[b.shard], b.group, async_op=True,
-                                             counter=self.dims.comm_counter)
+            b.param_handle = self.dims.comm.all_gather(b.param_data, b.param_data[b.shard], b.group, async_op=True)
         if not self.overlap_param_gather:
             self.wait_param_gather()
 
