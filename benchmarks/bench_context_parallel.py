@@ -63,7 +63,7 @@ def worker(rank, world, seq, heads, kv_heads, dim, comm_type, repeats, threads=N
         index = zigzag_indices(seq, world, rank)
 
         def step(counter):
-            out = cp_attention(q, k, v, comm_type=comm_type, q_index=index, counter=counter, **groups)
+            out = cp_attention(q, k, v, comm_type=comm_type, q_index=index, comm=comm.Communicator(counter), **groups)
             out.sum().backward()
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     step(None)  # warm-up (and the peak of a pass)

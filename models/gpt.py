@@ -19,7 +19,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron_lite import config as C
-from megatron_lite.parallel import comm
 from megatron_lite.parallel.random import recompute
 from megatron_lite.parallel.sharding import replicated, set_spec, with_tie
 from megatron_lite.parallel.state import ParallelDims
@@ -132,17 +131,17 @@ class GPTModel(nn.Module):
         return self.embedding.word_embeddings.weight
 
     def _embed(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        group, counter = self.dims.tp_group, self.dims.comm_counter
+        group, comm = self.dims.tp_group, self.dims.comm
         x = self.embedding.word_embeddings(tokens)  # partial sums over TP, [s, b, h]
         pos = None
         if self.cfg.position_embedding_type == "learned_absolute":
             pos = self.embedding.position_embeddings(position_ids).transpose(0, 1)
         if self.sequence_parallel:
-            x = comm.reduce_scatter_to_sp(x, group, counter)
+            x = comm.reduce_scatter_to_sp(x, group)
             if pos is not None:
-                x = x + comm.scatter_to_sp(pos, group, counter)
+                x = x + comm.scatter_to_sp(pos, group)
         else:
-            x = comm.reduce_from_tp(x, group, counter)
+            x = comm.reduce_from_tp(x, group)
             if pos is not None:
                 x = x + pos
         p = self.cfg.hidden_dropout if self.training else 0.0
@@ -212,7 +211,7 @@ class GPTModel(nn.Module):
             x = x[-1:]  # the next token's logits are all generation needs
         logits = self._logits(self.final_norm(x))
         if labels is None:
-            full = comm.gather_from_tp(logits, self.dims.tp_group, counter=self.dims.comm_counter)
+            full = self.dims.comm.gather_from_tp(logits, self.dims.tp_group)
             return full[..., : self.cfg.vocab_size].transpose(0, 1).float()
         # The logits feed only the loss (the output GEMM saved its input and weight, not them):
         # the cross entropy may overwrite them.

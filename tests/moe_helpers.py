@@ -2,7 +2,6 @@
 any layout through the ShardSpecs, and gathering full gradients back."""
 import torch
 
-from megatron_lite.parallel import comm
 from megatron_lite.parallel.sharding import gather_full, spec_of
 from megatron_lite.transformer.loss_normalization import LossNormalization, LossNormalizationSlot
 from megatron_lite.transformer.moe import MoEConfig, MoELayer, MoEMetricsTracker, is_expert_parameter
@@ -29,12 +28,12 @@ def full_grads(module, dims) -> dict:
         g = p.grad.clone()
         spec = spec_of(p)
         if is_expert_parameter(p):
-            comm.all_reduce(g, dims.edp_group)
-            g = comm.gather_along(gather_full(g, p, dims), 0, dims.ep_group)
+            dims.comm.all_reduce(g, dims.edp_group)
+            g = dims.comm.gather_along(gather_full(g, p, dims), 0, dims.ep_group)
         else:
             if spec.sequence_parallel:
-                comm.all_reduce(g, dims.tp_group)
-            comm.all_reduce(g, dims.dp_cp_group)
+                dims.comm.all_reduce(g, dims.tp_group)
+            dims.comm.all_reduce(g, dims.dp_cp_group)
             g = gather_full(g, p, dims)
         out[n] = g
     return out

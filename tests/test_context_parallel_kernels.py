@@ -484,7 +484,7 @@ def _bytes_worker(rank, world, comm_type, layout, hq, hkv):
     v = torch.randn(BATCH, s, hkv, DIM, generator=gen, requires_grad=True)
     docs = torch.zeros(BATCH, s, dtype=torch.long)
     counter = comm.CommCounter()
-    out = cp_attention(q, k, v, comm_type=comm_type, q_index=index, q_doc=docs, counter=counter, **kw)
+    out = cp_attention(q, k, v, comm_type=comm_type, q_index=index, q_doc=docs, comm=comm.Communicator(counter), **kw)
     forward = counter.reset()
     out.sum().backward()
     backward = counter.reset()

@@ -1,5 +1,6 @@
 """GradientSync mechanics: bucket layout, when reductions start, the deferred (zero-bubble)
-weight-gradient path, unused parameters, config checks, and the command line end to end."""
+weight-gradient path, unused parameters, a pluggable bucket reducer, config checks, and the
+command line end to end."""
 import pytest
 import torch
 import torch.nn as nn
@@ -8,8 +9,9 @@ from megatron_lite.arguments import parse_args
 from megatron_lite.config import ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.errors import ConfigError
 from megatron_lite.optim.optimizer import build_optimizer
+from megatron_lite.parallel.data_parallel import GradientSync, PlainReducer
 from megatron_lite.parallel.gemm import GemmPath
-from megatron_lite.parallel.state import ParallelDims
+from megatron_lite.parallel.state import ParallelDims, partial_dp_groups
 from megatron_lite.testing import assert_close, assert_same_run, run_distributed
 from megatron_lite.training.step import LossTotals
 from models.gpt import build_model, gpt_forward_step
@@ -123,6 +125,62 @@ def test_parameters_without_gradient_do_not_hang_the_step(stage):
     for losses_and_param in run_distributed(_unused, 2, stage):
         assert torch.equal(losses_and_param[-1], torch.ones(8))
 
+
+class RecordingReducer:
+    """A reducer plugged into GradientSync: notes each call, then reduces as the plain one does."""
+
+    def __init__(self, comm):
+        self.plain, self.calls = PlainReducer(comm), []
+
+    def start(self, bucket):
+        self.calls.append(("start", bucket.index))
+        return self.plain.start(bucket)
+
+    def finish(self, bucket):
+        self.calls.append(("finish", bucket.index))
+        self.plain.finish(bucket)
+
+
+def _reduced_grads(rank, world, stage, overlap, instances):
+    """Per reducer (the default, then a RecordingReducer): each of 2 steps' reduced gradient
+    shards, and the recording's calls per step."""
+    out = {}
+    for name in ("default", "recording"):
+        dims = ParallelDims.from_world()
+        cfg = ModelConfig(**MODEL)
+        chunks = build_model(cfg, dims, seed=5)
+        reducer = RecordingReducer(dims.comm) if name == "recording" else None
+        sync = GradientSync(chunks, dims, zero_stage=stage, bucket_size=3000, overlap_grad_reduce=overlap,
+                            units=[c.sharding_units() for c in chunks], reducer=reducer,
+                            dp_groups=partial_dp_groups(dims, instances) if instances > 1 else None)
+        shards, calls = [], []
+        for step in range(2):
+            batches = make_batches(step, dims, 1, cfg.vocab_size)
+            sync.start_step(len(batches))
+            for batch in batches:
+                output, loss_func = gpt_forward_step(batch, chunks[0])
+                loss_func(output)[0].backward()
+            sync.finish()
+            shards.append([b.grad_shard_view().clone() for b in sync.buckets])
+            sync.zero_grad()
+            if reducer is not None:
+                calls.append(reducer.calls)
+                reducer.calls = []
+        out[name] = (shards, calls, len(sync.buckets))
+    return out
+
+
+@pytest.mark.parametrize("stage,overlap,instances,world", [
+    (0, False, 1, 2), (1, True, 1, 2), (2, True, 1, 2), (2, False, 1, 2), (3, True, 1, 2), (1, False, 2, 4)])
+def test_a_plugged_in_reducer_sees_every_bucket_once_per_step(stage, overlap, instances, world):
+    for rank, run in enumerate(run_distributed(_reduced_grads, world, stage, overlap, instances)):
+        shards, calls, n = run["recording"]
+        assert n > 2
+        for step_calls in calls:  # each bucket started once, and finished once after its start
+            assert sorted(step_calls) == sorted([("start", i) for i in range(n)] + [("finish", i) for i in range(n)])
+            assert all(step_calls.index(("start", i)) < step_calls.index(("finish", i)) for i in range(n))
+        for step, (got, plain) in enumerate(zip(shards, run["default"][0])):
+            assert all(torch.equal(a, b) for a, b in zip(got, plain)), f"rank {rank} step {step}"
 
 def test_config_rules():
     model = ModelConfig(**MODEL)

@@ -38,16 +38,16 @@ def _former_ce_loss(logits, target, dims, vocab_size, ignore_index=-100):
     logits = logits.float().clone()
     logits[..., max(0, min(per_rank, vocab_size - vocab_start)):] = float("-inf")
     logits_max = logits.max(dim=-1)[0]
-    comm.all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
+    dims.comm.all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
     shifted = logits - logits_max.unsqueeze(-1)
     local_t = target - vocab_start
     ignored = target == ignore_index
     in_range = (local_t >= 0) & (local_t < per_rank) & ~ignored
     predicted = shifted.gather(-1, local_t.masked_fill(~in_range, 0).unsqueeze(-1)).squeeze(-1)
     predicted = predicted.masked_fill(~in_range, 0.0)
-    comm.all_reduce(predicted, group)
+    dims.comm.all_reduce(predicted, group)
     sum_exp = shifted.exp().sum(dim=-1)
-    comm.all_reduce(sum_exp, group)
+    dims.comm.all_reduce(sum_exp, group)
     return (sum_exp.log() - predicted).masked_fill(ignored, 0.0)
 
 
@@ -136,8 +136,8 @@ def _column_grads(rank, world, sp, n_layers, mode, fused):
     def layers(x):
         if fused:
             return column_parallel_linear(x, params, dims, sp, store)
-        group, counter = dims.tp_group, dims.comm_counter
-        x = comm.gather_from_sp(x, group, counter=counter) if sp else comm.copy_to_tp(x, group, counter)
+        group = dims.tp_group
+        x = dims.comm.gather_from_sp(x, group) if sp else dims.comm.copy_to_tp(x, group)
         return tuple(linear(x, w, b, store) for w, b in params)
 
     input_grads = []

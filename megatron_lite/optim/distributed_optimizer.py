@@ -32,7 +32,6 @@ import torch.distributed as dist
 
 from ..config import TrainingConfig
 from ..errors import NonFiniteError
-from ..parallel import comm
 from ..parallel.bucket_plan import offloaded_buckets, state_bytes
 from ..parallel.data_parallel import Bucket, GradientSync
 from ..parallel.sharding import counts_in_norm, spec_of
@@ -243,7 +242,7 @@ class DistributedOptimizer:
     def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """Over the whole world: every rank holds a part of the gradients (dense and expert
         parameters reduce over different data-parallel groups; see _ShardState.norm_weight)."""
-        comm.all_reduce(t, self.dims.group("world"), op=op, counter=self.dims.comm_counter)
+        self.dims.comm.all_reduce(t, self.dims.group("world"), op=op)
         return t
 
     def _found_inf(self, tensors: List[torch.Tensor], bad_loss: bool) -> Tuple[bool, bool]:

@@ -16,7 +16,7 @@ Comm types (Megatron-Core's --cp-comm-type names), all autograd-correct:
   all_gather all-gather K/V, local queries attend; backward reduce-scatters dK/dV.
   a2a+p2p    Ulysses inside groups of size A, ring across groups of size B (cp = A * B).
 
-Every collective goes through parallel/comm.py (p2p bytes via comm.record_p2p), so
+Every collective goes through the caller's comm.Communicator (p2p bytes via record_p2p), so
 --log-comm-volume counts it. Groups are passed explicitly; None means a group of one.
 """
 from __future__ import annotations
@@ -28,8 +28,7 @@ import torch.distributed as dist
 
 from ..kernels.block_attention import (NEG_INF, accumulation_dtype, attention_block, attention_block_backward,
                                        merge_partials, softmax_delta)
-from . import comm
-from .state import group_rank, group_size
+from .comm import Communicator, group_rank, group_size
 
 CP_COMM_TYPES = ("p2p", "a2a", "all_gather", "a2a+p2p")
 
@@ -98,10 +97,10 @@ _MAX_PARTS = 16  # beyond this many index runs, plan whole blocks (correct, just
 class _RingExchange:
     """One posted ring transfer: send a tensor to the next rank, receive one from the previous."""
 
-    def __init__(self, send: torch.Tensor, group, tag: int, counter=None):
+    def __init__(self, send: torch.Tensor, group, tag: int, comm: Communicator):
         size, rank = group_size(group), group_rank(group)
         self.recv = torch.empty_like(send)
-        comm.record_p2p(send, counter)  # counted once per rank: the bytes this rank sends
+        comm.record_p2p(send)  # counted once per rank: the bytes this rank sends
         ops = [dist.P2POp(dist.isend, send, dist.get_global_rank(group, (rank + 1) % size), group, tag),
                dist.P2POp(dist.irecv, self.recv, dist.get_global_rank(group, (rank - 1) % size), group, tag)]
         self.works = dist.batch_isend_irecv(ops)
@@ -180,7 +179,7 @@ class _RingAttention(torch.autograd.Function):
     indices / document ids of every ring rank's local chunk (K/V of step i come from rank r - i)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, all_index, all_docs, plans, group, opts, counter):
+    def forward(ctx, q, k, v, all_index, all_docs, plans, group, opts, comm):
         size, rank = group_size(group), group_rank(group)
         acc = accumulation_dtype(q.dtype)
         b, s, hq, d = q.shape
@@ -191,7 +190,7 @@ class _RingAttention(torch.autograd.Function):
         kv, halves = torch.cat([k, v], dim=-1), (d, v.shape[-1])
         for step in range(size):
             src = (rank - step) % size
-            pending = _RingExchange(kv, group, _TAG_KV, counter) if step < size - 1 else None  # overlaps the compute
+            pending = _RingExchange(kv, group, _TAG_KV, comm) if step < size - 1 else None  # overlaps the compute
             k_doc = None if all_docs is None else all_docs[src]
             for rows, cols in plans[step]:
                 o, l = attention_block(q[:, rows], *kv[:, cols].split(halves, -1), q_index=all_index[rank][rows],
@@ -203,7 +202,7 @@ class _RingAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         # No per-step activations: backward recomputes every block from q, k, v and the final lse.
         ctx.save_for_backward(q, k, v, out, lse, all_index, all_docs)
-        ctx.plans, ctx.group, ctx.opts, ctx.counter = plans, group, opts, counter
+        ctx.plans, ctx.group, ctx.opts, ctx.comm = plans, group, opts, comm
         return out
 
     @staticmethod
@@ -219,7 +218,7 @@ class _RingAttention(torch.autograd.Function):
         incoming_dkv = None  # the gradient of the K/V now held, accumulated by the ranks before
         for step in range(size):
             src = (rank - step) % size
-            pending_kv = _RingExchange(kv, group, _TAG_KV, ctx.counter) if step < size - 1 else None
+            pending_kv = _RingExchange(kv, group, _TAG_KV, ctx.comm) if step < size - 1 else None
             k_doc = None if all_docs is None else all_docs[src]
             dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
             for rows, cols in plans[step]:
@@ -233,7 +232,7 @@ class _RingAttention(torch.autograd.Function):
             if incoming_dkv is not None:
                 dkv += incoming_dkv.wait()
             # dK/dV travel with their K/V; after the last step one more hop brings them home.
-            incoming_dkv = _RingExchange(dkv, group, _TAG_DKV, ctx.counter) if size > 1 else None
+            incoming_dkv = _RingExchange(dkv, group, _TAG_DKV, ctx.comm) if size > 1 else None
             if pending_kv is not None:
                 kv = pending_kv.wait()
         if incoming_dkv is not None:
@@ -242,25 +241,25 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
-def _gather_positions(q_index: torch.Tensor, q_doc: Optional[torch.Tensor], group, counter=None):
+def _gather_positions(q_index: torch.Tensor, q_doc: Optional[torch.Tensor], group, comm: Communicator):
     """Every rank's indices [P * s] and document ids [b, P * s] (or None), in group rank order."""
-    index = comm.gather_along(q_index, 0, group, counter)
-    docs = None if q_doc is None else comm.gather_along(q_doc, 1, group, counter)
+    index = comm.gather_along(q_index, 0, group)
+    docs = None if q_doc is None else comm.gather_along(q_doc, 1, group)
     return index, docs
 
 
 def ring_attention(q, k, v, *, group, q_index, q_doc=None, causal: bool = True, window: Optional[int] = None,
-                   softmax_scale: Optional[float] = None, counter=None) -> torch.Tensor:
+                   softmax_scale: Optional[float] = None, comm: Communicator) -> torch.Tensor:
     """Ring attention (p2p) of this rank's queries over the keys of every rank of `group`.
     q [b, s, hq, d], k [b, s, hkv, d], v [b, s, hkv, dv], q_index [s], q_doc [b, s] or None
     -> out [b, s, hq, dv]."""
     size = group_size(group)
-    index, docs = _gather_positions(q_index, q_doc, group, counter)
+    index, docs = _gather_positions(q_index, q_doc, group, comm)
     all_index = index.view(size, -1)
     all_docs = None if docs is None else docs.view(docs.shape[0], size, -1).transpose(0, 1)
     plans = _ring_plans(all_index.cpu(), group_rank(group), causal, window)
     opts = dict(causal=causal, window=window, softmax_scale=softmax_scale)
-    return _RingAttention.apply(q, k, v, all_index, all_docs, plans, group, opts, counter)
+    return _RingAttention.apply(q, k, v, all_index, all_docs, plans, group, opts, comm)
 
 
 # --- Ulysses (a2a) ---------------------------------------------------------------------------
@@ -278,24 +277,24 @@ def check_ulysses(num_heads: int, num_kv_heads: int, cp: int) -> None:
                          "replicated); use --cp-comm-type p2p, or a2a+p2p with a smaller a2a group")
 
 
-def _seq_to_heads(x: torch.Tensor, group, counter=None) -> torch.Tensor:
+def _seq_to_heads(x: torch.Tensor, group, comm: Communicator) -> torch.Tensor:
     """[b, s, h, d] sequence-sharded -> [b, n * s, h / n, d] head-sharded (n = group size);
     the gathered sequence is the ranks' local chunks in group rank order."""
     n = group_size(group)
     b, s, h, d = x.shape
     send = x.reshape(b, s, n, h // n, d).permute(2, 0, 1, 3, 4).contiguous()  # [dest, b, s, h/n, d]
     recv = torch.empty_like(send)  # [src, b, s, h/n, d]
-    comm.all_to_all(recv, send, group, counter=counter)
+    comm.all_to_all(recv, send, group)
     return recv.permute(1, 0, 2, 3, 4).reshape(b, n * s, h // n, d)
 
 
-def _heads_to_seq(x: torch.Tensor, group, counter=None) -> torch.Tensor:
+def _heads_to_seq(x: torch.Tensor, group, comm: Communicator) -> torch.Tensor:
     """Inverse of _seq_to_heads: [b, n * s, h / n, d] -> [b, s, h, d]."""
     n = group_size(group)
     b, ns, hl, d = x.shape
     send = x.reshape(b, n, ns // n, hl, d).transpose(0, 1).contiguous()  # [dest, b, s, h/n, d]
     recv = torch.empty_like(send)  # [src = head slice, b, s, h/n, d]
-    comm.all_to_all(recv, send, group, counter=counter)
+    comm.all_to_all(recv, send, group)
     return recv.permute(1, 2, 0, 3, 4).reshape(b, ns // n, n * hl, d)
 
 
@@ -303,14 +302,14 @@ class _UlyssesAllToAll(torch.autograd.Function):
     """Sequence -> heads (to_heads) or heads -> sequence; the backward is the reverse all-to-all."""
 
     @staticmethod
-    def forward(ctx, x, group, to_heads: bool, counter):
-        ctx.group, ctx.to_heads, ctx.counter = group, to_heads, counter
-        return _seq_to_heads(x, group, counter) if to_heads else _heads_to_seq(x, group, counter)
+    def forward(ctx, x, group, to_heads: bool, comm):
+        ctx.group, ctx.to_heads, ctx.comm = group, to_heads, comm
+        return _seq_to_heads(x, group, comm) if to_heads else _heads_to_seq(x, group, comm)
 
     @staticmethod
     def backward(ctx, g):
         back = _heads_to_seq if ctx.to_heads else _seq_to_heads
-        return back(g, ctx.group, ctx.counter), None, None, None
+        return back(g, ctx.group, ctx.comm), None, None, None
 
 
 CoreAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
@@ -318,7 +317,7 @@ CoreAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
 
 def ulysses_attention(q, k, v, *, group, q_index, q_doc=None, causal: bool = True, window: Optional[int] = None,
                       softmax_scale: Optional[float] = None, core: Optional[CoreAttention] = None,
-                      counter=None) -> torch.Tensor:
+                      comm: Communicator) -> torch.Tensor:
     """Ulysses (a2a): q/k/v [b, s, h, d or dv] sequence-sharded -> head-sharded over the whole gathered
     sequence -> core(q, k, v, index, docs) -> back to [b, s, hq, dv]. K/V heads are replicated first
     when there are fewer of them than ranks. `core` defaults to one attention_block over the
@@ -331,28 +330,28 @@ def ulysses_attention(q, k, v, *, group, q_index, q_doc=None, causal: bool = Tru
     # One all-to-all for q, k and v: per destination rank, its query heads then its K and V heads,
     # each flattened with its own head size (the value head size may differ).
     parts = [t.unflatten(2, (n, -1)).flatten(3) for t in (q, k, v)]  # [b, s, n, heads / n * head size]
-    qkv = _UlyssesAllToAll.apply(torch.cat(parts, dim=3), group, True, counter).squeeze(2)  # [b, n s, ...]
+    qkv = _UlyssesAllToAll.apply(torch.cat(parts, dim=3), group, True, comm).squeeze(2)  # [b, n s, ...]
     q, k, v = (x.unflatten(-1, (-1, t.shape[-1])) for x, t in zip(qkv.split([p.shape[-1] for p in parts], -1),
                                                                   (q, k, v)))
-    index, docs = _gather_positions(q_index, q_doc, group, counter)
+    index, docs = _gather_positions(q_index, q_doc, group, comm)
     if core is None:
         out = attention_block(q, k, v, q_index=index, k_index=index, q_doc=docs, k_doc=docs, causal=causal,
                               window=window, softmax_scale=softmax_scale)[0]
     else:
         out = core(q, k, v, index, docs)
-    return _UlyssesAllToAll.apply(out, group, False, counter)
+    return _UlyssesAllToAll.apply(out, group, False, comm)
 
 
 # --- all-gather K/V -----------------------------------------------------------------------------
 def all_gather_attention(q, k, v, *, group, q_index, q_doc=None, causal: bool = True, window: Optional[int] = None,
-                         softmax_scale: Optional[float] = None, counter=None) -> torch.Tensor:
+                         softmax_scale: Optional[float] = None, comm: Communicator) -> torch.Tensor:
     """Local queries attend the K/V all-gathered over `group`; the backward reduce-scatters dK/dV
     (every rank's queries contribute to every key's gradient)."""
     d = k.shape[-1]
     kv = torch.cat([k, v], dim=-1).transpose(0, 1)  # [s, b, hkv, d + dv]: one gather, along dim 0
-    kv = comm.gather_from_sp(kv, group, tensor_parallel_output_grad=True, counter=counter).transpose(0, 1)
+    kv = comm.gather_from_sp(kv, group, tensor_parallel_output_grad=True).transpose(0, 1)
     k, v = kv[..., :d], kv[..., d:]
-    k_index, k_doc = _gather_positions(q_index, q_doc, group, counter)
+    k_index, k_doc = _gather_positions(q_index, q_doc, group, comm)
     return attention_block(q, k, v, q_index=q_index, k_index=k_index, q_doc=q_doc, k_doc=k_doc, causal=causal,
                            window=window, softmax_scale=softmax_scale)[0]
 
@@ -361,7 +360,7 @@ def all_gather_attention(q, k, v, *, group, q_index, q_doc=None, causal: bool = 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm_type: str, q_index: torch.Tensor,
                  cp_group=None, a2a_group=None, p2p_group=None, q_doc: Optional[torch.Tensor] = None,
                  causal: bool = True, window: Optional[int] = None,
-                 softmax_scale: Optional[float] = None, counter=None) -> torch.Tensor:
+                 softmax_scale: Optional[float] = None, comm: Optional[Communicator] = None) -> torch.Tensor:
     """Context-parallel core attention of this rank's local chunk.
 
     q [b, s_local, hq, d], k [b, s_local, hkv, d], v [b, s_local, hkv, dv]: this rank's tokens
@@ -369,7 +368,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm_type
     q_doc [b, s_local]: their document ids, or None. K/V are the same tokens (self-attention).
     Groups: cp_group for "p2p", "a2a", "all_gather"; for "a2a+p2p" a2a_group (inner, Ulysses,
     size A) and p2p_group (outer, ring, size B), whose product is the CP group. None = one rank.
-    `counter`: the comm.CommCounter to count the bytes in (dims.comm_counter), or None.
+    `comm`: the communicator that moves and counts the bytes (dims.comm; None: an uncounted one).
     Returns out [b, s_local, hq, dv] in q.dtype."""
     if comm_type not in CP_COMM_TYPES:
         raise ValueError(f"unknown cp comm type {comm_type!r}; choose one of {', '.join(CP_COMM_TYPES)}")
@@ -380,8 +379,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm_type
     if q.dim() != 4 or k.shape[:2] != q.shape[:2] or q_index.shape != (q.shape[1],):
         raise ValueError(f"expected q [b, s, hq, d], k/v [b, s, hkv, d/dv] and q_index [s] for the same local "
                          f"tokens; got q {tuple(q.shape)}, k {tuple(k.shape)}, q_index {tuple(q_index.shape)}")
-    opts = dict(q_index=q_index, q_doc=q_doc, causal=causal, window=window, softmax_scale=softmax_scale,
-                counter=counter)
+    comm = comm if comm is not None else Communicator()
+    opts = dict(q_index=q_index, q_doc=q_doc, causal=causal, window=window, softmax_scale=softmax_scale, comm=comm)
     if comm_type == "p2p":
         return ring_attention(q, k, v, group=cp_group, **opts)
     if comm_type == "a2a":
@@ -391,7 +390,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm_type
 
     def ring_core(q_, k_, v_, index, docs):  # across the outer groups, over the inner-gathered tokens
         return ring_attention(q_, k_, v_, group=p2p_group, q_index=index, q_doc=docs, causal=causal,
-                              window=window, softmax_scale=softmax_scale, counter=counter)
+                              window=window, softmax_scale=softmax_scale, comm=comm)
 
     return ulysses_attention(q, k, v, group=a2a_group, core=ring_core, **opts)
 

@@ -37,6 +37,10 @@ group, replica group) splits the DP ranks into N instances. Buckets are sharded 
 (the shard group) and reduce-scattered there; each reduced shard is then summed over the replica
 group (the ranks holding the same shard in the other instances), so every instance ends with the
 global gradient, as one ZeRO run over all DP ranks would. Params are gathered inside an instance.
+
+Reduction. A bucket's gradient is reduced by a bucket reducer chosen at construction:
+`PlainReducer` moves it as it is; another reducer (e.g. compressed, with error feedback) plugs in
+with the same two calls, `start(bucket)` when the bucket is complete and `finish(bucket)` after.
 """
 from __future__ import annotations
 
@@ -46,7 +50,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from . import comm
+from .comm import Communicator
 from .bucket_plan import BucketPlan, ParamInfo, padded, plan_buckets, state_bytes
 from .grads import finalize_model_grads
 from .sharding import spec_of
@@ -73,7 +77,7 @@ class Bucket:
         `sharded` (ZeRO 1-3), the shards are cut. `replica_group` (distributed-optimizer
         instances): the ranks holding the same shard in the other instances, over which each
         reduced shard is summed; replica rank 0 writes it to checkpoints."""
-        self.index, self.params, self.names = index, params, names
+        self.index, self.params, self.names, self.sharded = index, params, names, sharded
         self.group, self.group_size, self.group_rank = group, group_size(group), group_rank(group)
         self.replica_group, self.replica_rank = replica_group, group_rank(replica_group)
         shards = self.group_size if sharded else 1
@@ -155,6 +159,28 @@ class Bucket:
             p.main_grad = self.grad_data[a:b].view(shape)
 
 
+class PlainReducer:
+    """A bucket's gradient reduced as it is: all-reduced over its group (ZeRO 0), or
+    reduce-scattered into this rank's shard (ZeRO 1-3), then, with distributed-optimizer
+    instances, that shard summed over the replica group. A reducer that keeps state across steps
+    (a compressed one's error-feedback residual) keeps it per bucket, keyed by `bucket.index`
+    (bucket.numel elements before the reduce-scatter, bucket.shard_numel for the replica sum)."""
+
+    def __init__(self, comm: Communicator):
+        self.comm = comm
+
+    def start(self, b: "Bucket"):
+        """Launch the reduction of b.grad_data over b.group; returns its async handle (or None)."""
+        if not b.sharded:
+            return self.comm.all_reduce(b.grad_data, b.group, async_op=True)
+        return self.comm.reduce_scatter(b.grad_shard_view(), b.grad_data, b.group, async_op=True)
+
+    def finish(self, b: "Bucket") -> None:
+        """After start's handle completed: the replica-group sum of the reduced shard (if any)."""
+        if b.replica_group is not None:
+            self.comm.all_reduce(b.grad_shard_view(), b.replica_group)
+
+
 def _flat_views(buckets: List[Bucket], size: Callable[[Bucket], int], dtype: Callable[[Bucket], torch.dtype]):
     """One zeroed flat tensor per (dtype, device) holding the buckets' pieces back to back."""
     views: List[Optional[torch.Tensor]] = [None] * len(buckets)
@@ -180,14 +206,17 @@ class GradientSync:
     def __init__(self, chunks: List[nn.Module], dims: ParallelDims, *, zero_stage: int = 0,
                  bucket_size: Optional[int] = None, overlap_grad_reduce: bool = False,
                  overlap_param_gather: bool = False, grad_dtype: torch.dtype = torch.float32,
-                 units: Optional[List[List[nn.Module]]] = None, dp_groups: Optional[Tuple[object, object]] = None):
+                 units: Optional[List[List[nn.Module]]] = None, dp_groups: Optional[Tuple[object, object]] = None,
+                 reducer=None):
         """`units` (ZeRO-3): per chunk, the modules whose parameters are gathered and freed
         together (a model's transformer layers); the rest of a chunk is one more unit.
         `dp_groups` (distributed-optimizer instances): (shard group, replica group) of the dense
-        parameters, instead of sharding over all DP x CP ranks."""
+        parameters, instead of sharding over all DP x CP ranks. `reducer`: what reduces each
+        complete bucket (PlainReducer's start / finish; None: a PlainReducer)."""
         from .zero3 import ShardedParams, unit_params  # zero3 builds on Bucket: import late
 
         self.dims, self.stage = dims, zero_stage
+        self.reducer = reducer if reducer is not None else PlainReducer(dims.comm)
         # The group dense buckets are sharded and reduced over, and (distributed-optimizer
         # instances only) the group each reduced shard is then summed over (None: one member).
         self.group, self.replica_group = (dims.dp_cp_group, None) if dp_groups is None else dp_groups
@@ -318,12 +347,7 @@ class GradientSync:
         if b.grad_data is None:  # no gradient at all this step: reduce zeros, like every rank
             self._alloc_grad(b)
         finalize_model_grads(b.params, self.dims)
-        if self.stage == 0:
-            b.handle = comm.all_reduce(b.grad_data, b.group, async_op=True, counter=self.dims.comm_counter)
-        else:
-            out = b.grad_shard if b.grad_shard is not None else b.grad_data[b.shard]
-            b.handle = comm.reduce_scatter(out, b.grad_data, b.group, async_op=True,
-                                           counter=self.dims.comm_counter)
+        b.handle = self.reducer.start(b)
         b.launched = True
         self._inflight.append(b)
         self._complete(wait=False)
@@ -340,8 +364,7 @@ class GradientSync:
             if b.handle is not None:
                 b.handle.wait()
                 b.handle = None
-            if b.replica_group is not None:  # the same shard of the other instances
-                comm.all_reduce(b.grad_shard_view(), b.replica_group, counter=self.dims.comm_counter)
+            self.reducer.finish(b)
             if self.stage >= 2:
                 self._free_grad(b)
         self._inflight = pending
@@ -372,8 +395,7 @@ class GradientSync:
         if self.stage not in (1, 2):
             return
         for b in self.buckets:
-            b.param_handle = comm.all_gather(b.param_data, b.param_data[b.shard], b.group, async_op=True,
-                                             counter=self.dims.comm_counter)
+            b.param_handle = self.dims.comm.all_gather(b.param_data, b.param_data[b.shard], b.group, async_op=True)
         if not self.overlap_param_gather:
             self.wait_param_gather()
 

@@ -7,7 +7,6 @@ from typing import Dict, Iterable, List, Tuple
 import torch
 import torch.nn as nn
 
-from . import comm
 from .sharding import spec_of
 from .state import ParallelDims
 
@@ -46,9 +45,9 @@ def finalize_model_grads(params: Iterable[nn.Parameter], dims: ParallelDims) -> 
     for key in sorted(by_group):  # the same order on every rank
         group, grads = by_group[key]
         if len(grads) == 1:
-            comm.all_reduce(grads[0], group, counter=dims.comm_counter)
+            dims.comm.all_reduce(grads[0], group)
             continue
         flat = torch.cat([g.reshape(-1) for g in grads])
-        comm.all_reduce(flat, group, counter=dims.comm_counter)
+        dims.comm.all_reduce(flat, group)
         for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(piece.view_as(g))

@@ -26,7 +26,6 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from . import comm
 
 Box = Tuple[Tuple[int, int], ...]  # per dimension: (start, length)
 INITS = ("normal", "normal_scaled", "ones", "zeros")
@@ -201,5 +200,5 @@ def gather_full(t: torch.Tensor, param: nn.Parameter, dims) -> torch.Tensor:
         return spec.trim(t.clone())
     moved = t.movedim(s.dim, 0).contiguous()
     out = torch.empty((dims.tp * moved.shape[0],) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
-    comm.all_gather(out, moved, dims.tp_group, counter=dims.comm_counter)
+    dims.comm.all_gather(out, moved, dims.tp_group)
     return spec.trim(spec.unshard([x.movedim(0, s.dim) for x in out.chunk(dims.tp, dim=0)]))

@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Tuple
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from .comm import CommCounter, Communicator, group_rank, group_size  # noqa: F401 (re-exported)
 from .pipeline.placement import StagePlacement
 
 
@@ -46,9 +47,9 @@ class ParallelDims:
     pp_placement: str = "loop"  # which pipeline rank runs each virtual stage (pipeline/placement.py)
     rank: int = 0
     groups: Dict[str, Optional[dist.ProcessGroup]] = field(default_factory=dict, repr=False)
-    comm_counter: Optional[object] = field(default=None, repr=False)  # a comm.CommCounter: bytes moved
     group_ranks: Dict[str, List[int]] = field(default_factory=dict, repr=False)
     timeout: Optional[timedelta] = None  # of every group (--distributed-timeout-minutes); None: torch's default
+    comm: Communicator = field(default_factory=Communicator, repr=False, compare=False)  # every collective
 
     def __post_init__(self):
         if (self.dp * self.cp) % self.ep != 0:
@@ -58,6 +59,15 @@ class ParallelDims:
         if self.etp not in (1, self.tp):
             raise ConfigError(f"expert tensor parallel size {self.etp} must be 1 or the tensor parallel size "
                               f"{self.tp}: set --expert-tensor-parallel-size to 1 or {self.tp}")
+
+    @property
+    def comm_counter(self) -> Optional[CommCounter]:
+        """Where the communicator counts bytes moved (None: nothing is counted)."""
+        return self.comm.counter
+
+    @comm_counter.setter
+    def comm_counter(self, counter: Optional[CommCounter]) -> None:
+        self.comm.counter = counter
 
     @property
     def world_size(self) -> int:
@@ -298,11 +308,3 @@ def partial_dp_groups(dims: ParallelDims, instances: int):
             if dims.rank in ranks:
                 dims.groups[key + suffix], dims.group_ranks[key + suffix] = g, ranks
     return dims.groups[key + "_shard"], dims.groups[key + "_replica"]
-
-
-def group_size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def group_rank(group) -> int:
-    return 0 if group is None else dist.get_rank(group)

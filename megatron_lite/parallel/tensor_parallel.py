@@ -18,7 +18,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import comm
 from .gemm import GemmPath, apply as gemm_apply
 from .sharding import ShardSpec, replicated, set_spec, tp_split
 from .state import ParallelDims, group_rank, group_size
@@ -71,11 +70,11 @@ class _ColumnParallelFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dims, sequence_parallel, gemm, n, *params):
         weights, biases = params[:n], params[n:]
-        group, counter = dims.tp_group, dims.comm_counter
-        total = comm.gather_along(x, 0, group, counter) if sequence_parallel else x
+        group, comm = dims.tp_group, dims.comm
+        total = comm.gather_along(x, 0, group) if sequence_parallel else x
         # Under SP only this rank's sequence shard is kept: backward gathers it again (as Megatron).
         ctx.save_for_backward(x if sequence_parallel else total, *weights)
-        ctx.group, ctx.counter, ctx.sequence_parallel, ctx.gemm = group, counter, sequence_parallel, gemm
+        ctx.group, ctx.comm, ctx.sequence_parallel, ctx.gemm = group, comm, sequence_parallel, gemm
         ctx.input_shape = x.shape
         ctx.weights, ctx.biases = weights, biases  # the parameters themselves (see _LinearFn)
         ctx.calls = [gemm.new_call() for _ in weights]
@@ -90,17 +89,17 @@ class _ColumnParallelFn(torch.autograd.Function):
         if ctx.sequence_parallel:  # the input again, gathered behind the input-gradient GEMMs
             x = saved.contiguous()
             total = x.new_empty((x.shape[0] * group_size(ctx.group),) + tuple(x.shape[1:]))
-            gathering = comm.all_gather(total, x, ctx.group, async_op=True, counter=ctx.counter)
+            gathering = ctx.comm.all_gather(total, x, ctx.group, async_op=True)
         if need[0]:
             grad_total = gemm.input_grad(calls[0], grads[0], weights[0])
             for c, g, w in zip(calls[1:], grads[1:], weights[1:]):
                 grad_total.add_(gemm.input_grad(c, g, w))
             if ctx.sequence_parallel:
                 grad_x = grad_total.new_empty(ctx.input_shape)
-                handle = comm.reduce_scatter(grad_x, grad_total, ctx.group, async_op=True, counter=ctx.counter)
+                handle = ctx.comm.reduce_scatter(grad_x, grad_total, ctx.group, async_op=True)
             else:
                 grad_x = grad_total
-                handle = comm.all_reduce(grad_x, ctx.group, async_op=True, counter=ctx.counter)
+                handle = ctx.comm.all_reduce(grad_x, ctx.group, async_op=True)
         if gathering is not None:
             gathering.wait()
         param_grads = [None] * n
@@ -157,7 +156,7 @@ class ColumnParallelLinear(nn.Module):
         if x is None:
             return self.weight, self.bias
         y, = column_parallel_linear(x, [(self.weight, self.bias)], self.dims, self.sequence_parallel, self.gemm)
-        return comm.gather_from_tp(y, self.dims.tp_group, counter=self.dims.comm_counter) if self.gather_output else y
+        return self.dims.comm.gather_from_tp(y, self.dims.tp_group) if self.gather_output else y
 
     @staticmethod
     def shared_input(x: torch.Tensor, *layers: "ColumnParallelLinear") -> tuple:
@@ -192,10 +191,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, None, self.gemm)
-        group = self.dims.tp_group
-        counter = self.dims.comm_counter
-        y = (comm.reduce_scatter_to_sp(y, group, counter) if self.sequence_parallel
-             else comm.reduce_from_tp(y, group, counter))
+        group, comm = self.dims.tp_group, self.dims.comm
+        y = comm.reduce_scatter_to_sp(y, group) if self.sequence_parallel else comm.reduce_from_tp(y, group)
         return y if self.bias is None else y + self.bias
 
 
@@ -241,7 +238,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     backward, the logits gradient). The buffer is saved for backward and consumed by it."""
 
     @staticmethod
-    def forward(ctx, logits, target, group, vocab_start, vocab_size, ignore_index, counter, inplace):
+    def forward(ctx, logits, target, group, vocab_start, vocab_size, ignore_index, comm, inplace):
         per_rank = logits.shape[-1]
         n_valid = max(0, min(per_rank, vocab_size - vocab_start))
         buf = logits.float()  # the logits themselves when they are fp32 already
@@ -257,12 +254,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # [max over this rank's columns; target logit or -inf], reduced by MAX in one call.
         stats = torch.stack([buf.max(dim=-1)[0],
                              buf.gather(-1, safe_t.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, float("-inf"))])
-        comm.all_reduce(stats, group, op=dist.ReduceOp.MAX, counter=counter)
+        comm.all_reduce(stats, group, op=dist.ReduceOp.MAX)
         logits_max, target_logit = stats[0], stats[1]
         exp = buf.sub_(logits_max.unsqueeze(-1)) if owned else buf - logits_max.unsqueeze(-1)
         exp.exp_()
         sum_exp = exp.sum(dim=-1)
-        comm.all_reduce(sum_exp, group, counter=counter)
+        comm.all_reduce(sum_exp, group)
         # A target no rank holds a real column for (ignored, out of range) has no target logit.
         predicted = (target_logit - logits_max).masked_fill(target_logit == float("-inf"), 0.0)
         loss = (sum_exp.log() - predicted).masked_fill(ignored, 0.0)
@@ -302,7 +299,7 @@ class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
         return c
 
     @staticmethod
-    def forward(ctx, logits, target, group, vocab_start, vocab_size, ignore_index, counter, inplace, chunk):
+    def forward(ctx, logits, target, group, vocab_start, vocab_size, ignore_index, comm, inplace, chunk):
         per_rank = logits.shape[-1]
         n_valid = max(0, min(per_rank, vocab_size - vocab_start))
         flat_t = target.reshape(-1)
@@ -324,10 +321,10 @@ class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
             local_sum[rows] = c.sub_(m.unsqueeze(-1)).exp_().sum(dim=-1)
             shift[rows] = m.masked_fill_(padding_only, float("-inf"))  # its rescale is exp(-inf) = 0
         stats[1].masked_fill_(~in_range, float("-inf"))
-        comm.all_reduce(stats, group, op=dist.ReduceOp.MAX, counter=counter)
+        comm.all_reduce(stats, group, op=dist.ReduceOp.MAX)
         logits_max, target_logit = stats[0], stats[1]
         sum_exp = local_sum.mul_(shift.sub_(logits_max).exp_())
-        comm.all_reduce(sum_exp, group, counter=counter)
+        comm.all_reduce(sum_exp, group)
         predicted = (target_logit - logits_max).masked_fill(target_logit == float("-inf"), 0.0)
         loss = (sum_exp.log() - predicted).masked_fill(ignored, 0.0)
         ctx.save_for_backward(logits, logits_max, sum_exp, safe_t, in_range, ignored)
@@ -369,6 +366,6 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, dim
     vocab_start = group_rank(group) * logits.shape[-1]
     if 0 < chunk_tokens < target.numel() or (chunk_tokens > 0 and logits.dtype != torch.float32):
         return _ChunkedVocabParallelCrossEntropy.apply(logits.contiguous(), target, group, vocab_start, vocab_size,
-                                                       ignore_index, dims.comm_counter, inplace, chunk_tokens)
+                                                       ignore_index, dims.comm, inplace, chunk_tokens)
     return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start, vocab_size, ignore_index,
-                                            dims.comm_counter, inplace)
+                                            dims.comm, inplace)

@@ -35,7 +35,6 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from . import comm
 
 
 def unit_params(chunk: nn.Module, layers: List[nn.Module]) -> List[Tuple[nn.Module, List[nn.Parameter]]]:
@@ -106,8 +105,7 @@ class ShardedParams:
                 continue
             b = part.bucket
             part.full = torch.empty(b.numel, dtype=b.dtype, device=b.device)
-            part.handle = comm.all_gather(part.full, b.param_shard, b.group, async_op=True,
-                                          counter=self.sync.dims.comm_counter)
+            part.handle = self.sync.dims.comm.all_gather(part.full, b.param_shard, b.group, async_op=True)
 
     def _ensure(self, u: _Unit) -> None:
         self._gather(u)

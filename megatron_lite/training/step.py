@@ -21,7 +21,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ..parallel import comm
 from ..parallel.state import ParallelDims
 from ..transformer.loss_normalization import LossNormalization
 
@@ -80,12 +79,12 @@ def finalize_losses(totals: Optional[LossTotals], dims: ParallelDims) -> Tuple[f
     names = sorted(totals.logs) if dims.is_last_stage else []
     if dims.is_last_stage:
         vec = torch.cat([totals.loss_sum.view(1), totals.tokens.view(1)] + [totals.logs[n] for n in names])
-        comm.all_reduce(vec, dims.dp_cp_group, counter=dims.comm_counter)
+        dims.comm.all_reduce(vec, dims.dp_cp_group)
     else:
         vec = torch.zeros(2, device=device)
     if dims.pp > 1:
         tokens = vec[1:2].clone() if dims.is_last_stage else torch.zeros(1, device=device)
-        comm.all_reduce(tokens, dims.pp_group, counter=dims.comm_counter)
+        dims.comm.all_reduce(tokens, dims.pp_group)
         vec[1] = tokens[0]
     tokens = max(vec[1].item(), 1.0)
     logs = {n: (vec[2 + 2 * i] / vec[3 + 2 * i].clamp_min(1)).item() for i, n in enumerate(names)}

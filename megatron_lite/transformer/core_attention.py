@@ -191,8 +191,8 @@ class ContextParallelAttention(nn.Module):
         docs = None if packed is None else packed.document_ids
         if self.comm_type == "a2a":
             return ulysses_attention(q, k, v, group=dims.cp_group, q_index=index, q_doc=docs, window=self.window,
-                                     core=self._ordered_core, counter=dims.comm_counter)
+                                     core=self._ordered_core, comm=dims.comm)
         groups = (dict(a2a_group=dims.group("cp_a2a"), p2p_group=dims.group("cp_p2p"))
                   if self.comm_type == "a2a+p2p" else dict(cp_group=dims.cp_group))
         return cp_attention(q, k, v, comm_type=self.comm_type, q_index=index, q_doc=docs, window=self.window,
-                            counter=dims.comm_counter, **groups)
+                            comm=dims.comm, **groups)

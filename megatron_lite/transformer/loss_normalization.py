@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..parallel import comm
 from ..parallel.state import ParallelDims
 
 
@@ -38,7 +37,7 @@ class LossNormalization:
         if self.per_token:
             return loss_sum * (self.loss_scale / self.normalizer)
         n = torch.as_tensor(tokens, dtype=torch.float32, device=loss_sum.device).detach().clone()
-        comm.all_reduce(n, self.dims.cp_group, counter=self.dims.comm_counter)  # over the micro-batch's CP ranks
+        self.dims.comm.all_reduce(n, self.dims.cp_group)  # over the micro-batch's CP ranks
         return loss_sum * ((self.loss_scale / self.num_microbatches) / n.clamp_min(1.0))
 
     @property

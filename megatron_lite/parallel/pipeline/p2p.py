@@ -6,18 +6,18 @@ from typing import List, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import comm
+from ..comm import Communicator
 
 
 class P2PBatch:
     """Posted sends/receives of one batch. `wait()` completes them (keeps sent tensors alive)."""
 
-    def __init__(self, ops: List[Tuple[str, torch.Tensor, int]], counter=None):
+    def __init__(self, ops: List[Tuple[str, torch.Tensor, int]], comm: Communicator):
         self.tensors = [t for _, t, _ in ops]
         p2p_ops = []
         for kind, tensor, peer in ops:
             if kind == "send":  # bytes sent by this rank (a receive is its peer's send)
-                comm.record_p2p(tensor, counter)
+                comm.record_p2p(tensor)
             p2p_ops.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer))
         self.works = dist.batch_isend_irecv(p2p_ops) if p2p_ops else []
 

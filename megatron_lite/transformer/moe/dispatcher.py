@@ -30,15 +30,15 @@ from typing import List, Optional
 
 import torch
 
-from ...parallel import comm
+from ...parallel.comm import Communicator
 from ...parallel.state import ParallelDims, group_rank, group_size
 from .router import Routing
 
 
 # --- exchanges with uneven splits (autograd) --------------------------------------------------
-def _exchange(x: torch.Tensor, group, out_splits: List[int], in_splits: List[int], counter=None) -> torch.Tensor:
+def _exchange(x: torch.Tensor, group, out_splits: List[int], in_splits: List[int], comm: Communicator) -> torch.Tensor:
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    comm.all_to_all(out, x.contiguous(), group, out_splits, in_splits, counter=counter)
+    comm.all_to_all(out, x.contiguous(), group, out_splits, in_splits)
     return out
 
 
@@ -46,26 +46,26 @@ class _AllToAll(torch.autograd.Function):
     """All-to-all with uneven splits; backward is the all-to-all with the splits swapped."""
 
     @staticmethod
-    def forward(ctx, x, group, out_splits, in_splits, counter):
-        ctx.group, ctx.out_splits, ctx.in_splits, ctx.counter = group, out_splits, in_splits, counter
-        return _exchange(x, group, out_splits, in_splits, counter)
+    def forward(ctx, x, group, out_splits, in_splits, comm):
+        ctx.group, ctx.out_splits, ctx.in_splits, ctx.comm = group, out_splits, in_splits, comm
+        return _exchange(x, group, out_splits, in_splits, comm)
 
     @staticmethod
     def backward(ctx, g):
-        return _exchange(g, ctx.group, ctx.in_splits, ctx.out_splits, ctx.counter), None, None, None, None
+        return _exchange(g, ctx.group, ctx.in_splits, ctx.out_splits, ctx.comm), None, None, None, None
 
 
-def _gather_uneven(x: torch.Tensor, group, sizes: List[int], counter=None) -> torch.Tensor:
+def _gather_uneven(x: torch.Tensor, group, sizes: List[int], comm: Communicator) -> torch.Tensor:
     """Rows of every rank of `group`, in rank order (rank i holds sizes[i]); via all-to-all,
     which gloo runs with uneven splits where all-gather needs equal ones."""
     n = len(sizes)
-    return _exchange(x.repeat((n,) + (1,) * (x.dim() - 1)), group, sizes, [x.shape[0]] * n, counter)
+    return _exchange(x.repeat((n,) + (1,) * (x.dim() - 1)), group, sizes, [x.shape[0]] * n, comm)
 
 
-def _reduce_scatter_uneven(x: torch.Tensor, group, sizes: List[int], counter=None) -> torch.Tensor:
+def _reduce_scatter_uneven(x: torch.Tensor, group, sizes: List[int], comm: Communicator) -> torch.Tensor:
     """Sum over `group` of each rank's copy of this rank's rows (x holds every rank's rows)."""
     n, mine = len(sizes), sizes[group_rank(group)]
-    out = _exchange(x, group, [mine] * n, sizes, counter)
+    out = _exchange(x, group, [mine] * n, sizes, comm)
     return out.view((n, mine) + tuple(x.shape[1:])).sum(0)
 
 
@@ -74,26 +74,26 @@ class _GatherUneven(torch.autograd.Function):
     sums them (reduce-scatter)."""
 
     @staticmethod
-    def forward(ctx, x, group, sizes, counter):
-        ctx.group, ctx.sizes, ctx.counter = group, sizes, counter
-        return _gather_uneven(x, group, sizes, counter)
+    def forward(ctx, x, group, sizes, comm):
+        ctx.group, ctx.sizes, ctx.comm = group, sizes, comm
+        return _gather_uneven(x, group, sizes, comm)
 
     @staticmethod
     def backward(ctx, g):
-        return _reduce_scatter_uneven(g, ctx.group, ctx.sizes, ctx.counter), None, None, None
+        return _reduce_scatter_uneven(g, ctx.group, ctx.sizes, ctx.comm), None, None, None
 
 
 class _ReduceScatterUneven(torch.autograd.Function):
     """Forward sums the ETP partial outputs and keeps this rank's rows; backward gathers."""
 
     @staticmethod
-    def forward(ctx, x, group, sizes, counter):
-        ctx.group, ctx.sizes, ctx.counter = group, sizes, counter
-        return _reduce_scatter_uneven(x, group, sizes, counter)
+    def forward(ctx, x, group, sizes, comm):
+        ctx.group, ctx.sizes, ctx.comm = group, sizes, comm
+        return _reduce_scatter_uneven(x, group, sizes, comm)
 
     @staticmethod
     def backward(ctx, g):
-        return _gather_uneven(g, ctx.group, ctx.sizes, ctx.counter), None, None, None
+        return _gather_uneven(g, ctx.group, ctx.sizes, ctx.comm), None, None, None
 
 
 # --- permutation by expert --------------------------------------------------------------------
@@ -148,10 +148,10 @@ class AllToAllDispatcher:
         if self.ep > 1:
             state.in_splits = counts.view(self.ep, self.num_local_experts).sum(1).tolist()
             state.out_splits = received[self.dims.etp_rank].sum(1).tolist()
-            rows = _AllToAll.apply(rows, self.dims.ep_group, state.out_splits, state.in_splits, self.dims.comm_counter)
+            rows = _AllToAll.apply(rows, self.dims.ep_group, state.out_splits, state.in_splits, self.dims.comm)
         if self.etp > 1:
             state.etp_sizes = received.sum((1, 2)).tolist()
-            rows = _GatherUneven.apply(rows, self.dims.etp_group, state.etp_sizes, self.dims.comm_counter)
+            rows = _GatherUneven.apply(rows, self.dims.etp_group, state.etp_sizes, self.dims.comm)
         # Rows arrive grouped by (source rank, local expert): regroup by local expert.
         state.chunk_sizes = received.reshape(-1, self.num_local_experts)
         rows = sort_chunks(rows, state.chunk_sizes)
@@ -161,19 +161,19 @@ class AllToAllDispatcher:
         """Tokens every EP (and ETP) source sends to each of this rank's experts."""
         per_rank = counts.view(self.ep, self.num_local_experts).contiguous()
         received = torch.empty_like(per_rank)
-        comm.all_to_all(received, per_rank, self.dims.ep_group, counter=self.dims.comm_counter)
+        self.dims.comm.all_to_all(received, per_rank, self.dims.ep_group)
         if self.etp == 1:
             return received.unsqueeze(0)
-        return comm.gather_along(received.unsqueeze(0), 0, self.dims.etp_group, counter=self.dims.comm_counter)
+        return self.dims.comm.gather_along(received.unsqueeze(0), 0, self.dims.etp_group)
 
     def combine(self, expert_output: torch.Tensor, state: DispatchState) -> torch.Tensor:
         rows = expert_output
         if state.chunk_sizes is not None:
             rows = sort_chunks(rows, state.chunk_sizes.t())
         if state.etp_sizes is not None:
-            rows = _ReduceScatterUneven.apply(rows, self.dims.etp_group, state.etp_sizes, self.dims.comm_counter)
+            rows = _ReduceScatterUneven.apply(rows, self.dims.etp_group, state.etp_sizes, self.dims.comm)
         if state.in_splits is not None:
-            rows = _AllToAll.apply(rows, self.dims.ep_group, state.in_splits, state.out_splits, self.dims.comm_counter)
+            rows = _AllToAll.apply(rows, self.dims.ep_group, state.in_splits, state.out_splits, self.dims.comm)
         return unpermute(rows, state.weights, state.token_idx, state.num_tokens, state.dtype)
 
 
@@ -187,10 +187,10 @@ class AllGatherDispatcher:
         probs, routing_map = routing.probs, routing.routing_map
         if group_size(self.group) > 1:
             # Each rank's experts give partial gradients of the gathered tokens: reduce-scatter.
-            counter = self.dims.comm_counter
-            tokens = comm.gather_from_sp(tokens, self.group, tensor_parallel_output_grad=True, counter=counter)
-            probs = comm.gather_from_sp(probs, self.group, tensor_parallel_output_grad=True, counter=counter)
-            routing_map = comm.gather_along(routing_map.to(torch.int32), 0, self.group, counter=counter).bool()
+            comm = self.dims.comm
+            tokens = comm.gather_from_sp(tokens, self.group, tensor_parallel_output_grad=True)
+            probs = comm.gather_from_sp(probs, self.group, tensor_parallel_output_grad=True)
+            routing_map = comm.gather_along(routing_map.to(torch.int32), 0, self.group).bool()
         first = self.dims.ep_rank * self.num_local_experts
         local = slice(first, first + self.num_local_experts)
         rows, weights, token_idx, counts = permute(tokens, routing_map[:, local], probs[:, local])
@@ -200,7 +200,7 @@ class AllGatherDispatcher:
         # Sum in the weights' dtype across ranks (k > 1 experts, ETP partials), then cast.
         out = unpermute(expert_output, state.weights, state.token_idx, state.num_tokens, state.weights.dtype)
         if group_size(self.group) > 1:
-            out = comm.reduce_scatter_to_sp(out, self.group, counter=self.dims.comm_counter)
+            out = self.dims.comm.reduce_scatter_to_sp(out, self.group)
         return out.to(state.dtype)
 
 

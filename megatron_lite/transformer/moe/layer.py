@@ -33,7 +33,6 @@ import torch
 import torch.nn as nn
 
 from ...errors import ConfigError
-from ...parallel import comm
 from ...parallel.gemm import GemmPath
 from ...parallel.random import RNGStatesTracker, recompute
 from ...parallel.state import ParallelDims
@@ -96,12 +95,12 @@ class MoELayer(nn.Module):
             raise ConfigError(f"an MoE layer without sequence parallelism splits the sequence over TP: sequence "
                               f"length {x.shape[0]} must be divisible by tp {self.dims.tp} (or use "
                               f"--sequence-parallel)")
-        return comm.scatter_to_sp(x, self.dims.tp_group)
+        return self.dims.comm.scatter_to_sp(x, self.dims.tp_group)
 
     def _all_tokens(self, out: torch.Tensor) -> torch.Tensor:
         if self.dims.tp == 1 or self.sequence_parallel:
             return out
-        return comm.gather_from_sp(out, self.dims.tp_group, tensor_parallel_output_grad=False)
+        return self.dims.comm.gather_from_sp(out, self.dims.tp_group, tensor_parallel_output_grad=False)
 
     @classmethod
     def counts(cls, cfg, mb: MicroBatch) -> Counts:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ...parallel import comm
+from ...parallel.comm import Communicator
 from ..loss_normalization import LossNormalizationSlot
 
 
@@ -55,34 +55,35 @@ def recording() -> bool:
     return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
 
 
-def _global_counts(counts: torch.Tensor, num_tokens: int, group, counter=None) -> tuple:
+def _global_counts(counts: torch.Tensor, num_tokens: int, group, comm: Communicator) -> tuple:
     """(counts, tokens) summed over the sequence-partition group, in fp32, without gradient."""
     buf = torch.cat([counts.detach().float().reshape(-1),
                      torch.tensor([float(num_tokens)], device=counts.device)])
-    comm.all_reduce(buf, group, counter=counter)
+    comm.all_reduce(buf, group)
     return buf[:-1].reshape(counts.shape), buf[-1]
 
 
-def load_balancing_loss(scores: torch.Tensor, topk_map: torch.Tensor, topk: int, group, counter=None) -> torch.Tensor:
+def load_balancing_loss(scores: torch.Tensor, topk_map: torch.Tensor, topk: int, group,
+                        comm: Communicator) -> torch.Tensor:
     """This rank's partial of E / (k T^2) * sum_e P_e * c_e (coefficient not applied).
     scores [T_local, E] (softmax or normalised sigmoid of the logits), topk_map [T_local, E] bool."""
     num_experts = scores.shape[1]
-    counts, total = _global_counts(topk_map.sum(0), scores.shape[0], group, counter)
+    counts, total = _global_counts(topk_map.sum(0), scores.shape[0], group, comm)
     return (scores.float().sum(0) * counts).sum() * (num_experts / (topk * total * total))
 
 
 def sequence_load_balancing_loss(scores: torch.Tensor, topk_map: torch.Tensor, topk: int, seq_len: int,
-                                 batch: int, group, counter=None) -> torch.Tensor:
+                                 batch: int, group, comm: Communicator) -> torch.Tensor:
     """This rank's partial of the per-sequence load-balancing loss, averaged over the `batch`
     sequences. Tokens are laid out [seq_len (this rank's shard), batch] as in the [s, b, h] input."""
     num_experts = scores.shape[1]
     per_seq = scores.float().reshape(seq_len, batch, num_experts).sum(0)  # [b, E]
-    counts, total = _global_counts(topk_map.reshape(seq_len, batch, num_experts).sum(0), seq_len, group, counter)
+    counts, total = _global_counts(topk_map.reshape(seq_len, batch, num_experts).sum(0), seq_len, group, comm)
     return (per_seq * counts).sum() * (num_experts / (topk * total * total * batch))
 
 
-def z_loss(logits: torch.Tensor, group, counter=None) -> torch.Tensor:
+def z_loss(logits: torch.Tensor, group, comm: Communicator) -> torch.Tensor:
     """This rank's partial of mean over tokens of logsumexp(logits)^2 (coefficient not applied)."""
     total = torch.tensor(float(logits.shape[0]), device=logits.device)
-    comm.all_reduce(total, group, counter=counter)
+    comm.all_reduce(total, group)
     return torch.logsumexp(logits.float(), dim=-1).square().sum() / total

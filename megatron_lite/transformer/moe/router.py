@@ -32,7 +32,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...parallel import comm
 from ...parallel.sharding import replicated, set_spec
 from ...parallel.state import ParallelDims
 from ..loss_normalization import LossNormalizationSlot
@@ -199,8 +198,8 @@ class TopKRouter(nn.Module):
         topk_map = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, scores.topk(self.topk, dim=-1).indices, True)
         if self.cfg.moe_router_load_balancing_type == "seq_aux_loss":
             return sequence_load_balancing_loss(scores, topk_map, self.topk, seq_len, batch, self.sequence_group,
-                                                self.dims.comm_counter)
-        return load_balancing_loss(scores, topk_map, self.topk, self.sequence_group, self.dims.comm_counter)
+                                                self.dims.comm)
+        return load_balancing_loss(scores, topk_map, self.topk, self.sequence_group, self.dims.comm)
 
     def _with_aux_loss(self, probs, logits, seq_len, batch):
         loss = self.aux_loss(logits, seq_len, batch)
@@ -209,7 +208,7 @@ class TopKRouter(nn.Module):
         return attach_aux_loss(probs, loss * self.cfg.moe_aux_loss_coeff, self.loss_normalization)
 
     def _with_z_loss(self, logits):
-        loss = z_loss(logits, self.sequence_group, self.dims.comm_counter)
+        loss = z_loss(logits, self.sequence_group, self.dims.comm)
         if self.tracker is not None and recording():
             self.tracker.record_loss(self.layer_number, "z_loss", loss)
         return attach_aux_loss(logits, loss * self.cfg.moe_z_loss_coeff, self.loss_normalization)
@@ -235,7 +234,7 @@ def update_expert_bias(routers: Iterable[TopKRouter], dims: ParallelDims) -> Non
     if not routers:
         return
     counts = torch.cat([r.local_tokens_per_expert for r in routers]).float()
-    comm.all_reduce(counts, dims.tp_dp_cp_group, counter=dims.comm_counter)
+    dims.comm.all_reduce(counts, dims.tp_dp_cp_group)
     for r, c in zip(routers, counts.split([r.num_experts for r in routers])):
         r.expert_bias += r.cfg.moe_router_bias_update_rate * torch.sign(c.mean() - c)
         r.local_tokens_per_expert.zero_()

@@ -24,7 +24,6 @@ from typing import Dict, List
 
 import torch
 
-from ...parallel import comm
 
 LOSS_NAMES = ("load_balancing_loss", "z_loss")
 
@@ -62,8 +61,8 @@ class MoEMetricsTracker:
         min_load, max_load (min / max over experts of tokens / mean tokens)}}, "moe_aux_loss",
         "moe_z_loss" (means over MoE layers), "moe_load_imbalance" (the largest max_load)}."""
         buf = torch.cat([self.losses.flatten(), self.has_loss.flatten(), self.tokens.flatten(), self.micro_batches])
-        comm.all_reduce(buf, dims.tp_dp_cp_group, counter=dims.comm_counter)
-        comm.all_reduce(buf, dims.pp_group, counter=dims.comm_counter)
+        dims.comm.all_reduce(buf, dims.tp_dp_cp_group)
+        dims.comm.all_reduce(buf, dims.pp_group)
         buf = buf.cpu()
         n, e, k = self.num_layers, self.num_experts, len(LOSS_NAMES)
         losses, has_loss = buf[:k * n].view(k, n), buf[k * n:2 * k * n].view(k, n)
