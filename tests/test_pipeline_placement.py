@@ -76,6 +76,16 @@ LLAMA4 = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_gro
               attention_dropout=0.0)
 
 
+
+def test_tied_embeddings_with_both_ends_on_one_rank_are_refused():
+    """Under V the embedding and its tied output copy would be two chunks of rank 0, whose gradients
+    nothing sums (the embedding group is that one rank): a clear error, not drifting copies."""
+    from megatron_lite.errors import ConfigError
+    tied = ModelConfig(**dict(LLAMA4, untie_embeddings_and_output_weights=False))
+    with pytest.raises(ConfigError, match="untie-embeddings-and-output-weights"):
+        build_model(tied, ParallelDims(pp=2, vpp=2, pp_placement="V", rank=0), seed=3, materialize=False)
+    build_model(tied, ParallelDims(pp=2, vpp=2, rank=0), seed=3, materialize=False)  # loop: ends apart
+
 def _batches(m):
     gen = torch.Generator().manual_seed(0)
     out = []
