@@ -51,8 +51,14 @@ def config_diffs(saved: dict, current: dict, prefix: str = "") -> List[str]:
         elif saved[name] != value:
             hint = (" (a shape command line now gets Megatron's tanh GELU: add --activation gelu or "
                     "--no-bias-gelu-fusion for the exact one)" if name == "activation" else "")
+            hint = vocab_hint(saved[name]) if name == "vocab_size" and not prefix else hint
             out.append(f"{prefix}{name} is {saved[name]!r} there and {value!r} here{hint}")
     return out
+
+
+def vocab_hint(saved_vocab: int) -> str:
+    return (f" (the vocabulary is the tokenizer's: pass --use-checkpoint-args to take the checkpoint's tokenizer, or "
+            f"the --tokenizer-type / --tokenizer-model it was trained with; NullTokenizer: --vocab-size {saved_vocab - 1})")
 
 
 def check_model_config(saved: dict, current: ModelConfig, where: str) -> None:
