@@ -277,6 +277,11 @@ def test_a_vocabulary_mismatch_names_the_flag_to_pass(saved, tmp_path):
         resolve(_finetune_args(ckpt))  # ByteTokenizer's 257 against the model's 100
     assert "vocab_size is 100 and ByteTokenizer's 257" in str(e.value) and "--vocab-size 99" in str(e.value)
     assert "--tokenizer-type / --tokenizer-model" in str(e.value) and "\n" not in str(e.value)
+    from megatron_lite.checkpoint.loader import config_diffs  # without --use-checkpoint-args: the load says
+    assert config_diffs({"vocab_size": 100}, {"vocab_size": 257}) == [
+        "vocab_size is 100 there and 257 here (the vocabulary is the tokenizer's: pass --use-checkpoint-args to take "
+        "the checkpoint's tokenizer, or the --tokenizer-type / --tokenizer-model it was trained with; NullTokenizer: "
+        "--vocab-size 99)"]
 
 
 def test_ml_to_hf_writes_a_byte_level_tokenizer_equal_to_ours_and_keeps_eos(saved, tmp_path):

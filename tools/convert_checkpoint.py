@@ -237,7 +237,8 @@ def _write_converted(args, cfg: ModelConfig, stream, names: List[str], dtype: to
 
     tp, pp, dp, vpp, ep = layout = _layout(args, cfg)
     meta = {"format": FORMAT, "version": VERSION, "model_config": dataclasses.asdict(cfg),
-            "config": {"model": dataclasses.asdict(cfg), **({"data": data} if data else {})}, "layout": _layout_meta(tp, pp, dp, vpp, ep),
+            "config": {"model": dataclasses.asdict(cfg), **({"data": data} if data else {})},
+            "layout": _layout_meta(tp, pp, dp, vpp, ep),
             "lr_scheduler": {}, "optimizer": None, "source": source}
     final = write_weights_checkpoint(args.out, meta, _target_ranks(cfg, tp, pp, dp, vpp, ep), stream, names, dtype)
     return final, layout

@@ -94,7 +94,7 @@ def plot_plan(plan: dict, out: str) -> Dict[str, List[float]]:
         ax.axhline(ev["usable_bytes"] / 2**30, color="black", linestyle="--", label="usable memory")
     ax.set_ylabel("GiB per GPU")
     ax.set_title(f"{plan.get('model', '')}: {ev.get('layout', '')}", fontsize=8)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(out, dpi=DPI)
     plt.close(fig)
@@ -103,7 +103,8 @@ def plot_plan(plan: dict, out: str) -> Dict[str, List[float]]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--metrics-file", action="append", default=[], help="a run's metrics (JSON Lines); repeat to overlay")
+    ap.add_argument("--metrics-file", action="append", default=[],
+                    help="a run's metrics (JSON Lines); repeat to overlay")
     ap.add_argument("--label", action="append", default=None, help="legend name of each --metrics-file, in order")
     ap.add_argument("--plan", default=None, help="tools/plan.py --json output (a file, or - for stdin)")
     ap.add_argument("--out", required=True, help="PNG file to write")

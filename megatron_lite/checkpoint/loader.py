@@ -56,9 +56,11 @@ def config_diffs(saved: dict, current: dict, prefix: str = "") -> List[str]:
     return out
 
 
-def vocab_hint(saved_vocab: int) -> str:
-    return (f" (the vocabulary is the tokenizer's: pass --use-checkpoint-args to take the checkpoint's tokenizer, or "
-            f"the --tokenizer-type / --tokenizer-model it was trained with; NullTokenizer: --vocab-size {saved_vocab - 1})")
+def vocab_hint(saved_vocab: int, use_checkpoint_args: bool = False) -> str:
+    """What to pass when the tokenizer's vocabulary is not the checkpoint's."""
+    take = "" if use_checkpoint_args else "pass --use-checkpoint-args to take the checkpoint's tokenizer, or "
+    return (f" (the vocabulary is the tokenizer's: {take or 'pass '}the --tokenizer-type / --tokenizer-model it was "
+            f"trained with; NullTokenizer: --vocab-size {saved_vocab - 1})")
 
 
 def check_model_config(saved: dict, current: ModelConfig, where: str) -> None:
