@@ -297,6 +297,8 @@ def test_ml_to_hf_writes_a_byte_level_tokenizer_equal_to_ours_and_keeps_eos(save
     config = json.load(open(back / "config.json"))
     assert (config["eos_token_id"], config["bos_token_id"], config["pad_token_id"]) == (256, None, None)
     assert GenerationConfig.from_pretrained(back).eos_token_id == 256  # HF generate stops there
+    from transformers import AutoModelForCausalLM
+    assert AutoModelForCausalLM.from_pretrained(back).generation_config.eos_token_id == 256
     hf, ours = AutoTokenizer.from_pretrained(back), ByteTokenizer()
     assert (len(hf), hf.eos_token_id) == (257, 256)
     for text in ["def f(x):\n    return x  # ü€😀", "  two  spaces\t", "<|endoftext|> is bytes too", ""]:
