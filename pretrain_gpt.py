@@ -30,16 +30,24 @@ def resolve(argv=None) -> tuple:
 
     cfg: Config = parse_args(argv, zoo())
     d, t = cfg.data, cfg.training
-    tokenizer = tokenizer_from_config(d)
+    saved = None
     if t.use_checkpoint_args or (t.global_batch_size is None and t.save):  # the checkpoint's model / batch
-        from megatron_lite.checkpoint.manager import checkpoint_model_config, inherit_global_batch_size
+        from megatron_lite.checkpoint.manager import checkpoint_run_config, inherit_global_batch_size
 
-        saved_model = checkpoint_model_config(t)
-        if saved_model is not None:  # --use-checkpoint-args: the checkpoint's architecture, the run's flags
-            cfg.model = ModelConfig(**_with_run_flags(saved_model, cfg))
+        saved = checkpoint_run_config(t)
+        if saved is not None:  # --use-checkpoint-args: the checkpoint's architecture and tokenizer, the run's flags
+            cfg.model = ModelConfig(**_with_run_flags(saved["model_config"], cfg))
+            _take_checkpoint_tokenizer(saved, cfg)
         inherited = inherit_global_batch_size(t)
         if inherited is not None and int(os.environ.get("RANK", "0")) == 0:
             print(f"> global batch size {inherited} from the checkpoint in --save (--global-batch-size not given)")
+    tokenizer = tokenizer_from_config(d)
+    vocab = saved["model_config"]["vocab_size"] if saved is not None else tokenizer.vocab_size
+    if vocab != tokenizer.vocab_size:
+        from megatron_lite.checkpoint.loader import vocab_hint
+
+        raise ConfigError(f"--use-checkpoint-args: the checkpoint's vocab_size is {vocab} and {tokenizer.name}'s "
+                          f"{tokenizer.vocab_size}{vocab_hint(vocab, use_checkpoint_args=True)}")
     cfg.model.vocab_size = tokenizer.vocab_size
     if int(os.environ.get("RANK", "0")) == 0:
         for note in cfg.notes:
@@ -59,10 +67,26 @@ def _with_run_flags(saved: dict, cfg: Config) -> dict:
     (dropout, init, attention backend: Megatron-LM's load_args_from_checkpoint takes only the
     architecture); an architecture flag that the checkpoint overrides gets a note."""
     for k, v in cfg.model_flags.items():
-        if k not in RUN_MODEL_FIELDS and k in saved and saved[k] != v:
+        if k not in RUN_MODEL_FIELDS + ("vocab_size",) and k in saved and saved[k] != v:  # vocab: the tokenizer's
             cfg.notes.append(f"--{k.replace('_', '-')} {v} is overridden by --use-checkpoint-args: the checkpoint's "
                              f"{saved[k]}")
     return {**saved, **{k: v for k, v in cfg.model_flags.items() if k in RUN_MODEL_FIELDS}}
+
+
+def _take_checkpoint_tokenizer(saved: dict, cfg: Config) -> None:
+    """--use-checkpoint-args without tokenizer flags: the tokenizer the checkpoint records (its
+    run's, or the HF tokenizer hf-to-ml copied), so the vocabulary matches without a guess."""
+    from megatron_lite.data.tokenizers import TOKENIZER_FIELDS
+
+    data = (saved.get("config") or {}).get("data") or {}
+    if "tokenizer_type" not in data or any(k in cfg.data_flags for k in TOKENIZER_FIELDS):
+        return
+    changed = {k: data[k] for k in TOKENIZER_FIELDS if k in data and getattr(cfg.data, k) != data[k]}
+    for k, v in changed.items():
+        setattr(cfg.data, k, v)
+    if changed:  # a note only where the default would have been another tokenizer
+        model = f" {data['tokenizer_model']}" if data.get("tokenizer_model") else ""
+        cfg.notes.append(f"tokenizer {data['tokenizer_type']}{model} from the checkpoint (--use-checkpoint-args)")
 
 
 def model_provider(cfg: Config, ctx):

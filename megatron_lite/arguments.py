@@ -272,7 +272,7 @@ def config_from_args(args: argparse.Namespace, zoo: Zoo) -> Config:
             data["tokenizer_type"] = "GPT2BPETokenizer"
     cfg = Config(model=model, parallel=_parallel_config(args, model), training=TrainingConfig(**training),
                  data=DataConfig(**data))
-    cfg.notes, cfg.model_flags = notes, _given(args, ModelConfig)
+    cfg.notes, cfg.model_flags, cfg.data_flags = notes, _given(args, ModelConfig), data
     return cfg
 
 

@@ -559,6 +559,7 @@ class Config:
     def __post_init__(self):
         self.notes: List[str] = []  # start-up lines: flags that the configuration drops or overrides
         self.model_flags: dict = {}  # the model fields given on the command line (arguments.py)
+        self.data_flags: dict = {}  # ... and the data fields (a tokenizer inferred from them counts as given)
 
     def finalize(self, world_size: int) -> "Config":
         """Fill what depends on the world size (the default global batch: micro-batch x DP).

@@ -395,6 +395,24 @@ def test_generate_tool_from_a_converted_hf_checkpoint(tmp_path):
     assert [json.loads(line)["ids"] for line in out.splitlines()] == [t for t, _ in hf_greedy(name)]
 
 
+def test_generate_tool_takes_the_hf_tokenizer_hf_to_ml_copied(tmp_path):
+    """A tokenizer beside the HF weights is the converted checkpoint's default: no tokenizer flag."""
+    from test_hf_checkpoints import _word_tokenizer
+
+    hf_model("qwen3").save_pretrained(tmp_path / "hf")
+    _word_tokenizer(VOCAB).save_pretrained(tmp_path / "hf")
+    ckpt = str(tmp_path / "ml")
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert convert_checkpoint.main(["hf-to-ml", "--hf-dir", str(tmp_path / "hf"), "--out", ckpt]) == 0
+    prompt = " ".join(f"w{i}" for i in PROMPTS[0])
+    code, out, err = _run_tool(generate_tool, 0, 1, ["--load", ckpt, "--prompt", prompt, "--greedy", "--json",
+                                                     "--max-new-tokens", str(NEW)])
+    assert code == 0, err
+    rec = json.loads(out)
+    assert rec["prompt_ids"] == PROMPTS[0] and rec["ids"] == hf_greedy("qwen3")[0][0][:len(rec["ids"])]
+    assert rec["text"].split() == [f"w{i}" for i in rec["ids"] if i != VOCAB - 1]
+
+
 # --- evaluation -----------------------------------------------------------------------------
 def test_evaluate_reproduces_the_validation_loss_at_any_layout(checkpoint):
     """The run validated at its last iteration, then saved those weights: evaluating them on the

@@ -215,3 +215,95 @@ def test_a_header_claiming_a_terabyte_is_one_line(tmp_path, capsys):
     assert err == (f"convert_checkpoint.py hf-to-ml: error: {hf / 'model.safetensors'} is not a readable safetensors "
                    f"file: the header claims {10 ** 12} bytes but the file has {size}"), err
     assert not (tmp_path / "o").exists()
+
+
+# --- tokenizers: HF fine-tuning without guesses (issue 28, point 4) ----------------------------
+def _word_tokenizer(n: int):
+    """A HF fast tokenizer of exactly n ids (w0 .. w{n-2}, then </s> as eos)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(n - 1)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="w0")
+
+
+FT = ["--pretrained-checkpoint", None, "--use-checkpoint-args", "--mock-data", "--seq-length", str(SEQ),
+      "--micro-batch-size", "2", "--train-iters", "1", "--device", "cpu"]
+
+
+def _finetune_args(ckpt, *extra):
+    return [str(ckpt) if a is None else a for a in FT] + list(extra)
+
+
+def test_hf_to_ml_copies_the_tokenizer_and_fine_tuning_takes_it(saved, tmp_path):
+    from pretrain_gpt import resolve
+
+    import shutil
+
+    hf = tmp_path / "hf"
+    shutil.copytree(saved["llama_gqa"], hf)
+    _word_tokenizer(VOCAB).save_pretrained(hf)
+    ckpt = tmp_path / "ckpt"
+    assert _convert("hf-to-ml", "--hf-dir", hf, "--out", ckpt) == 0
+    assert (ckpt / "tokenizer" / "tokenizer.json").read_bytes() == (hf / "tokenizer.json").read_bytes()
+    meta = json.load(open(ckpt / "iter_0000000" / "metadata.json"))
+    assert meta["config"]["data"] == {"tokenizer_type": "HuggingFaceTokenizer",
+                                      "tokenizer_model": str((ckpt / "tokenizer").resolve())}
+    cfg, tokenizer = resolve(_finetune_args(ckpt))  # no tokenizer flag: the checkpoint's, no guess
+    assert (tokenizer.name, tokenizer.vocab_size, tokenizer.eod) == ("HuggingFaceTokenizer", VOCAB, VOCAB - 1)
+    assert cfg.model.vocab_size == VOCAB and cfg.data.tokenizer_model == str((ckpt / "tokenizer").resolve())
+    assert any("from the checkpoint (--use-checkpoint-args)" in n for n in cfg.notes)
+    cfg, tokenizer = resolve(_finetune_args(ckpt, "--vocab-size", str(VOCAB - 1)))  # explicit flags win
+    assert tokenizer.name == "NullTokenizer" and cfg.model.vocab_size == VOCAB
+    # A training checkpoint carries its run's tokenizer (NullTokenizer's --vocab-size too) and padding.
+    run = tmp_path / "run"
+    run_distributed(train_in_process, 1, ["--model", "llama-tiny", "--mock-data", "--vocab-size", "99", "--seq-length",
+                                          str(SEQ), "--micro-batch-size", "2", "--train-iters", "1", "--device", "cpu",
+                                          "--make-vocab-size-divisible-by", "32", "--save", str(run)])
+    cfg, tokenizer = resolve(["--load", str(run), "--use-checkpoint-args"] + FT[3:] + ["--train-iters", "2"])
+    assert (tokenizer.name, tokenizer.vocab_size, cfg.model.vocab_size) == ("NullTokenizer", 100, 100)
+    assert cfg.model.make_vocab_size_divisible_by == 32 and not [n for n in cfg.notes if "overridden" in n]
+
+
+def test_a_vocabulary_mismatch_names_the_flag_to_pass(saved, tmp_path):
+    from megatron_lite.errors import ConfigError
+    from pretrain_gpt import resolve
+
+    ckpt = tmp_path / "ckpt"  # no tokenizer beside the weights: nothing recorded
+    assert _convert("hf-to-ml", "--hf-dir", saved["llama_gqa"], "--out", ckpt) == 0
+    assert "data" not in json.load(open(ckpt / "iter_0000000" / "metadata.json"))["config"]
+    with pytest.raises(ConfigError) as e:
+        resolve(_finetune_args(ckpt))  # ByteTokenizer's 257 against the model's 100
+    assert "vocab_size is 100 and ByteTokenizer's 257" in str(e.value) and "--vocab-size 99" in str(e.value)
+    assert "--tokenizer-type / --tokenizer-model" in str(e.value) and "\n" not in str(e.value)
+    from megatron_lite.checkpoint.loader import config_diffs  # without --use-checkpoint-args: the load says
+    assert config_diffs({"vocab_size": 100}, {"vocab_size": 257}) == [
+        "vocab_size is 100 there and 257 here (the vocabulary is the tokenizer's: pass --use-checkpoint-args to take "
+        "the checkpoint's tokenizer, or the --tokenizer-type / --tokenizer-model it was trained with; NullTokenizer: "
+        "--vocab-size 99)"]
+
+
+def test_ml_to_hf_writes_a_byte_level_tokenizer_equal_to_ours_and_keeps_eos(saved, tmp_path):
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from megatron_lite.data.tokenizers import ByteTokenizer
+
+    run, back = tmp_path / "run", tmp_path / "back"
+    run_distributed(train_in_process, 1, ["--model", "llama-tiny", "--mock-data", "--seq-length", str(SEQ),
+                                          "--micro-batch-size", "2", "--train-iters", "1", "--device", "cpu",
+                                          "--save", str(run)])
+    assert _convert("ml-to-hf", "--load", run, "--out", back) == 0
+    config = json.load(open(back / "config.json"))
+    assert (config["eos_token_id"], config["bos_token_id"], config["pad_token_id"]) == (256, None, None)
+    assert GenerationConfig.from_pretrained(back).eos_token_id == 256  # HF generate stops there
+    from transformers import AutoModelForCausalLM
+    assert AutoModelForCausalLM.from_pretrained(back).generation_config.eos_token_id == 256
+    hf, ours = AutoTokenizer.from_pretrained(back), ByteTokenizer()
+    assert (len(hf), hf.eos_token_id) == (257, 256)
+    for text in ["def f(x):\n    return x  # ü€😀", "  two  spaces\t", "<|endoftext|> is bytes too", ""]:
+        ids = hf(text)["input_ids"]
+        assert ids == ours.tokenize(text)
+        assert hf.decode(ids) == ours.detokenize(ids) == text
+    assert hf.decode([104, 105, 256], skip_special_tokens=True) == ours.detokenize([104, 105, 256]) == "hi"
+    assert hf.decode([0xC3, 104]) == ours.detokenize([0xC3, 104])  # a broken UTF-8 sequence: U+FFFD both ways

@@ -220,8 +220,12 @@ def test_format_timeline():
 def test_png(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "t.png"
-    save_png(simulate(build_schedule("interleaved", 2, 2, 2)), str(out))
-    assert out.stat().st_size > 1000
+    labels = save_png(simulate(build_schedule("interleaved", 2, 2, 2)), str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 1000
+    assert labels == ["F forward", "BW backward (input + weight)",
+                      "F3.1 = micro-batch 3, chunk 1 (lighter: later of 2 chunks)"]
+    zb = save_png(simulate(build_schedule("zb-h1", 2, 2, 1)), str(out))  # only the kinds the schedule has
+    assert zb == ["F forward", "B backward (input grad)", "W weight grad"]
 
 
 def _cli(*args, module=False):

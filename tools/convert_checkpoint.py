@@ -9,9 +9,11 @@
 
 `hf-to-ml` writes a weights-only training checkpoint (what `pretrain_gpt.py --save` writes, at
 iteration 0, without optimizer state) at the given TP / PP / EP layout, streaming tensor by tensor
-from (sharded) safetensors, so peak memory stays near one tensor; `pretrain_gpt.py --load ckpt/
+from (sharded) safetensors, so peak memory stays near one tensor, and copies a HF tokenizer found
+beside the weights into OUT/tokenizer, recorded as the checkpoint's tokenizer; `pretrain_gpt.py --load ckpt/
 --use-checkpoint-args` trains from it at any layout. `ml-to-hf` writes a save_pretrained directory
-(config.json, generation_config.json, sharded model*.safetensors with an index, the tokenizer) from
+(config.json and generation_config.json with bos / eos / pad ids, sharded model*.safetensors with an
+index, the run's tokenizer where it has a HF form) from
 any training checkpoint (any layout, any precision) or a full checkpoint (`--ml-dir`: the
 `model.safetensors` + `config.json` that `consolidate` writes), streaming too: the conversion runs
 on the meta device first, so every file's header is written before its tensors, each as it is read.
@@ -224,16 +226,19 @@ def _layout_meta(tp, pp, dp, vpp, ep) -> dict:
 
 
 # --- subcommands ------------------------------------------------------------------------------
-def _write_converted(args, cfg: ModelConfig, stream, names: List[str], dtype: torch.dtype, source: str):
+def _write_converted(args, cfg: ModelConfig, stream, names: List[str], dtype: torch.dtype, source: str,
+                     data: Optional[dict] = None):
     """Write the stream of our full tensors (in the order `names`) as a weights-only training
-    checkpoint at the layout of the flags; returns (its directory, the layout)."""
+    checkpoint at the layout of the flags (`data`: the tokenizer settings to record); returns (its
+    directory, the layout)."""
     from megatron_lite.checkpoint.directory import VERSION
     from megatron_lite.checkpoint.files import FORMAT
     from megatron_lite.checkpoint.offline import write_weights_checkpoint
 
     tp, pp, dp, vpp, ep = layout = _layout(args, cfg)
     meta = {"format": FORMAT, "version": VERSION, "model_config": dataclasses.asdict(cfg),
-            "config": {"model": dataclasses.asdict(cfg)}, "layout": _layout_meta(tp, pp, dp, vpp, ep),
+            "config": {"model": dataclasses.asdict(cfg), **({"data": data} if data else {})},
+            "layout": _layout_meta(tp, pp, dp, vpp, ep),
             "lr_scheduler": {}, "optimizer": None, "source": source}
     final = write_weights_checkpoint(args.out, meta, _target_ranks(cfg, tp, pp, dp, vpp, ep), stream, names, dtype)
     return final, layout
@@ -249,13 +254,38 @@ def cmd_hf_to_ml(args) -> None:
     _layout(args, cfg)  # a bad layout fails before anything is read
     dtype = DTYPES[args.dtype] or weights.dtype()
     stream = hf_to_ours_stream(weights.get, weights.has, cfg, fam.rules, our_sizes(cfg))
+    tokenizer = copy_hf_tokenizer(args.hf_dir, os.path.join(args.out, TOKENIZER_DIR))
+    data = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": tokenizer} if tokenizer else None
     final, (tp, pp, dp, _, ep) = _write_converted(args, cfg, stream, our_names(cfg, fam.rules), dtype,
-                                                  f"hf-to-ml {os.path.abspath(args.hf_dir)}")
+                                                  f"hf-to-ml {os.path.abspath(args.hf_dir)}", data)
     left = [k for k in weights.unused(fam.ignored) if k not in fam.dropped]
     if left:
         raise ConversionError(f"HF checkpoint has {len(left)} tensors no {fam.name} rule reads, e.g. {left[:3]}")
     print(f"wrote {fam.name} weights ({cfg.num_parameters():,} parameters, {dtype}) from {args.hf_dir} as a "
           f"training checkpoint for tp={tp} pp={pp} ep={ep} ({tp * pp * dp} files) to {final}")
+    print(f"the tokenizer beside the weights copied to {tokenizer}: the default tokenizer of runs from this checkpoint"
+          if tokenizer else f"no tokenizer ({', '.join(TOKENIZER_FILES[:3])}, ...) in {args.hf_dir}: runs from this "
+          f"checkpoint need --tokenizer-type / --tokenizer-model (a vocabulary of {cfg.vocab_size})")
+
+
+# What a HF tokenizer directory may hold (AutoTokenizer reads these; weights and model config are apart).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "chat_template.jinja")
+TOKENIZER_DIR = "tokenizer"
+
+
+def copy_hf_tokenizer(hf_dir: str, dest: str) -> Optional[str]:
+    """Copy the HF tokenizer files found in hf_dir to dest; returns dest's absolute path, or None if
+    there were none. A tokenizer_config.json alone (no vocabulary) is not a tokenizer."""
+    import shutil
+
+    found = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(hf_dir, f))]
+    if not set(found) - {"tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"}:
+        return None
+    os.makedirs(dest, exist_ok=True)
+    for f in found:
+        shutil.copyfile(os.path.join(hf_dir, f), os.path.join(dest, f))
+    return os.path.abspath(dest)
 
 
 # Megatron-LM's model flags (its names and meanings), for checkpoints whose args lack them or to
@@ -333,7 +363,7 @@ def _ours_from(args):
     device (shape and dtype, nothing read), closer) of --load or --ml-dir."""
     if args.ml_dir:
         cfg, state = read_ml_checkpoint(args.ml_dir)
-        return cfg, state.__getitem__, lambda name: torch.empty_like(state[name], device="meta"), lambda: None
+        return cfg, state.__getitem__, lambda name: torch.empty_like(state[name], device="meta"), lambda: None, {}
     from megatron_lite.checkpoint.offline import open_checkpoint
 
     reader = open_checkpoint(args.load, args.iteration, args.verify_checkpoint)
@@ -347,7 +377,7 @@ def _ours_from(args):
         key = key_of(name)
         return torch.empty(reader.shapes[key], dtype=reader.dtype(key), device="meta")
 
-    return cfg, (lambda name: reader.read_full(key_of(name))), meta, reader.close
+    return cfg, (lambda name: reader.read_full(key_of(name))), meta, reader.close, reader.meta
 
 
 def _shards(plan: List[Tuple[str, Tuple[int, ...], torch.dtype]], max_bytes: int):
@@ -391,7 +421,7 @@ def _write_safetensors_stream(path: str, plan, tensors: Iterator[Tuple[str, torc
 
 
 def cmd_ml_to_hf(args) -> None:
-    cfg, get, meta, close = _ours_from(args)
+    cfg, get, meta, close, ckpt_meta = _ours_from(args)
     try:
         fam = family_of(cfg, args.family)
         hf_config = model_config_to_hf_config(cfg, fam.name)
@@ -416,12 +446,49 @@ def cmd_ml_to_hf(args) -> None:
     finally:
         close()
     _name_shards(args.out, files, weight_map, total)
+    data = dict((ckpt_meta.get("config") or {}).get("data") or {})
+    if args.tokenizer_model:
+        data = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": args.tokenizer_model}
+    tokenizer, why_not = hf_tokenizer(data)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(args.out)
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # HF generate stops at eos
+            setattr(hf_config, key, getattr(tokenizer, key))
     hf_config.save_pretrained(args.out)
     _generation_config(hf_config).save_pretrained(args.out)
-    if args.tokenizer_model:
+    print(f"wrote HF {hf_config.architectures[0]} ({len(weight_map)} tensors in {len(files)} files) to {args.out}"
+          + (f" with its {data['tokenizer_type']} as a HF tokenizer (eos id {tokenizer.eos_token_id})" if tokenizer
+             else f"; no tokenizer: {why_not} (--tokenizer-model DIR adds a HF one)"))
+
+
+def byte_level_hf_tokenizer():
+    """ByteTokenizer as a HF fast tokenizer with the same ids: the 256 bytes (GPT-2's byte-to-character
+    map, no merges) and <|endoftext|> = 256 as eos."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    chars = {b: chr(b if b in printable else next(extra)) for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab={c: b for b, c in chars.items()}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", clean_up_tokenization_spaces=False,
+                                   split_special_tokens=True)  # "<|endoftext|>" in a text is bytes, as ours
+
+
+def hf_tokenizer(data: dict):
+    """(a HF tokenizer equal to the run's, None) or (None, why not) from a run's tokenizer settings."""
+    kind, model = data.get("tokenizer_type"), data.get("tokenizer_model")
+    if kind == "ByteTokenizer":
+        return byte_level_hf_tokenizer(), None
+    if kind == "HuggingFaceTokenizer" and model:
         from transformers import AutoTokenizer
-        AutoTokenizer.from_pretrained(args.tokenizer_model, local_files_only=True).save_pretrained(args.out)
-    print(f"wrote HF {hf_config.architectures[0]} ({len(weight_map)} tensors in {len(files)} files) to {args.out}")
+        return AutoTokenizer.from_pretrained(model, local_files_only=True), None
+    if kind == "GPT2BPETokenizer" and data.get("vocab_file") and data.get("merge_file"):
+        from transformers import GPT2TokenizerFast
+        return GPT2TokenizerFast(data["vocab_file"], data["merge_file"]), None
+    return None, (f"the checkpoint records no tokenizer" if not kind else f"{kind} is not written as a HF tokenizer")
 
 
 def _name_shards(out: str, files: List[str], weight_map: Dict[str, str], total: int) -> None:
@@ -441,7 +508,8 @@ def _name_shards(out: str, files: List[str], weight_map: Dict[str, str], total: 
 def _generation_config(hf_config):
     from transformers import GenerationConfig
 
-    return GenerationConfig(bos_token_id=hf_config.bos_token_id, eos_token_id=hf_config.eos_token_id)
+    return GenerationConfig(bos_token_id=hf_config.bos_token_id, eos_token_id=hf_config.eos_token_id,
+                            pad_token_id=hf_config.pad_token_id)
 
 
 def cmd_consolidate(args) -> None:

@@ -149,7 +149,8 @@ class Setup:
         self.tokenizer = build_tokenizer_for(args, self.cfg.data)
         if self.tokenizer.vocab_size != model.vocab_size:
             raise ConfigError(f"{self.tokenizer.name} has vocab {self.tokenizer.vocab_size} but the checkpoint's model "
-                              f"{model.vocab_size}: pass the tokenizer it was trained with")
+                              f"{model.vocab_size}: pass the --tokenizer-type / --tokenizer-model it was trained with "
+                              f"(NullTokenizer: --vocab-size {model.vocab_size - 1})")
         self.texts = read_prompts(args)
         self.prompts = [tokenize(self.tokenizer, t) or [self.tokenizer.eod] for t in self.texts]
         self.max_new_tokens = self._max_new_tokens(args.max_new_tokens)

@@ -51,8 +51,16 @@ def config_diffs(saved: dict, current: dict, prefix: str = "") -> List[str]:
         elif saved[name] != value:
             hint = (" (a shape command line now gets Megatron's tanh GELU: add --activation gelu or "
                     "--no-bias-gelu-fusion for the exact one)" if name == "activation" else "")
+            hint = vocab_hint(saved[name]) if name == "vocab_size" and not prefix else hint
             out.append(f"{prefix}{name} is {saved[name]!r} there and {value!r} here{hint}")
     return out
+
+
+def vocab_hint(saved_vocab: int, use_checkpoint_args: bool = False) -> str:
+    """What to pass when the tokenizer's vocabulary is not the checkpoint's."""
+    take = "" if use_checkpoint_args else "pass --use-checkpoint-args to take the checkpoint's tokenizer, or "
+    return (f" (the vocabulary is the tokenizer's: {take or 'pass '}the --tokenizer-type / --tokenizer-model it was "
+            f"trained with; NullTokenizer: --vocab-size {saved_vocab - 1})")
 
 
 def check_model_config(saved: dict, current: ModelConfig, where: str) -> None:

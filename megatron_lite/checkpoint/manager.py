@@ -28,15 +28,15 @@ from .saver import PendingSave, start_save, world_rank
 from .state import TrainState
 
 
-def checkpoint_model_config(tcfg) -> Optional[dict]:
-    """--use-checkpoint-args: the model config of the checkpoint the run starts from (its own
-    --save, else --load, else --pretrained-checkpoint), read before any process group exists."""
+def checkpoint_run_config(tcfg) -> Optional[dict]:
+    """--use-checkpoint-args: the metadata of the checkpoint the run starts from (its own --save,
+    else --load, else --pretrained-checkpoint: model_config, config), read before any process group exists."""
     if not tcfg.use_checkpoint_args:
         return None
     for path in (tcfg.save, tcfg.load, tcfg.pretrained_checkpoint):
         if has_checkpoint(path):
             ckpt_dir, _ = resolve(path)
-            return read_metadata(ckpt_dir, tcfg.verify_checkpoint)["model_config"]
+            return read_metadata(ckpt_dir, tcfg.verify_checkpoint)
     raise ConfigError("--use-checkpoint-args: none of --save / --load / --pretrained-checkpoint holds a checkpoint")
 
 

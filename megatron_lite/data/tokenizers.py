@@ -328,6 +328,7 @@ _ALIASES = {
 
 # DataConfig fields read for --tokenizer-type TikTokenizer (when the config has them).
 TIKTOKEN_FIELDS = ("tiktoken_pattern", "tiktoken_num_special_tokens", "tiktoken_special_tokens", "legacy_tokenizer")
+TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size") + TIKTOKEN_FIELDS
 
 
 def build_tokenizer(tokenizer_type: str, *, tokenizer_model=None, vocab_file=None, merge_file=None,

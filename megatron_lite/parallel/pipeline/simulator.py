@@ -345,11 +345,15 @@ def format_timeline(result: SimResult, width: Optional[int] = None) -> str:
     return "\n".join(rows)
 
 
-def save_png(result: SimResult, path: str, title: str = "") -> None:
-    """Gantt chart of the timelines (needs matplotlib, imported here only)."""
+LEGEND = {"F": "F forward", "B": "B backward (input grad)", "W": "W weight grad", "BW": "BW backward (input + weight)"}
+
+
+def save_png(result: SimResult, path: str, title: str = "") -> list:
+    """Gantt chart of the timelines (needs matplotlib, imported here only); returns the legend's labels."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     colors = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", "BW": "#c44e52"}
     p = len(result.timelines)
@@ -360,10 +364,17 @@ def save_png(result: SimResult, path: str, title: str = "") -> None:
             ax.barh(r, e - s, left=s, color=colors[a.kind], edgecolor="black", linewidth=0.5,
                     alpha=1.0 - 0.4 * a.chunk / max(1, v - 1) if v > 1 else 1.0)
             ax.text((s + e) / 2, r, _label(a, v), ha="center", va="center", fontsize=6)
+    kinds = [k for k in LEGEND if any(a.kind == k for tl in result.timelines for _, _, a in tl)]
+    handles = [Patch(facecolor=colors[k], edgecolor="black", label=LEGEND[k]) for k in kinds]
+    if v > 1:
+        handles.append(Patch(facecolor="white", edgecolor="black", label=f"F3.1 = micro-batch 3, chunk 1 (lighter: later of {v} chunks)"))
+    ax.legend(handles=handles, fontsize=7, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(handles),
+              frameon=False)
     ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
     ax.invert_yaxis()
     ax.set_xlabel("time")
-    ax.set_title(title)
+    ax.set_title(title, loc="left")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
+    return [h.get_label() for h in handles]
