@@ -47,9 +47,7 @@ COMPAT_VALUE_FLAGS = ["--distributed-backend", "--timing-log-level",
                       "--tensorboard-queue-size"]
 # Megatron-LM flags that would change training here but are not implemented: refused with one
 # line rather than silently ignored.
-UNSUPPORTED_FLAGS = {"--tp-comm-overlap": "Transformer Engine's userbuffers",
-                     "--step-batch-size-schedule": "a step-wise global batch size schedule; the supported "
-                                                   "ramp is --rampup-batch-size"}
+UNSUPPORTED_FLAGS = {"--tp-comm-overlap": "Transformer Engine's userbuffers"}
 # Flags that need a package or a device megatron-lite does not use: one line naming what is missing.
 NEEDS_PACKAGE_FLAGS = {
     "--fp8-format": "FP8 GEMMs need Transformer Engine on Hopper/Blackwell GPUs",

@@ -137,7 +137,7 @@ class Trainer:
             self.forward_backward = pipelined_forward_backward(executor)
 
         evals = t.train_iters // t.eval_interval + 1
-        train_samples = t.train_samples if t.train_samples is not None else t.train_iters * t.global_batch_size
+        train_samples = t.train_samples if t.train_samples is not None else self.batch_schedule.samples(t.train_iters)
         num_samples = (train_samples, evals * t.eval_iters * t.global_batch_size, t.eval_iters * t.global_batch_size)
         clock = time.perf_counter()
         train_ds, valid_ds, _ = agree_on_errors(lambda: datasets_provider(cfg, tokenizer, num_samples), device)
