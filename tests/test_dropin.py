@@ -1,0 +1,47 @@
+"""Megatron-LM drop-in (issue 28 point 2): every refused flag of a command line in one error, one
+start-up line naming the accepted flags that change nothing here, --ckpt-format torch_dist refused."""
+import pretrain_gpt
+from training_utils import TINY
+
+
+def _error(capsys, argv, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert pretrain_gpt.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    return err
+
+
+def test_every_refused_flag_is_in_one_error(capsys, monkeypatch):
+    err = _error(capsys, TINY + ["--tp-comm-overlap", "--fp8-format", "hybrid", "--no-such-flag", "3",
+                                 "--transformer-impl", "transformer_engine", "--ckpt-format", "torch_dist"], monkeypatch)
+    assert err == (
+        "error: unrecognized arguments: --no-such-flag 3 (see --help); --tp-comm-overlap (Transformer Engine's "
+        "userbuffers) is not supported by megatron-lite; remove it from the command line; --fp8-format: FP8 GEMMs "
+        "need Transformer Engine on Hopper/Blackwell GPUs, which megatron-lite does not use; remove the flag (bf16 "
+        "is the fastest precision here); --transformer-impl transformer_engine: megatron-lite's layers are its own "
+        "(local); drop the flag or use --transformer-impl local; --ckpt-format torch_dist: megatron-lite writes its "
+        "own format (per-rank safetensors pieces + metadata.json), not Megatron-LM's; drop the flag; "
+        "tools/convert_checkpoint.py reads torch_dist (megatron-to-ml) and writes Hugging Face (ml-to-hf)")
+
+
+def test_ckpt_format_torch_dist_alone_is_refused(capsys, monkeypatch):
+    err = _error(capsys, TINY + ["--ckpt-format", "torch_dist", "--save", "unused"], monkeypatch)
+    assert err.startswith("error: --ckpt-format torch_dist: megatron-lite writes its own format")
+
+
+def test_flags_with_no_effect_are_named_in_one_line(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    pretrain_gpt.resolve(TINY + ["--no-masked-softmax-fusion", "--log-throughput", "--no-rope-fusion",
+                                 "--attention-backend", "fused", "--sequence-parallel", "--ckpt-format", "torch"])
+    assert capsys.readouterr().out.splitlines() == [
+        "> note: accepted with no effect here: --no-masked-softmax-fusion, --no-rope-fusion (fused-kernel and "
+        "legacy-path switches: the same math runs); --log-throughput (logging switches: what they log is always "
+        "logged here); --ckpt-format torch (megatron-lite writes its own sharded safetensors format); "
+        "--attention-backend fused (runs sdpa: PyTorch's fused attention); --sequence-parallel (tensor parallel "
+        "size is 1: nothing to split over)"]
+    pretrain_gpt.resolve(TINY + ["--sequence-parallel", "--tensor-model-parallel-size", "1"])
+    assert "no effect" in capsys.readouterr().out
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    pretrain_gpt.resolve(TINY + ["--sequence-parallel", "--tensor-model-parallel-size", "2"])
+    assert capsys.readouterr().out == ""
