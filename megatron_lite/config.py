@@ -490,6 +490,8 @@ class TrainingConfig:
         _require(self.train_samples is None or self.train_samples >= 0,
                  f"train_samples ({self.train_samples}) must be >= 0")
         self.batch_schedule(dp).microbatch_counts(self.train_iters)
+        _require(not self.wandb_project or self.wandb_exp_name, "--wandb-project needs --wandb-exp-name NAME: the "
+                                                                "run's name (Megatron-LM requires it too)")
         _require(self.seq_length >= 1, f"seq_length ({self.seq_length}) must be >= 1")
         _require(self.eval_iters >= 0, f"eval_iters ({self.eval_iters}) must be >= 0")
         _require(0 <= self.seed < 2 ** 32, f"seed ({self.seed}) must lie in [0, 2**32)")

@@ -45,3 +45,20 @@ def test_flags_with_no_effect_are_named_in_one_line(capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     pretrain_gpt.resolve(TINY + ["--sequence-parallel", "--tensor-model-parallel-size", "2"])
     assert capsys.readouterr().out == ""
+
+
+def test_wandb_needs_a_run_name_and_lands_under_save(tmp_path, capsys, monkeypatch):
+    """Megatron-LM's rules: --wandb-exp-name is required; the files go to --wandb-save-dir, else
+    <--save>/wandb (wandb adds its own wandb/ inside)."""
+    from megatron_lite.config import TrainingConfig
+    from megatron_lite.training.metrics import _start_wandb
+
+    err = _error(capsys, TINY + ["--wandb-project", "p"], monkeypatch)
+    assert err == "error: --wandb-project needs --wandb-exp-name NAME: the run's name (Megatron-LM requires it too)"
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run = _start_wandb(TrainingConfig(save=str(tmp_path / "ckpt"), wandb_project="p", wandb_exp_name="n"), {})
+    try:
+        assert run.name == "n" and run.dir.startswith(str(tmp_path / "ckpt" / "wandb" / "wandb" / "offline-run-"))
+    finally:
+        run.finish()
+    assert capsys.readouterr().out.startswith(f"> wandb: run n of project p, offline, in {tmp_path}/ckpt/wandb/wandb/")

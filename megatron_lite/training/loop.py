@@ -165,7 +165,7 @@ class Trainer:
             loaded.restore_rng(self.state)
         self.logs_here = dims.is_last_stage and dims.tp_rank == 0 and dims.dp_rank == 0 and dims.cp_rank == 0
         # A resumed run appends to its metrics file, so that a restarted job keeps the earlier records.
-        self.logger = MetricsLogger(t, self.logs_here, cfg.to_dict(), append=self.iteration > 0)
+        self.logger = MetricsLogger(t, self.logs_here, cfg.to_dict(), start_iteration=self.iteration)
         self.flops_per_token = flops_per_token(m, t.seq_length)  # active parameters of an MoE model
         self.peak_tflops = device_peak_tflops(device)
         self.host_syncs = HostSyncCounter(device)
