@@ -1,5 +1,9 @@
 """Megatron-LM drop-in (issue 28 point 2): every refused flag of a command line in one error, one
 start-up line naming the accepted flags that change nothing here, --ckpt-format torch_dist refused."""
+import os
+import re
+import shlex
+
 import pretrain_gpt
 from training_utils import TINY
 
@@ -62,3 +66,41 @@ def test_wandb_needs_a_run_name_and_lands_under_save(tmp_path, capsys, monkeypat
     finally:
         run.finish()
     assert capsys.readouterr().out.startswith(f"> wandb: run n of project p, offline, in {tmp_path}/ckpt/wandb/wandb/")
+
+
+def test_a_rerun_of_a_finished_job_says_so(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    argv = TINY + ["--train-iters", "2", "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt")]
+    assert pretrain_gpt.main(argv) == 0
+    assert "the run is finished" not in capsys.readouterr().out
+    assert pretrain_gpt.main(argv) == 0
+    out = capsys.readouterr().out
+    assert ("> the run is finished: iteration 2 of 2 already done (the checkpoint loaded); give a larger "
+            "--train-iters or --train-samples to train on") in out.splitlines()
+    assert "iteration      " not in out  # no training line
+
+
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+
+
+def test_readme_console_examples_print_what_they_show(capsys, monkeypatch):
+    """Each ```console block of the README: `$ python pretrain_gpt.py ...` and its exact stderr."""
+    blocks = re.findall(r"```console\n\$ python pretrain_gpt.py ([^\n]*)\n(.*?)\n```", open(README).read(), re.S)
+    assert blocks
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    for command, shown in blocks:
+        assert pretrain_gpt.main(shlex.split(command)) == 2
+        assert capsys.readouterr().err.strip() == shown
+
+
+def test_readme_checkpoints_are_made_before_they_are_read():
+    """Read top to bottom, every checkpoint a README command reads (--load, --ml-dir) was written
+    (--save, --out) by a command above it."""
+    made, text = set(), open(README).read()
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for flag, path in re.findall(r"--(load|ml-dir|save|out) (\S+)", block.replace("\\\n", " ")):
+            path = path.rstrip("/")
+            if flag in ("save", "out"):
+                made.add(path)
+            else:
+                assert path in made, f"--{flag} {path} before a command writes it"

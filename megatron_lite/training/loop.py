@@ -197,6 +197,9 @@ class Trainer:
     def train(self) -> List[dict]:
         t, dims = self.cfg.training, self.dims
         history = []
+        if self.iteration >= t.train_iters > 0 or self.iteration > t.train_iters:  # a rerun of a finished job
+            self.logger.info(f"> the run is finished: iteration {self.iteration} of {t.train_iters} already done (the "
+                             f"checkpoint loaded); give a larger --train-iters or --train-samples to train on")
         mem = self.optimizer.memory_bytes()
         self.logger.info(
             f"> model: {self._parameters_line()} | layout tp={dims.tp} pp={dims.pp} "
