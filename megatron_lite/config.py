@@ -436,12 +436,15 @@ class TrainingConfig:
 
             last = parse_step_schedule(self.step_batch_size_schedule, self.seq_length)[-1][1]
             # Megatron-LM refuses any --global-batch-size here, though its own GPT-3 script passes
-            # the schedule's last batch: that one is accepted, as it changes nothing.
+            # the schedule's last batch: that one is accepted, as it changes nothing. The nominal
+            # batch (lengths in iterations, evaluation) is that last batch: Megatron-LM's
+            # micro_batch_size x DP would make the LR schedule depend on the layout.
             for flag, given in (("--global-batch-size", self.global_batch_size not in (None, last)),
                                 ("--rampup-batch-size", self.rampup_batch_size is not None),
                                 ("--decrease-batch-size-if-needed", self.decrease_batch_size_if_needed)):
                 _require(not given, f"--step-batch-size-schedule and {flag} are exclusive: the schedule gives every "
                                     f"step's global batch; drop {flag}")
+            self.global_batch_size = last
         if self.global_batch_size is None and dp >= 1:
             self.global_batch_size = self.micro_batch_size * dp
         if self.train_samples is not None:

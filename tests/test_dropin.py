@@ -4,6 +4,8 @@ import os
 import re
 import shlex
 
+import pytest
+
 import pretrain_gpt
 from training_utils import TINY
 
@@ -104,3 +106,21 @@ def test_readme_checkpoints_are_made_before_they_are_read():
                 made.add(path)
             else:
                 assert path in made, f"--{flag} {path} before a command writes it"
+
+
+def test_step_batch_size_schedule_trains_the_same_over_dp_and_pp():
+    """--step-batch-size-schedule "0:2 128:8" at seq 64: 2 samples in step 1, then 8 (from 128 tokens = 2
+    samples); DP 2 and PP 2 (micro-batch counts 2 and 8 in one run) reproduce the single process. The
+    LR schedule's lengths in iterations count the schedule's last batch, so they do not depend on DP
+    (Megatron-LM's micro_batch_size x DP would decay twice as slowly at DP 2)."""
+    from megatron_lite.testing import assert_same_run, run_distributed
+    from training_utils import records_of, train_in_process
+
+    i = TINY.index("--global-batch-size")
+    argv = TINY[:i] + TINY[i + 2:] + [
+        "--micro-batch-size", "1", "--train-iters", "3", "--step-batch-size-schedule", "0:2 128:8"]
+    ref = records_of(run_distributed(train_in_process, 1, argv))
+    assert [r["global_batch_size"] for r in ref] == [2, 8, 8] and ref[-1]["consumed_samples"] == 18
+    assert [r["lr"] for r in ref] == pytest.approx([3e-3, 3e-3 * (1 - 2 / 24), 3e-3 * (1 - 10 / 24)])
+    for world, layout in ((2, []), (2, ["--pipeline-model-parallel-size", "2"])):
+        assert_same_run(ref, records_of(run_distributed(train_in_process, world, argv + layout)), what=str(layout))
