@@ -31,7 +31,7 @@ def resolve(argv=None) -> tuple:
     cfg: Config = parse_args(argv, zoo())
     d, t = cfg.data, cfg.training
     saved = None
-    if t.use_checkpoint_args or (t.global_batch_size is None and t.save):  # the checkpoint's model / batch
+    if t.use_checkpoint_args or (t.global_batch_size is None and t.step_batch_size_schedule is None and t.save):  # the checkpoint's model / batch
         from megatron_lite.checkpoint.manager import checkpoint_run_config, inherit_global_batch_size
 
         saved = checkpoint_run_config(t)

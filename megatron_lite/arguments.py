@@ -25,31 +25,33 @@ SECTIONS = (("model", ModelConfig), ("moe", MoEConfig), ("parallel", ParallelCon
 
 # Switches of Megatron-LM that select fused kernels or legacy code paths we do not have, or whose
 # behaviour is always on here: accepted so that existing launch scripts run unchanged; they do not
-# change the math.
-COMPAT_NOOP_FLAGS = [
-    "--use-mcore-models", "--no-masked-softmax-fusion", "--no-bias-dropout-fusion",
-    "--no-gradient-accumulation-fusion", "--accumulate-allreduce-grads-in-fp32", "--attention-softmax-in-fp32",
-    "--no-async-tensor-model-parallel-allreduce", "--no-rope-fusion",
-    "--bias-swiglu-fusion", "--no-bias-swiglu-fusion", "--no-create-attention-mask-in-dataloader",
-    # logging extras and allocator/IO hints: what they control is either always on here or moot
-    "--log-throughput", "--log-params-norm", "--log-num-zeros-in-grad", "--log-timers-to-tensorboard",
-    "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard", "--log-world-size-to-tensorboard",
-    "--log-loss-scale-to-tensorboard", "--log-learning-rate-to-tensorboard", "--log-batch-size-to-tensorboard",
-    "--cross-entropy-loss-fusion", "--no-mmap-bin-files",
-    "--no-persist-layer-norm", "--overlap-p2p-communication",
-    # torch.profiler is what --profile uses anyway; FSDP buffer placement knobs (memory only)
-    "--use-pytorch-profiler", "--fsdp-double-buffer", "--fsdp-manual-registration",
-    # parameters are initialized layout-independently from their global names, wherever built
-    "--init-model-with-meta-device",
-]
-COMPAT_VALUE_FLAGS = ["--distributed-backend", "--timing-log-level",
-                      "--num-dataset-builder-threads", "--data-impl", "--tensorboard-log-interval", "--ckpt-format",
-                      "--tensorboard-queue-size"]
+# change the math. Grouped by the reason the start-up line gives for them.
+COMPAT_NOOP = {
+    "fused-kernel and legacy-path switches: the same math runs": [
+        "--use-mcore-models", "--no-masked-softmax-fusion", "--no-bias-dropout-fusion",
+        "--no-gradient-accumulation-fusion", "--accumulate-allreduce-grads-in-fp32", "--attention-softmax-in-fp32",
+        "--no-async-tensor-model-parallel-allreduce", "--no-rope-fusion", "--bias-swiglu-fusion",
+        "--no-bias-swiglu-fusion", "--no-create-attention-mask-in-dataloader", "--cross-entropy-loss-fusion",
+        "--no-mmap-bin-files", "--no-persist-layer-norm", "--overlap-p2p-communication"],
+    "logging switches: what they log is always logged here": [
+        "--log-throughput", "--log-params-norm", "--log-num-zeros-in-grad", "--log-timers-to-tensorboard",
+        "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard", "--log-world-size-to-tensorboard",
+        "--log-loss-scale-to-tensorboard", "--log-learning-rate-to-tensorboard", "--log-batch-size-to-tensorboard"],
+    "torch.profiler is what --profile uses anyway; FSDP buffer placement (memory only)": [
+        "--use-pytorch-profiler", "--fsdp-double-buffer", "--fsdp-manual-registration"],
+    "parameters are initialized from their global names, wherever built": ["--init-model-with-meta-device"],
+}
+COMPAT_NOOP_FLAGS = [flag for flags in COMPAT_NOOP.values() for flag in flags]
+COMPAT_VALUE = {
+    "--distributed-backend": "gloo on CPU, NCCL on CUDA", "--timing-log-level": "step times are always logged",
+    "--num-dataset-builder-threads": "indices are built by one thread and cached",
+    "--data-impl": "the .bin is memory-mapped", "--tensorboard-log-interval": "TensorBoard gets every iteration",
+    "--ckpt-format": "megatron-lite writes its own sharded safetensors format",
+    "--tensorboard-queue-size": "the writer is flushed every iteration"}
+COMPAT_VALUE_FLAGS = list(COMPAT_VALUE)
 # Megatron-LM flags that would change training here but are not implemented: refused with one
 # line rather than silently ignored.
-UNSUPPORTED_FLAGS = {"--tp-comm-overlap": "Transformer Engine's userbuffers",
-                     "--step-batch-size-schedule": "a step-wise global batch size schedule; the supported "
-                                                   "ramp is --rampup-batch-size"}
+UNSUPPORTED_FLAGS = {"--tp-comm-overlap": "Transformer Engine's userbuffers"}
 # Flags that need a package or a device megatron-lite does not use: one line naming what is missing.
 NEEDS_PACKAGE_FLAGS = {
     "--fp8-format": "FP8 GEMMs need Transformer Engine on Hopper/Blackwell GPUs",
@@ -230,20 +232,50 @@ def _parallel_config(args: argparse.Namespace, model: ModelConfig) -> ParallelCo
     return ParallelConfig(**given)
 
 
-def config_from_args(args: argparse.Namespace, zoo: Zoo) -> Config:
-    """Resolve flags (over the named model, over the defaults) into a Config. No validation yet."""
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def refused(args: argparse.Namespace, unknown: List[str] = ()) -> List[str]:
+    """One message per flag of the command line that megatron-lite refuses (all of them, so that a
+    launch script is cleared in one run)."""
+    out = [f"unrecognized arguments: {' '.join(unknown)} (see --help)"] if unknown else []
     for flag, what in UNSUPPORTED_FLAGS.items():
-        if getattr(args, flag.lstrip("-").replace("-", "_")) is not None:
-            raise ConfigError(f"{flag} ({what}) is not supported by megatron-lite; remove it from the command line")
+        if getattr(args, _dest(flag)) is not None:
+            out.append(f"{flag} ({what}) is not supported by megatron-lite; remove it from the command line")
     for flag, what in NEEDS_PACKAGE_FLAGS.items():
-        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        value = getattr(args, _dest(flag))
         if value is not None and value != ["none"]:
-            raise ConfigError(f"{flag}: {what}, which megatron-lite does not use; remove the flag (bf16 is the "
-                              f"fastest precision here)" if flag.startswith(("--fp8", "--fp4"))
-                              else f"{flag}: {what}, which megatron-lite does not use; remove the flag")
+            out.append(f"{flag}: {what}, which megatron-lite does not use; remove the flag" + (
+                " (bf16 is the fastest precision here)" if flag.startswith(("--fp8", "--fp4")) else ""))
     if args.transformer_impl == "transformer_engine":
-        raise ConfigError("--transformer-impl transformer_engine: megatron-lite's layers are its own (local); "
-                          "drop the flag or use --transformer-impl local")
+        out.append("--transformer-impl transformer_engine: megatron-lite's layers are its own (local); "
+                   "drop the flag or use --transformer-impl local")
+    if args.ckpt_format in ("torch_dist", "fsdp_dtensor"):  # Megatron-LM's distributed formats
+        out.append(f"--ckpt-format {args.ckpt_format}: megatron-lite writes its own format (per-rank safetensors pieces + "
+                   "metadata.json), not Megatron-LM's; drop the flag; tools/convert_checkpoint.py reads torch_dist "
+                   "(megatron-to-ml) and writes Hugging Face (ml-to-hf)")
+    return out
+
+
+def no_effect(args: argparse.Namespace, tp: int) -> List[str]:
+    """The accepted flags of the command line that change nothing here, each with why."""
+    out = [f"{', '.join(given)} ({why})" for why, flags in COMPAT_NOOP.items()
+           if (given := [f for f in flags if getattr(args, _dest(f))])]
+    out += [f"{flag} {getattr(args, _dest(flag))} ({why})" for flag, why in COMPAT_VALUE.items()
+            if getattr(args, _dest(flag)) is not None]
+    if getattr(args, "attention_backend", None) == "fused":
+        out.append("--attention-backend fused (runs sdpa: PyTorch's fused attention)")
+    if getattr(args, "sequence_parallel", False) and tp == 1:
+        out.append("--sequence-parallel (tensor parallel size is 1: nothing to split over)")
+    return out
+
+
+def config_from_args(args: argparse.Namespace, zoo: Zoo, unknown: List[str] = ()) -> Config:
+    """Resolve flags (over the named model, over the defaults) into a Config. No validation yet."""
+    problems = refused(args, unknown)
+    if problems:
+        raise ConfigError("; ".join(problems))
     # Without --model, the built-in default run applies only to a command line that names no model
     # shape: a launch script that gives the shape gets Megatron-LM's defaults for everything else.
     default_run = args.model is None and not any(hasattr(args, k) for k in SHAPE_FIELDS)
@@ -272,12 +304,16 @@ def config_from_args(args: argparse.Namespace, zoo: Zoo) -> Config:
             data["tokenizer_type"] = "GPT2BPETokenizer"
     cfg = Config(model=model, parallel=_parallel_config(args, model), training=TrainingConfig(**training),
                  data=DataConfig(**data))
+    ignored = no_effect(args, cfg.parallel.tensor_model_parallel_size)
+    if ignored:
+        notes.append("accepted with no effect here: " + "; ".join(ignored))
     cfg.notes, cfg.model_flags, cfg.data_flags = notes, _given(args, ModelConfig), data
     return cfg
 
 
 def parse_args(argv: Optional[List[str]], zoo: Zoo) -> Config:
-    return config_from_args(build_parser(zoo).parse_args(argv), zoo)
+    args, unknown = build_parser(zoo).parse_known_args(argv)
+    return config_from_args(args, zoo, unknown)
 
 
 __all__ = ["Zoo", "build_parser", "config_from_args", "parse_args", "COMPAT_NOOP_FLAGS", "COMPAT_VALUE_FLAGS",

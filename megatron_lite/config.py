@@ -322,6 +322,8 @@ class TrainingConfig:
     train_samples: Optional[int] = arg(None, "training length in samples; the LR schedule counts samples either way")
     rampup_batch_size: Optional[List[int]] = arg(None, "START INCR SAMPLES: the global batch grows from START by INCR "
                                                        "over SAMPLES samples (with --train-samples)", nargs=3)
+    step_batch_size_schedule: Optional[str] = arg(None, "\"THRESHOLD:BS ...\" (Megatron-LM's): the global batch BS from "
+                                                        "THRESHOLD tokens on (K/M/B/T suffixes), e.g. \"0:16 2.4B:320\"")
     decrease_batch_size_if_needed: bool = arg(False, "round each global batch down to a multiple of micro-batch x DP",
                                               store="true")
     lr: float = arg(1e-3, "peak learning rate")
@@ -429,6 +431,20 @@ class TrainingConfig:
 
     def finalize(self, dp: int) -> None:
         """The default global batch, and the iterations of a run given by --train-samples."""
+        if self.step_batch_size_schedule is not None:  # Megatron-LM's refusals
+            from .training.microbatches import parse_step_schedule
+
+            last = parse_step_schedule(self.step_batch_size_schedule, self.seq_length)[-1][1]
+            # Megatron-LM refuses any --global-batch-size here, though its own GPT-3 script passes
+            # the schedule's last batch: that one is accepted, as it changes nothing. The nominal
+            # batch (lengths in iterations, evaluation) is that last batch: Megatron-LM's
+            # micro_batch_size x DP would make the LR schedule depend on the layout.
+            for flag, given in (("--global-batch-size", self.global_batch_size not in (None, last)),
+                                ("--rampup-batch-size", self.rampup_batch_size is not None),
+                                ("--decrease-batch-size-if-needed", self.decrease_batch_size_if_needed)):
+                _require(not given, f"--step-batch-size-schedule and {flag} are exclusive: the schedule gives every "
+                                    f"step's global batch; drop {flag}")
+            self.global_batch_size = last
         if self.global_batch_size is None and dp >= 1:
             self.global_batch_size = self.micro_batch_size * dp
         if self.train_samples is not None:
@@ -444,8 +460,12 @@ class TrainingConfig:
         """The global batch and micro-batches of every step (training/microbatches.py)."""
         from .training.microbatches import BatchSchedule
 
+        from .training.microbatches import parse_step_schedule
+
+        steps = self.step_batch_size_schedule
         return BatchSchedule(self.global_batch_size, self.micro_batch_size, dp, self.rampup_batch_size,
-                             self.decrease_batch_size_if_needed)
+                             self.decrease_batch_size_if_needed,
+                             None if steps is None else parse_step_schedule(steps, self.seq_length))
 
     def param_scheduler(self):
         """The LR / weight-decay schedule, counting samples (optim/lr_scheduler.py)."""
@@ -473,6 +493,8 @@ class TrainingConfig:
         _require(self.train_samples is None or self.train_samples >= 0,
                  f"train_samples ({self.train_samples}) must be >= 0")
         self.batch_schedule(dp).microbatch_counts(self.train_iters)
+        _require(not self.wandb_project or self.wandb_exp_name, "--wandb-project needs --wandb-exp-name NAME: the "
+                                                                "run's name (Megatron-LM requires it too)")
         _require(self.seq_length >= 1, f"seq_length ({self.seq_length}) must be >= 1")
         _require(self.eval_iters >= 0, f"eval_iters ({self.eval_iters}) must be >= 0")
         _require(0 <= self.seed < 2 ** 32, f"seed ({self.seed}) must lie in [0, 2**32)")

@@ -30,6 +30,15 @@ SCRIPTS = {
         --pipeline-model-parallel-size 16 --data-path DATA --vocab-file VOCAB --merge-file MERGES --split 949,50,1
         --log-interval 100 --save-interval 10000 --eval-interval 1000 --save CKPT --load CKPT --eval-iters 10
         --tensorboard-dir TB""",
+    # today's main: a step-wise schedule (thresholds in tokens) instead of the ramp, by iterations
+    "gpt3_175b_main": """--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048
+        --max-position-embeddings 2048 --attention-backend auto --micro-batch-size 1 --global-batch-size 1536
+        --step-batch-size-schedule "0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536" --train-iters 500000
+        --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.006 --clip-grad 1.0 --fp16
+        --lr 6.0e-5 --lr-decay-style cosine --min-lr 6.0e-6 --lr-warmup-fraction .001 --lr-decay-iters 430000
+        --tensor-model-parallel-size 8 --pipeline-model-parallel-size 16 --data-path DATA --vocab-file VOCAB
+        --merge-file MERGES --split 949,50,1 --log-interval 100 --save-interval 10000 --eval-interval 1000
+        --save CKPT --load CKPT --eval-iters 10 --tensorboard-dir TB""",
     "llama3_8b_fp8": """--use-mcore-models --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336
         --num-attention-heads 32 --group-query-attention --num-query-groups 8 --kv-channels 128 --seq-length 8192
         --max-position-embeddings 8192 --position-embedding-type rope --rotary-base 1000000 --rotary-percent 1.0
@@ -124,9 +133,15 @@ def _by_samples(argv):
     return out
 
 
+REFUSED_FORMATS = ("torch_dist", "fsdp_dtensor")  # Megatron-LM's checkpoint formats: refused, we write ours
+
+
 def _without_package_flags(argv):
+    """argv less the flags that are refused here: needing a package, or a Megatron-LM checkpoint format."""
     out, skip = [], False
-    for tok in argv:
+    for i, tok in enumerate(argv):
+        if tok == "--ckpt-format" and argv[i + 1] in REFUSED_FORMATS or tok in REFUSED_FORMATS:
+            continue
         if tok in NEEDS_PACKAGE_FLAGS:
             skip = True
             continue
@@ -174,11 +189,13 @@ def _mock_data(argv):
 def test_every_flag_parses_or_names_the_missing_package(name, script_files):
     argv = _fill(_argv(name), script_files)
     needs = [t for t in argv if t in NEEDS_PACKAGE_FLAGS]
-    if needs:
+    formats = [f"--ckpt-format {t}" for t in argv if t in REFUSED_FORMATS]
+    if needs or formats:
         with pytest.raises(ConfigError) as e:
             parse_args(argv, zoo())
-        message = str(e.value)
-        assert "\n" not in message and any(message.startswith(n) for n in needs) and "does not use" in message
+        message = str(e.value)  # every refused flag of the script, in one line
+        assert "\n" not in message and all(f"{n}: " in message for n in needs + formats), message
+        assert not needs or "does not use" in message
     parse_args(_without_package_flags(argv), zoo())
 
 
@@ -223,14 +240,33 @@ def test_fsdp_script_maps_onto_zero3_and_the_gpt3_ramp(script_files, monkeypatch
     assert cfg.model.attention_dropout == 0.1 and cfg.model.hidden_dropout == 0.1  # Megatron's defaults
 
 
+def test_gpt3_main_script_runs_megatrons_step_schedule(script_files, monkeypatch):
+    """Today's GPT-3 script: 16 samples a step until 2.4B tokens (1171875 samples of 2048), ... 1536
+    from 12B; its --global-batch-size is the schedule's last batch; another one is refused, as are
+    the ramp and --decrease-batch-size-if-needed beside the schedule."""
+    from pretrain_gpt import resolve
+
+    monkeypatch.setenv("WORLD_SIZE", "128")
+    argv = _mock_data(_fill(_argv("gpt3_175b_main"), script_files))
+    cfg, _ = resolve(argv)
+    b = cfg.training.batch_schedule(1)
+    assert cfg.training.train_iters == 500_000
+    assert [b.global_batch_size(c) for c in (0, 1171874, 1171875, 5859374, 5859375)] == [16, 16, 320, 1232, 1536]
+    for extra, flag in ((["--global-batch-size", "1024"], "--global-batch-size"),
+                        (["--decrease-batch-size-if-needed"], "--decrease-batch-size-if-needed")):
+        with pytest.raises(ConfigError, match=f"--step-batch-size-schedule and {flag} are exclusive"):
+            resolve(argv + extra)
+
+
 # --- shrunk, two iterations on CPU ------------------------------------------------------------
 SMALL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
              kv_channels=16, seq_length=32, max_position_embeddings=64, micro_batch_size=1, global_batch_size=4,
              train_iters=2, train_samples=8, lr_decay_samples=6, lr_warmup_samples=2, lr_decay_iters=2,
-             lr_warmup_iters=1, rampup_batch_size=[2, 2, 2], eval_iters=1, eval_interval=2, vocab_size=250,
+             lr_warmup_iters=1, rampup_batch_size=[2, 2, 2], step_batch_size_schedule="0:2 64:4", eval_iters=1, eval_interval=2, vocab_size=250,
              num_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2, profile_step_start=0, profile_step_end=1,
              num_workers=0)  # (forked test ranks are daemons: no loader worker processes)
 LAYOUTS = {"gpt3_175b": (4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)),
+           "gpt3_175b_main": (2, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=1)),
            "llama3_8b_fp8": (2, {}), "llama3_8b_fsdp_nsys": (2, {}),
            "mixtral_8x7b": (4, dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2)),
            "conf_llama3.1_8b": (1, {}), "conf_qwen3_8b": (1, {}), "conf_qwen3_30b_a3b": (2, {})}
@@ -247,6 +283,8 @@ def test_shrunk_script_trains_two_iterations(name, script_files, tmp_path):
     records = next(h for h in histories if h and h[0]["lm_loss"] is not None)
     assert len(records) == 2 and all(r["lm_loss"] > 0 for r in records)
     assert records[-1]["consumed_samples"] == sum(r["global_batch_size"] for r in records)
+    if "--step-batch-size-schedule" in argv:  # "0:2 64:4": 2 samples from 0, 4 from 64 tokens = 2 samples
+        assert [r["global_batch_size"] for r in records] == [2, 4]
     if "--profile" in argv:  # traced step 1 (start 0, end 1) on rank 0, beside --tensorboard-dir
         assert (tmp_path / "torch_profile" / "rank-0.json.gz").stat().st_size > 0
 

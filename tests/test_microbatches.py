@@ -5,7 +5,7 @@ import torch
 
 from megatron_lite.data import build_pretraining_data_loader
 from megatron_lite.errors import ConfigError
-from megatron_lite.training.microbatches import BatchSchedule
+from megatron_lite.training.microbatches import BatchSchedule, parse_step_schedule
 
 
 def test_ramp_batch_sizes_per_step():
@@ -101,3 +101,29 @@ def test_resume_mid_ramp_continues_the_same_samples(dp):
     for k in (3, 6, 9):
         consumed = sum(len(b) for b in full[:k])
         assert ramp_global_batches(consumed, 2, dp, 12 - k) == full[k:]
+
+
+def test_step_batch_size_schedule_as_megatron_lm_parses_it():
+    """Megatron-LM's GPT-3 175B script: thresholds in tokens (B = 1e9) -> samples by // seq_length."""
+    steps = parse_step_schedule("0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536", 2048)
+    assert steps == [(0, 16), (1171875, 320), (2343750, 624), (3515625, 928), (4687500, 1232), (5859375, 1536)]
+    assert parse_step_schedule("1K:8,0:4", 10) == [(0, 4), (100, 8)]  # commas, any order, K suffix
+
+
+def test_step_batch_size_schedule_per_step():
+    """From 0 samples: 4; from 10: 8; from 30: 12 (the last threshold at or below the samples consumed
+    before the step); --train-samples counts steps until the samples are reached, as update_train_iters."""
+    s = BatchSchedule(2, 1, 2, steps=parse_step_schedule("0:4 100:8 300:12", 10))
+    assert s.step_sizes(7) == [4, 4, 4, 8, 8, 8, 12]  # consumed 0 4 8 12 20 28 36
+    assert s.microbatch_counts(100) == [2, 4, 6] and s.microbatch_counts(3) == [2]
+    assert s.samples(7) == 48 and s.train_iters(48) == 7 and s.train_iters(49) == 8
+    with pytest.raises(ConfigError, match=r"global_batch_size \(12\) \(the schedule's, after 32 samples\) must be divisible .* change the schedule or the sizes"):
+        BatchSchedule(4, 1, 8, steps=parse_step_schedule("0:8 300:12", 10)).microbatch_counts(10)
+
+
+@pytest.mark.parametrize("schedule,match", [("16:4", "first threshold must be 0"), ("0:4 x:8", "'x' is not a number"),
+                                            ("0:4 5:8", "strictly increasing"), ("0-4", "THRESHOLD:BATCH_SIZE"),
+                                            ("0:0", "must be >= 1")])
+def test_bad_step_schedules(schedule, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_step_schedule(schedule, 10)

@@ -65,7 +65,7 @@ def test_a_pasted_launch_script_plans_its_own_layout():
              "--bf16", "--use-distributed-optimizer", "--data-path", "0.7", "/data/web_text_document", "0.3",
              "/data/code_text_document", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
              "/models/llama3", "--micro-batch-size", "1", "--global-batch-size", "256", "--train-iters", "10000",
-             "--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "500", "--wandb-project", "my-run",
+             "--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "500", "--wandb-project", "my-run", "--wandb-exp-name", "8b",
              "--tensorboard-dir", "runs/tb", "--sequence-parallel", "--distributed-backend", "nccl"]
     out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan.py"), *flags, "--world-size", "8"],
                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)

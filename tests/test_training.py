@@ -43,7 +43,7 @@ def test_default_run_learns(tmp_path):
     assert recs[-1].get("val_lm_loss") is not None and recs[-1]["val_lm_loss"] < 0.7 * first
 
 
-def _wandb_history(run_dir):
+def _wandb_history(run_dir, key):
     """lm_loss per step from an offline wandb run file (LevelDB-style log of protobuf records)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
@@ -68,12 +68,12 @@ def _wandb_history(run_dir):
         rec.ParseFromString(raw)
         if rec.WhichOneof("record_type") == "history":
             items = {i.key or "/".join(i.nested_key): i.value_json for i in rec.history.item}
-            if "lm_loss" in items:
-                out[int(items["_step"])] = float(items["lm_loss"])
+            if key in items:
+                out[int(items["_step"])] = float(items[key])
     return out
 
 
-def test_wandb_offline_and_tensorboard_record_the_metrics(tmp_path, monkeypatch):
+def test_wandb_offline_and_tensorboard_record_the_metrics(tmp_path, monkeypatch, capfd):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -84,8 +84,22 @@ def test_wandb_offline_and_tensorboard_record_the_metrics(tmp_path, monkeypatch)
     expected = {r["iteration"]: r["lm_loss"] for r in read_metrics(tmp_path / "m.jsonl")}
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
-    tb = {e.step: e.value for e in acc.Scalars("lm_loss")}
+    tb = {e.step: e.value for e in acc.Scalars("lm loss")}  # Megatron-LM's tag names
     assert tb.keys() == expected.keys()
     for step, v in expected.items():
         assert abs(tb[step] - v) <= 1e-6 * abs(v)  # TensorBoard stores float32
-    assert _wandb_history(tmp_path / "wb") == expected
+    samples = {r["consumed_samples"]: r for r in read_metrics(tmp_path / "m.jsonl")}
+    for tag, key in (("lm loss vs samples", "lm_loss"), ("learning-rate vs samples", "lr"),
+                     ("batch-size vs samples", "global_batch_size"), ("grad-norm vs samples", "grad_norm")):
+        series = {e.step: e.value for e in acc.Scalars(tag)}
+        assert series == pytest.approx({c: r[key] for c, r in samples.items()}, rel=1e-6), tag
+    tags = acc.Tags()
+    assert {"learning-rate", "batch-size", "grad-norm", "iteration-time", "throughput"} <= set(tags["scalars"])
+    assert "lm_loss" not in tags["scalars"] and "lr" not in tags["scalars"]
+    text = {t[:-len("/text_summary")]: acc.Tensors(t)[0].tensor_proto.string_val[0].decode() for t in tags["tensors"]}
+    assert (text["num_layers"], text["micro_batch_size"], text["wandb_exp_name"]) == ("2", "2", "t")  # the arguments
+    assert _wandb_history(tmp_path / "wb", "lm loss") == expected
+    run_dir = glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*"))  # Megatron-LM's layout
+    assert len(run_dir) == 1
+    assert (f"> wandb: run t of project ml-test, offline, in {run_dir[0]} (upload it with: wandb sync {run_dir[0]})"
+            in capfd.readouterr().out.splitlines())

@@ -137,7 +137,7 @@ class Trainer:
             self.forward_backward = pipelined_forward_backward(executor)
 
         evals = t.train_iters // t.eval_interval + 1
-        train_samples = t.train_samples if t.train_samples is not None else t.train_iters * t.global_batch_size
+        train_samples = t.train_samples if t.train_samples is not None else self.batch_schedule.samples(t.train_iters)
         num_samples = (train_samples, evals * t.eval_iters * t.global_batch_size, t.eval_iters * t.global_batch_size)
         clock = time.perf_counter()
         train_ds, valid_ds, _ = agree_on_errors(lambda: datasets_provider(cfg, tokenizer, num_samples), device)
@@ -165,7 +165,7 @@ class Trainer:
             loaded.restore_rng(self.state)
         self.logs_here = dims.is_last_stage and dims.tp_rank == 0 and dims.dp_rank == 0 and dims.cp_rank == 0
         # A resumed run appends to its metrics file, so that a restarted job keeps the earlier records.
-        self.logger = MetricsLogger(t, self.logs_here, cfg.to_dict(), append=self.iteration > 0)
+        self.logger = MetricsLogger(t, self.logs_here, cfg.to_dict(), start_iteration=self.iteration)
         self.flops_per_token = flops_per_token(m, t.seq_length)  # active parameters of an MoE model
         self.peak_tflops = device_peak_tflops(device)
         self.host_syncs = HostSyncCounter(device)
@@ -197,6 +197,9 @@ class Trainer:
     def train(self) -> List[dict]:
         t, dims = self.cfg.training, self.dims
         history = []
+        if self.iteration >= t.train_iters > 0 or self.iteration > t.train_iters:  # a rerun of a finished job
+            self.logger.info(f"> the run is finished: iteration {self.iteration} of {t.train_iters} already done (the "
+                             f"checkpoint loaded); give a larger --train-iters or --train-samples to train on")
         mem = self.optimizer.memory_bytes()
         self.logger.info(
             f"> model: {self._parameters_line()} | layout tp={dims.tp} pp={dims.pp} "

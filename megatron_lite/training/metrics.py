@@ -32,8 +32,16 @@ def _console_line(rec: dict, train_iters: int) -> str:
     return " | ".join(parts) + " |"
 
 
+# Megatron-LM's TensorBoard / wandb names of our record's keys (training.py training_log, evaluate), and
+# whether it also writes a "<name> vs samples" series (x: consumed samples); other keys keep ours.
+MEGATRON_TAGS = {"lm_loss": ("lm loss", True), "lr": ("learning-rate", True), "global_batch_size": ("batch-size", True),
+                 "loss_scale": ("loss-scale", True), "grad_norm": ("grad-norm", True),
+                 "val_lm_loss": ("lm loss validation", True), "step_time_s": ("iteration-time", False),
+                 "tflops_per_gpu": ("throughput", False), "consumed_samples": ("samples vs steps", False)}
+
+
 class MetricsLogger:
-    def __init__(self, tcfg: TrainingConfig, enabled: bool, config_dict: Optional[dict] = None, append: bool = False):
+    def __init__(self, tcfg: TrainingConfig, enabled: bool, config_dict: Optional[dict] = None, start_iteration: int = 0):
         self.tcfg, self.enabled = tcfg, enabled
         self.file = None
         self.tb = None
@@ -43,10 +51,13 @@ class MetricsLogger:
             return
         if tcfg.metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(tcfg.metrics_file)), exist_ok=True)
-            self.file = open(tcfg.metrics_file, "a" if append else "w")
+            self.file = open(tcfg.metrics_file, "a" if start_iteration > 0 else "w")
         if tcfg.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter  # optional extra, imported on demand
             self.tb = SummaryWriter(log_dir=tcfg.tensorboard_dir)
+            for section in (config_dict or {}).values():  # the run's arguments, as Megatron-LM writes them
+                for name, value in section.items():
+                    self.tb.add_text(name, str(value), global_step=start_iteration)
         if tcfg.wandb_project:
             self.wandb = _start_wandb(tcfg, config_dict)
 
@@ -70,11 +81,14 @@ class MetricsLogger:
             scalars.update({f"moe/layer_{layer}/{k}": v for k, v in stats.items() if isinstance(v, (int, float))})
         if self.tb:
             for k, v in scalars.items():
-                self.tb.add_scalar(k, v, rec["iteration"])
+                tag, vs_samples = MEGATRON_TAGS.get(k, (k, False))
+                self.tb.add_scalar(tag, v, rec["iteration"])
+                if vs_samples:
+                    self.tb.add_scalar(f"{tag} vs samples", v, rec["consumed_samples"])
             self.tb.flush()
         if self.wandb:
             try:
-                self.wandb.log(scalars, step=rec["iteration"])
+                self.wandb.log({MEGATRON_TAGS.get(k, (k,))[0]: v for k, v in scalars.items()}, step=rec["iteration"])
             except Exception as e:  # logging must never fail a run
                 print(f"warning: wandb logging failed ({e}); continuing without it", file=sys.stderr)
                 self.wandb = None
@@ -107,11 +121,16 @@ def _start_wandb(tcfg: TrainingConfig, config_dict: Optional[dict]):
     if mode is None:
         has_key = bool(os.environ.get("WANDB_API_KEY")) or os.path.exists(os.path.expanduser("~/.netrc"))
         mode = "online" if has_key else "offline"
-    save_dir = tcfg.wandb_save_dir or os.path.join(os.getcwd(), "wandb")
+    # Megatron-LM's directory: --wandb-save-dir, else <--save>/wandb (here ./wandb without --save)
+    save_dir = tcfg.wandb_save_dir or os.path.join(tcfg.save or os.getcwd(), "wandb")
     os.makedirs(save_dir, exist_ok=True)
     try:
-        return wandb.init(project=tcfg.wandb_project, name=tcfg.wandb_exp_name, dir=save_dir, mode=mode,
-                          config=config_dict, settings=wandb.Settings(init_timeout=30, silent=True))
+        run = wandb.init(project=tcfg.wandb_project, name=tcfg.wandb_exp_name, dir=save_dir, mode=mode,
+                         config=config_dict, settings=wandb.Settings(init_timeout=30, silent=True))
     except Exception as e:
         print(f"warning: could not start wandb ({e}); continuing without it", file=sys.stderr)
         return None
+    run_dir = os.path.dirname(run.dir)  # run.dir is the run's files/ folder
+    print(f"> wandb: run {tcfg.wandb_exp_name} of project {tcfg.wandb_project}, {mode}, in {run_dir}"
+          + (f" (upload it with: wandb sync {run_dir})" if mode == "offline" else ""), flush=True)
+    return run

@@ -14,10 +14,14 @@ Each global batch must split into micro-batches over the data-parallel ranks (a 
 micro_batch_size x DP). `--decrease-batch-size-if-needed` instead rounds it down to such a
 multiple: the RUNNING batch, which is what is consumed (and what the LR schedule advances by).
 That rounding depends on DP, so only without it is the data order layout-independent.
+
+`--step-batch-size-schedule "0:16 2.4B:320 ..."` (Megatron-LM's StepBatchsizeNumMicroBatchesCalculator):
+THRESHOLD:BS pairs, thresholds in tokens (K/M/B/T suffixes) turned into samples by // seq_length;
+a step uses the BS of the last threshold at or below the samples consumed before it.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from ..errors import ConfigError
 
@@ -26,8 +30,10 @@ class BatchSchedule:
     """Global batch per step: constant, or Megatron's linear ramp-up."""
 
     def __init__(self, global_batch_size: int, micro_batch_size: int, data_parallel_size: int,
-                 rampup_batch_size: Optional[Sequence[int]] = None, decrease_batch_size_if_needed: bool = False):
+                 rampup_batch_size: Optional[Sequence[int]] = None, decrease_batch_size_if_needed: bool = False,
+                 steps: Optional[List[Tuple[int, int]]] = None):
         self.gbs, self.mbs, self.dp = int(global_batch_size), int(micro_batch_size), int(data_parallel_size)
+        self.steps = steps  # [(threshold samples, global batch)], from parse_step_schedule
         self.decrease = decrease_batch_size_if_needed
         if self.gbs < 1 or self.mbs < 1 or self.dp < 1:
             raise ConfigError(f"global batch ({self.gbs}), micro-batch ({self.mbs}) and data-parallel size ({self.dp}) "
@@ -47,6 +53,8 @@ class BatchSchedule:
 
     def global_batch_size(self, consumed_samples: int) -> int:
         """The nominal global batch of the step that starts after `consumed_samples`."""
+        if self.steps is not None:
+            return [bs for threshold, bs in self.steps if threshold <= consumed_samples][-1]
         if self.ramp is None:
             return self.gbs
         start, incr, samples = self.ramp
@@ -61,10 +69,10 @@ class BatchSchedule:
         if g % self.unit == 0:
             return g
         if not self.decrease:
-            when = f" (the ramp-up's, after {consumed_samples} samples)" if self.ramp is not None else ""
+            when = f" (the schedule's, after {consumed_samples} samples)" if self.ramp or self.steps else ""
             raise ConfigError(f"global_batch_size ({g}){when} must be divisible by micro_batch_size ({self.mbs}) x "
-                              f"data-parallel size ({self.dp}) = {self.unit}; change the sizes or pass "
-                              f"--decrease-batch-size-if-needed")
+                              f"data-parallel size ({self.dp}) = {self.unit}; " + ("change the schedule or the sizes" if self.steps
+                              else "change the sizes or pass --decrease-batch-size-if-needed"))
         running = g // self.unit * self.unit
         if running == 0:
             raise ConfigError(f"global batch size {g} (after {consumed_samples} samples) is smaller than "
@@ -88,6 +96,12 @@ class BatchSchedule:
         """Iterations for --train-samples, as Megatron's update_train_iters counts them: the ramp
         steps (nominal batch sizes) while at most SAMPLES and train_samples are consumed, then
         whole global batches of the rest (a partial last batch is dropped)."""
+        if self.steps is not None:  # Megatron's update_train_iters with a step schedule
+            iterations, consumed = 0, 0
+            while consumed < train_samples:
+                consumed += self.global_batch_size(consumed)
+                iterations += 1
+            return iterations
         if self.ramp is None:
             return train_samples // self.gbs
         iterations, consumed = 0, 0
@@ -105,10 +119,46 @@ class BatchSchedule:
         counts, c = set(), 0
         for _ in range(num_steps):
             counts.add(self.num_microbatches(c))
-            if self.ramp is None or c > self.ramp[2]:
+            if self.steps is not None:
+                if c >= self.steps[-1][0]:
+                    break
+            elif self.ramp is None or c > self.ramp[2]:
                 break  # constant from here on
             c += self.running_global_batch_size(c)
         return sorted(counts)
+
+    def samples(self, num_steps: int) -> int:
+        """Samples the first `num_steps` steps consume."""
+        return num_steps * self.gbs if self.ramp is None and self.steps is None else sum(self.step_sizes(num_steps))
+
+
+def parse_step_schedule(schedule: str, seq_length: int) -> List[Tuple[int, int]]:
+    """Megatron-LM's --step-batch-size-schedule: "THRESHOLD:BS ..." (spaces or commas; K, M, B, T
+    suffixes) -> [(threshold in samples = tokens // seq_length, global batch)], sorted; the first
+    threshold must be 0, thresholds strictly increasing (in samples), batches >= 1."""
+    def number(text: str) -> int:
+        scale = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}.get(text.strip().upper()[-1:], 1)
+        try:
+            return int(float(text.strip()[:-1] if scale > 1 else text) * scale)
+        except ValueError:
+            raise ConfigError(f"--step-batch-size-schedule: {text!r} is not a number (K, M, B, T suffixes allowed)")
+    steps = []
+    for entry in schedule.replace(",", " ").split():
+        if ":" not in entry:
+            raise ConfigError(f"--step-batch-size-schedule: entry {entry!r} is not THRESHOLD:BATCH_SIZE "
+                              f"(e.g. \"0:16 2.4B:320\", thresholds in tokens)")
+        threshold, bs = entry.split(":", 1)
+        steps.append((number(threshold) // seq_length, number(bs)))
+    steps.sort()
+    if not steps or steps[0][0] != 0:
+        raise ConfigError(f"--step-batch-size-schedule {schedule!r}: the first threshold must be 0")
+    for (a, _), (b, _) in zip(steps, steps[1:]):
+        if b <= a:
+            raise ConfigError(f"--step-batch-size-schedule {schedule!r}: thresholds must be strictly increasing "
+                              f"in samples (tokens // seq_length {seq_length}); {a} then {b}")
+    if any(bs < 1 for _, bs in steps):
+        raise ConfigError(f"--step-batch-size-schedule {schedule!r}: every batch size must be >= 1")
+    return steps
 
 
 def _parse_ramp(rampup_batch_size: Sequence[int], gbs: int):
