@@ -75,6 +75,31 @@ def test_cpu_product_equals_torch_scaled_mm(rowwise):
     torch.testing.assert_close(scaled_mm(qa, qb, sa, sb, torch.float32), ref, rtol=1e-6, atol=1e-6)
 
 
+class _Seen(Float8GemmPath):
+    """Records the weight of each GEMM it runs in FP8."""
+
+    def __init__(self):
+        super().__init__(fmt="hybrid")
+        self.seen = []
+
+    def forward(self, call, x, w, bias=None):
+        y = super().forward(call, x, w, bias)
+        if not call["plain"]:
+            self.seen.append(w)
+        return y
+
+
+def test_fp8_gemms_are_the_layers_linears_and_experts_not_the_output_layer():
+    from test_gemm_path import GEMM_WEIGHTS, _backward, _moe_model
+    gemm = _Seen()
+    model = _moe_model(gemm, grouped=False)
+    _backward(model)
+    params = dict(model.named_parameters())
+    names = {n for n, p in params.items() if any(w is p or w._base is p for w in gemm.seen)}
+    assert names == GEMM_WEIGHTS - {"output_layer.weight"}
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in params.values() if p.requires_grad)
+
+
 # --- whole runs ---------------------------------------------------------------------------------
 def _argv(recipe, extra=()):
     return TINY[:TINY.index("--train-iters")] + ["--train-iters", "3"] + TINY[TINY.index("--train-iters") + 2:] \

@@ -8,8 +8,8 @@ per column of the right one, along the contracted dimension (`rowwise`, scales [
 dimension split across TP ranks (row-parallel inputs and weights, column-parallel gradients,
 sequence-parallel activations) is MAX-all-reduced over the TP group, so the layout does not change
 the numerics. The per-tensor amax is reduced for every tensor (a replicated one keeps its value).
-Only the layers built with the path are FP8 (attention and MLP linears, experts); the embedding,
-output layer, norms and router stay in the params dtype.
+Only the layers built with the path are FP8 (attention and MLP linears, experts), less a weight
+marked `keep_precision` (the output layer); the embedding, norms and router are not built with it.
 """
 from __future__ import annotations
 
@@ -79,6 +79,9 @@ class Float8GemmPath(GemmPath):
         return scaled_mm(qa, qb, sa, sb, out_dtype)
 
     def forward(self, call, x, w, bias=None):
+        call["plain"] = getattr(w, "keep_precision", False)
+        if call["plain"]:
+            return super().forward(call, x, w, bias)
         spec = getattr(w, "shard_spec", None)
         call["split"] = next((s.dim for s in spec.splits if s.axis == "tp"), None) if spec else None
         k_split = call["split"] == 1  # row parallel: x and W split along the contracted dimension
@@ -88,11 +91,15 @@ class Float8GemmPath(GemmPath):
         return y if bias is None else y + bias
 
     def input_grad(self, call, g, w):
+        if call["plain"]:
+            return super().input_grad(call, g, w)
         n_split = call["split"] == 0  # column parallel: g and W split along the output features
         g2 = self._mm(g.reshape(-1, g.shape[-1]), w, (self.grad_dtype, FORMATS["e4m3"]), (n_split, n_split), g.dtype)
         return g2.reshape(*g.shape[:-1], w.shape[1])
 
     def weight_grad(self, call, g, x):
+        if call["plain"]:
+            return super().weight_grad(call, g, x)
         # contracted over the tokens, which every TP rank holds whole (SP inputs are gathered)
         return self._mm(g.reshape(-1, g.shape[-1]).t(), x.reshape(-1, x.shape[-1]),
                         (self.grad_dtype, FORMATS["e4m3"]), (False, False), g.dtype)
