@@ -1,8 +1,9 @@
 """FP8 GEMMs without Transformer Engine (megatron_lite/parallel/fp8.py): scales against hand-computed
 values, zero tensors and saturation; each GEMM equals the fp32 GEMM of its dequantised operands and
-is within e4m3 / e5m2 rounding of the fp32 GEMM; the CPU product equals torch._scaled_mm's; a
-TP2+SP run and a zero-bubble PP2 run equal the single-process FP8 run; the command line trains
-with it and names what it does not do yet."""
+is within e4m3 / e5m2 rounding of the fp32 GEMM; the CPU product equals torch._scaled_mm's; only
+the layers' linears and experts are FP8 (not the output layer); a TP2+SP run and a zero-bubble PP2
+run equal the single-process FP8 run, and so does activation recomputation; the command line
+trains with it and names what it does not do yet."""
 import os
 import subprocess
 import sys
@@ -129,6 +130,13 @@ def test_zero_bubble_pp2_equals_the_single_process_fp8_run():
     got, params = _run(2, _argv("tensorwise", extra + ["--pipeline-model-parallel-size", "2",
                                                        "--pipeline-schedule", "zb-h1"]))
     assert_same_run(ref, got, rtol=1e-5, params=params, ref_params=ref_params)
+
+
+def test_recomputed_fp8_layers_equal_the_stored_run():
+    ref, ref_params = _run(1, _argv("rowwise"))
+    got, params = _run(1, _argv("rowwise", ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                            "--recompute-num-layers", "1"]))
+    assert_same_run(ref, got, rtol=1e-6, params=params, ref_params=ref_params)
 
 
 def _cli(*flags):
