@@ -40,7 +40,8 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, dim=None, margin: int = 0, red
 def scaled_mm(qa, qb, sa, sb, out_dtype):
     """(qa sa) @ (qb sb) with fp32 accumulation: torch._scaled_mm on a GPU. Its CPU reference kernel
     runs at about 40 MFLOP/s (a 1024^3 GEMM: 50 s on this machine), so on the CPU the same product
-    is the fp32 GEMM of the dequantised operands (equal up to fp32 summation order)."""
+    is the fp32 GEMM of the dequantised operands (equal up to fp32 summation order). The GPU branch
+    has not run yet (no device was lent to the change that wrote it)."""
     if qa.device.type == "cpu":
         return ((qa.float() * sa) @ (qb.float() * sb)).to(out_dtype)
     return torch._scaled_mm(qa, qb.t().contiguous().t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
@@ -63,7 +64,7 @@ class Float8GemmPath(GemmPath):
                 f"{str(params_dtype).replace('torch.', '')}")
 
     def new_call(self):
-        return {}  # forward records which dimension of the weight TP splits
+        return {}  # forward records which dimension of the weight TP splits, and whether it stays plain
 
     def _reduce(self, amax):
         self.dims.comm.all_reduce(amax, self.dims.tp_group, op=dist.ReduceOp.MAX)
