@@ -362,6 +362,12 @@ class TrainingConfig:
     clip_grad: float = arg(1.0, "clip the global gradient norm to this (0: no clipping)")
     bf16: bool = arg(False, "bf16 parameters and compute, fp32 main params and gradients", store="true")
     fp16: bool = arg(False, "fp16 parameters and compute with loss scaling", store="true")
+    fp8_format: Optional[str] = arg(None, "FP8 GEMMs in the attention and MLP linears (current scaling, "
+                                          "torch._scaled_mm): e4m3, or hybrid (e5m2 gradients)",
+                                    choices=["e4m3", "hybrid"])
+    fp8_recipe: Optional[str] = arg(None, "FP8 scaling: tensorwise or rowwise (delayed, blockwise, mxfp8: not yet)",
+                                    choices=["tensorwise", "rowwise", "delayed", "blockwise", "mxfp8"])
+    fp8_margin: int = arg(0, "FP8 scale = fp8 max / amax / 2^margin")
     loss_scale: Optional[float] = arg(None, "constant fp16 loss scale; None: dynamic")
     initial_loss_scale: float = arg(2.0 ** 32, "first dynamic fp16 loss scale")
     min_loss_scale: float = arg(1.0, "smallest dynamic fp16 loss scale")
@@ -600,6 +606,24 @@ class Config:
         for m in t.batch_schedule(dp).microbatch_counts(t.train_iters):
             self._validate_pipeline(m)
         self._validate_pipeline(t.num_microbatches(dp))  # evaluation
+        self._validate_fp8()
+
+    def _validate_fp8(self) -> None:
+        t, p, moe = self.training, self.parallel, self.model.moe
+        if t.fp8_format is None:
+            _require(t.fp8_recipe is None, f"--fp8-recipe {t.fp8_recipe} needs --fp8-format e4m3|hybrid")
+            return
+        _require(t.fp8_recipe is not None, "--fp8-format without --fp8-recipe is Megatron-LM's delayed scaling, not "
+                                           "implemented yet: add --fp8-recipe tensorwise or rowwise")
+        _require(t.fp8_recipe != "mxfp8", "--fp8-recipe mxfp8 needs Blackwell GPUs (and is not implemented yet): "
+                                          "use tensorwise or rowwise")
+        _require(t.fp8_recipe in ("tensorwise", "rowwise"),
+                 f"--fp8-recipe {t.fp8_recipe} is not implemented yet: use tensorwise or rowwise")
+        _require(p.cp == 1, "FP8 with --context-parallel-size > 1 is not implemented yet (the amax is not reduced "
+                            "over CP): drop one of them")
+        if moe is not None and moe.num_experts:
+            _require(not moe.moe_grouped_gemm, "FP8 with --moe-grouped-gemm is not implemented yet: drop one of them")
+            _require(p.tp == 1, "FP8 with MoE at --tensor-model-parallel-size > 1 is not implemented yet")
 
     def _validate_pipeline(self, num_microbatches: int) -> None:
         from .parallel.pipeline.partition import stage_layer_ranges

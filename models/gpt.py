@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from megatron_lite import config as C
 from megatron_lite.errors import ConfigError
+from megatron_lite.parallel.gemm import keep_precision
 from megatron_lite.parallel.random import recompute
 from megatron_lite.parallel.sharding import replicated, set_spec, with_tie
 from megatron_lite.parallel.state import ParallelDims
@@ -108,6 +109,7 @@ class GPTModel(nn.Module):
                                                                     cfg.vocab_size)
                 if tied:
                     with_tie(self.output_layer.weight, WORD_EMBEDDINGS, primary=False)
+            keep_precision(self.output_weight())  # logits: not FP8 (as Megatron / Transformer Engine)
 
     # --- the pipeline and ZeRO-3 protocols -----------------------------------------------------
     def set_input_tensor(self, x: Optional[torch.Tensor]) -> None:

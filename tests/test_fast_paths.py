@@ -210,7 +210,7 @@ def test_negative_chunk_size_is_refused():
         resolve(COMPILE_BASE + ["--cross-entropy-chunk-size", "-1"])
 
 
-@pytest.mark.parametrize("flags", [["--transformer-impl", "transformer_engine"], ["--fp8-format", "hybrid"]])
+@pytest.mark.parametrize("flags", [["--transformer-impl", "transformer_engine"], ["--fp4-format", "e2m1"]])
 def test_transformer_engine_flags_are_one_line_errors(flags):
     with pytest.raises(ConfigError) as e:
         resolve(COMPILE_BASE + flags)

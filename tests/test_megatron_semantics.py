@@ -204,7 +204,7 @@ def test_megatron_fsdp_strategies_and_deprecated_switches():
         parse_args(TINY + ["--no-position-embedding"], zoo())
     cfg = parse_args(TINY + ["--use-rotary-position-embeddings", "--no-position-embedding"], zoo())
     assert cfg.model.position_embedding_type == "rope"
-    for flag in (["--fp8-format", "hybrid"], ["--use-nccl-ub"], ["--cuda-graph-impl", "local"]):
+    for flag in (["--fp4-format", "e2m1"], ["--use-nccl-ub"], ["--cuda-graph-impl", "local"]):
         with pytest.raises(ConfigError, match=f"^{flag[0]}: .*does not use"):
             parse_args(TINY + flag, zoo())
     parse_args(TINY + ["--cuda-graph-impl", "none"], zoo())  # the default value asks for nothing

@@ -33,6 +33,12 @@ def accumulate_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
         hook(param)
 
 
+def keep_precision(param: nn.Parameter) -> nn.Parameter:
+    """Mark a weight whose GEMMs a precision recipe leaves in the params dtype (the output layer)."""
+    param.keep_precision = True
+    return param
+
+
 class GemmPath:
     """Today's math in the operands' dtype. `deferrable`: built for a zero-bubble schedule, whose
     executor sets `deferring` around each B pass."""

@@ -28,6 +28,7 @@ from ..parallel.context_parallel import split_batch_for_cp
 from ..parallel.pipeline.executor import PipelineExecutor
 from ..parallel.pipeline.schedules import ZERO_BUBBLE, default_schedule
 from ..parallel.gemm import GemmPath
+from ..parallel.fp8 import Float8GemmPath
 from ..optim.adam import fused_adamw_available
 from ..transformer.core_attention import describe_attention
 from ..transformer.fast_paths import describe_fast_paths
@@ -115,7 +116,10 @@ class Trainer:
         self.tracker = RNGStatesTracker(device)
         model_parallel_seed(self.tracker, t.seed, dims.tp_rank, dims.pp_rank)
         schedule = (p.pipeline_schedule or default_schedule(dims.vpp)) if dims.pp > 1 else None
-        gemm = GemmPath(deferrable=schedule in ZERO_BUBBLE)
+        deferrable = schedule in ZERO_BUBBLE
+        gemm = GemmPath(deferrable) if t.fp8_format is None else Float8GemmPath(
+            dims, t.fp8_format, t.fp8_recipe, t.fp8_margin, deferrable)
+        self.gemm = gemm
         ctx = BuildContext(dims, sequence_parallel=p.sequence_parallel, params_dtype=params_dtype(cfg),
                            tracker=self.tracker, gemm=gemm,
                            recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
@@ -211,6 +215,8 @@ class Trainer:
             device=self.device, params_dtype=params_dtype(self.cfg), compile=t.compile,
             chunk_setting=t.cross_entropy_chunk_size, vocab_per_rank=self.cfg.model.padded_vocab_size(dims.tp) // dims.tp,
             normalization=self.cfg.model.normalization, fused_adamw=fused_adamw_available(self.device.type)))
+        if isinstance(self.gemm, Float8GemmPath):
+            self.logger.info("> fp8: " + self.gemm.describe(params_dtype(self.cfg)))
         self.logger.info("> memory on this rank: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in mem.items()))
         printed = len(self.profiler.notes)
         for note in self.profiler.notes:
