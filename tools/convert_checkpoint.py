@@ -3,6 +3,7 @@
 
     python tools/convert_checkpoint.py hf-to-ml --hf-dir llama-hf/ --out ckpt/ --tensor-model-parallel-size 2
     python tools/convert_checkpoint.py megatron-to-ml --load megatron-run/ --out ckpt/ [--iteration N]
+    python tools/convert_checkpoint.py ml-to-megatron --load ckpt/ --out megatron-run/ --tensor-model-parallel-size 2
     python tools/convert_checkpoint.py ml-to-hf --load ckpt/ --out llama-hf2/ [--tokenizer-model llama-hf/]
     python tools/convert_checkpoint.py consolidate --load ckpt/ --out full/ [--iteration N]
     python tools/convert_checkpoint.py reshard --load ckpt/ --out ckpt-tp4/ --tensor-model-parallel-size 4
@@ -20,7 +21,9 @@ on the meta device first, so every file's header is written before its tensors, 
 Families: models/hf_families.py.
 `megatron-to-ml` does what hf-to-ml does for a Megatron-LM `--save` directory of a GPT model
 (torch_dist or legacy per-rank files, any TP / PP / virtual PP layout), its model config from the
-checkpoint's args (models/megatron_conversion.py, models/megatron_checkpoint.py).
+checkpoint's args (models/megatron_conversion.py, models/megatron_checkpoint.py); `ml-to-megatron`
+goes back: a dense GPT model as Megatron-LM's legacy per-rank files (`--ckpt-format torch`) at a
+given TP / PP, through the same name table and TP split (megatron_to_ml reads it back bit for bit).
 
 Weights are read with safetensors, torch.distributed.checkpoint, or torch.load(weights_only=True)
 for `.bin` / `.pt` files: nothing is unpickled beyond tensors (and, for Megatron-LM's files, an
@@ -358,6 +361,60 @@ def cmd_megatron_to_ml(args) -> None:
           f"checkpoint for tp={tp} pp={pp} ({tp * pp * dp} files) to {final}")
 
 
+def cmd_ml_to_megatron(args) -> None:
+    from models.megatron_checkpoint import LEGACY_FILE, TRACKER
+    from models.megatron_conversion import ALIASES, MEGATRON_RULES, VOCAB_TENSORS, megatron_args_of_config, split_tp
+
+    if args.ckpt_format != "torch":
+        raise CLIError(f"--ckpt-format {args.ckpt_format} is not written yet: --ckpt-format torch writes Megatron-LM's "
+                       f"legacy per-rank format, which Megatron-LM loads with --ckpt-format torch")
+    cfg, get, _, close, ckpt_meta = _ours_from(args)
+    try:
+        tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+        if tp < 1 or pp < 1 or cfg.num_attention_heads % tp or cfg.num_query_groups % tp or cfg.num_layers % pp:
+            raise CLIError(f"tp={tp} pp={pp} does not divide the model's {cfg.num_attention_heads} heads, "
+                           f"{cfg.num_query_groups} query groups and {cfg.num_layers} layers")
+        margs = megatron_args_of_config(cfg, tp, pp)
+        data = (ckpt_meta.get("config") or {}).get("data") or {}
+        if data.get("tokenizer_type") == "NullTokenizer":  # Megatron's NullTokenizer adds the end of document
+            margs.update(tokenizer_type="NullTokenizer", vocab_size=cfg.vocab_size - 1)
+        dtype = DTYPES[args.dtype]
+        per_stage = cfg.num_layers // pp
+        states = {(t, p): {} for t in range(tp) for p in range(pp)}
+        for name, full in ours_to_hf_stream(get, cfg, MEGATRON_RULES):
+            full = full if dtype is None or not full.is_floating_point() else full.to(dtype)
+            if name in VOCAB_TENSORS:  # Megatron's padded vocabulary: zero rows past the true one
+                full = torch.cat([full, full.new_zeros(margs["padded_vocab_size"] - full.shape[0], *full.shape[1:])])
+            stages = [pp - 1] if name.startswith(("decoder.final_layernorm", "output_layer")) else [0]
+            if name.startswith("decoder.layers."):
+                layer, rest = name.split(".", 3)[2:]
+                stages, name = [int(layer) // per_stage], f"decoder.layers.{int(layer) % per_stage}.{rest}"
+            elif name == "embedding.word_embeddings.weight" and pp > 1 and not cfg.untie_embeddings_and_output_weights:
+                stages = [0, pp - 1]  # the last stage's copy of the tied embedding is its output layer
+            for canonical, local in ALIASES.items():
+                name = name.replace(canonical, local)
+            for t, piece in enumerate(split_tp(name, full, tp, cfg.swiglu)):
+                for p in stages:
+                    key = "output_layer.weight" if p != 0 and name.startswith("embedding.") else name
+                    states[(t, p)][key] = piece.clone()
+        release = os.path.join(args.out, "release")
+        params = dtype or next(v.dtype for v in states[(0, 0)].values() if v.is_floating_point())
+        margs.update(params_dtype=params, bf16=params == torch.bfloat16, fp16=params == torch.float16,
+                     ckpt_format="torch", iteration=0)
+        for (t, p), state in states.items():
+            path = os.path.join(release, f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else ""), LEGACY_FILE)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save({"args": argparse.Namespace(**margs), "checkpoint_version": 3.0, "iteration": 0,
+                        "model": state}, path)
+        with open(os.path.join(args.out, TRACKER), "w") as f:
+            f.write("release")
+    finally:
+        close()
+    print(f"wrote a Megatron-LM legacy checkpoint (--ckpt-format torch; {cfg.num_parameters():,} parameters, "
+          f"{params}, padded vocabulary {margs['padded_vocab_size']}) for tp={tp} pp={pp} ({tp * pp} files) to "
+          f"{release}: Megatron-LM loads it with --load {args.out} --ckpt-format torch --use-checkpoint-args")
+
+
 def _ours_from(args):
     """(ModelConfig, getter of our full tensors by stored name, getter of the same on the meta
     device (shape and dtype, nothing read), closer) of --load or --ml-dir."""
@@ -607,7 +664,21 @@ def _add_reshard(sub) -> None:
     p.set_defaults(func=cmd_reshard)
 
 
-PARSERS: List[Callable] = [_add_hf_to_ml, _add_megatron_to_ml, _add_ml_to_hf, _add_consolidate, _add_reshard]
+def _add_ml_to_megatron(sub) -> None:
+    p = sub.add_parser("ml-to-megatron", help="training (or full) checkpoint of a GPT model -> Megatron-LM checkpoint "
+                                              "(legacy per-rank format)")
+    _add_checkpoint_source(p, required=False)
+    p.add_argument("--ml-dir", default=None, help="a full checkpoint (consolidate's output) instead of --load")
+    p.add_argument("--out", required=True, help="Megatron-LM checkpoint root (what its --load takes)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="keep", help="cast floating tensors")
+    p.add_argument("--ckpt-format", choices=["torch", "torch_dist"], default="torch",
+                   help="torch: Megatron-LM's legacy per-rank files (torch_dist is not written yet)")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="layers split evenly over the stages")
+    p.set_defaults(func=cmd_ml_to_megatron)
+
+
+PARSERS: List[Callable] = [_add_hf_to_ml, _add_megatron_to_ml, _add_ml_to_megatron, _add_ml_to_hf, _add_consolidate, _add_reshard]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -621,7 +692,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "ml-to-hf" and not (args.load or args.ml_dir):
+        if args.command in ("ml-to-hf", "ml-to-megatron") and not (args.load or args.ml_dir):
             raise CLIError("give the checkpoint to convert: --load CKPT (training) or --ml-dir DIR (full)")
         args.func(args)
     except USER_ERRORS as e:
