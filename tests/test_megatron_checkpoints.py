@@ -294,37 +294,49 @@ def test_bad_inputs_are_one_line_errors(megatron, tmp_path, capsys):
 
 
 # --- back to Megatron-LM: ml-to-megatron ------------------------------------------------------------
-def _megatron_loads(rank, world, shape, tp, pp, root, tokens):
-    """One rank of a Megatron-Core world whose GPTModel loads (strictly) its rank's file of the
-    legacy checkpoint ml-to-megatron wrote, then runs Megatron-Core's forward."""
-    from megatron.core import parallel_state
+def _megatron_loads(rank, world, shape, tp, pp, root, tokens, fmt):
+    """One rank of a Megatron-Core world whose GPTModel loads (strictly) what ml-to-megatron wrote:
+    its rank's legacy file, or its sharded state dict through Megatron-Core's dist_checkpointing.load;
+    then Megatron-Core's forward."""
+    from megatron.core import dist_checkpointing, parallel_state
 
     from models.megatron_checkpoint import safe_load
 
     mcore_cpu.cpu_shims()
     chunks = mcore_cpu.build_gpt(shape, tp, pp, PADDED)
     t, p = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
-    state = safe_load(os.path.join(root, "release", f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else ""),
-                                   "model_optim_rng.pt"))
-    assert state["args"].tensor_model_parallel_size == tp and state["args"].padded_vocab_size == PADDED
+    release = os.path.join(root, "release")
+    if fmt == "torch_dist":  # (Megatron-LM's own list of what its torch.load may unpickle, as importing it registers)
+        from megatron.core.safe_globals import SAFE_GLOBALS
+        torch.serialization.add_safe_globals(SAFE_GLOBALS)
+        sharded = chunks[0].sharded_state_dict(metadata={"singleton_local_shards": False})
+        state = {**dist_checkpointing.load({"model": sharded}, release), "args": safe_load(release + "/common.pt")["args"]}
+    else:
+        state = safe_load(os.path.join(release, f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else ""),
+                                       "model_optim_rng.pt"))
+        assert state["args"].tensor_model_parallel_size == tp
+    assert state["args"].padded_vocab_size == PADDED and state["args"].ckpt_format == fmt
     chunks[0].load_state_dict(state["model"], strict=True)
     logits = mcore_cpu.forward_logits(chunks, tokens, pp)
     return logits if logits is not None and t == 0 else None
 
 
-@pytest.mark.parametrize("name,tp,pp", [("llama", 1, 1), ("llama", 2, 2), ("gpt2", 2, 1), ("gpt2", 1, 2)])
-def test_ml_to_megatron_legacy_loads_into_megatron_core(megatron, tmp_path, name, tp, pp):
-    """megatron -> ml -> ml-to-megatron (legacy, at TP x PP): Megatron-Core's GPTModel loads every
-    rank's file strictly and its logits (and so its first loss) are ours; megatron-to-ml of it gives
+@pytest.mark.parametrize("fmt,name,tp,pp", [("torch", "llama", 1, 1), ("torch", "llama", 2, 2), ("torch", "gpt2", 2, 1),
+                                            ("torch", "gpt2", 1, 2), ("torch_dist", "llama", 2, 2),
+                                            ("torch_dist", "gpt2", 1, 2)])
+def test_ml_to_megatron_loads_into_megatron_core(megatron, tmp_path, fmt, name, tp, pp):
+    """megatron -> ml -> ml-to-megatron (legacy or torch_dist, for TP x PP): Megatron-Core's GPTModel
+    loads it strictly and its logits (and so its first loss) are ours; megatron-to-ml of it gives
     our checkpoint back bit for bit."""
     shape, vocab = SHAPES[name], SHAPES[name]["vocab"]
     ml, back, out = tmp_path / "ml", tmp_path / "back", tmp_path / "megatron"
     assert _convert("megatron-to-ml", "--load", megatron[name][0]["legacy"], "--out", ml, "--vocab-size", vocab) == 0
     assert _convert("ml-to-megatron", "--load", ml, "--out", out, "--tensor-model-parallel-size", tp,
-                    "--pipeline-model-parallel-size", pp) == 0
+                    "--pipeline-model-parallel-size", pp, "--ckpt-format", fmt) == 0
     assert (out / "latest_checkpointed_iteration.txt").read_text() == "release"
     tokens, labels = _batch(vocab)
-    theirs = next(r for r in run_distributed(_megatron_loads, tp * pp, shape, tp, pp, str(out), tokens, daemon=False)
+    theirs = next(r for r in run_distributed(_megatron_loads, tp * pp, shape, tp, pp, str(out), tokens, fmt,
+                                                 daemon=False)
                   if r is not None)[..., :vocab]
     ours, _ = _our_logits(ml, tokens)
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
@@ -341,12 +353,11 @@ def test_ml_to_megatron_refuses_what_it_does_not_write(megatron, tmp_path, capsy
     ml = tmp_path / "ml"
     assert _convert("megatron-to-ml", "--load", megatron["llama"][0]["legacy"], "--out", ml) == 0
     capsys.readouterr()
-    assert _convert("ml-to-megatron", "--load", ml, "--out", tmp_path / "o", "--ckpt-format", "torch_dist") == 2
     assert _convert("ml-to-megatron", "--load", ml, "--out", tmp_path / "o", "--pipeline-model-parallel-size", 3) == 2
     moe = tmp_path / "moe"  # (refused from the config, before any tensor is read)
     tool.write_ml_checkpoint(str(moe), ModelConfig(moe={"num_experts": 4}), {})
     assert _convert("ml-to-megatron", "--ml-dir", moe, "--out", tmp_path / "o") == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 3 and "--ckpt-format torch_dist is not written yet" in err[0] and "pp=3" in err[1], err
-    assert "MoE models (num_experts=4) are not written to Megatron-LM yet" in err[2], err
+    assert len(err) == 2 and "pp=3" in err[0], err
+    assert "MoE models (num_experts=4) are not written to Megatron-LM yet" in err[1], err
     assert not (tmp_path / "o").exists()

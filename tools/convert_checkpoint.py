@@ -23,7 +23,8 @@ Families: models/hf_families.py.
 (torch_dist or legacy per-rank files, any TP / PP / virtual PP layout), its model config from the
 checkpoint's args (models/megatron_conversion.py, models/megatron_checkpoint.py); `ml-to-megatron`
 goes back: a dense GPT model as Megatron-LM's legacy per-rank files (`--ckpt-format torch`) at a
-given TP / PP, through the same name table and TP split (megatron_to_ml reads it back bit for bit).
+given TP / PP, or Megatron-Core's torch_dist checkpoint, through the same name table and TP split
+(megatron-to-ml reads either back bit for bit).
 
 Weights are read with safetensors, torch.distributed.checkpoint, or torch.load(weights_only=True)
 for `.bin` / `.pt` files: nothing is unpickled beyond tensors (and, for Megatron-LM's files, an
@@ -365,9 +366,6 @@ def cmd_ml_to_megatron(args) -> None:
     from models.megatron_checkpoint import LEGACY_FILE, TRACKER
     from models.megatron_conversion import ALIASES, MEGATRON_RULES, VOCAB_TENSORS, megatron_args_of_config, split_tp
 
-    if args.ckpt_format != "torch":
-        raise CLIError(f"--ckpt-format {args.ckpt_format} is not written yet: --ckpt-format torch writes Megatron-LM's "
-                       f"legacy per-rank format, which Megatron-LM loads with --ckpt-format torch")
     cfg, get, _, close, ckpt_meta = _ours_from(args)
     try:
         tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -381,10 +379,17 @@ def cmd_ml_to_megatron(args) -> None:
         dtype = DTYPES[args.dtype]
         per_stage = cfg.num_layers // pp
         states = {(t, p): {} for t in range(tp) for p in range(pp)}
+        release = os.path.join(args.out, "release")
+        stacked: Dict[str, List[torch.Tensor]] = {}  # torch_dist: Megatron-Core's sharded keys, full tensors
         for name, full in ours_to_hf_stream(get, cfg, MEGATRON_RULES):
             full = full if dtype is None or not full.is_floating_point() else full.to(dtype)
             if name in VOCAB_TENSORS:  # Megatron's padded vocabulary: zero rows past the true one
                 full = torch.cat([full, full.new_zeros(margs["padded_vocab_size"] - full.shape[0], *full.shape[1:])])
+            if args.ckpt_format == "torch_dist":  # a layer's tensors stacked over the layers: decoder.layers.X
+                parts = name.split(".")
+                stacked.setdefault(".".join(parts[:2] + parts[3:]) if name.startswith("decoder.layers.") else name,
+                                   []).append(full)
+                continue
             stages = [pp - 1] if name.startswith(("decoder.final_layernorm", "output_layer")) else [0]
             if name.startswith("decoder.layers."):
                 layer, rest = name.split(".", 3)[2:]
@@ -397,10 +402,14 @@ def cmd_ml_to_megatron(args) -> None:
                 for p in stages:
                     key = "output_layer.weight" if p != 0 and name.startswith("embedding.") else name
                     states[(t, p)][key] = piece.clone()
-        release = os.path.join(args.out, "release")
-        params = dtype or next(v.dtype for v in states[(0, 0)].values() if v.is_floating_point())
+        first = next(iter(stacked.values()))[0] if stacked else \
+            next(v for v in states[(0, 0)].values() if v.is_floating_point())
+        params = dtype or first.dtype
         margs.update(params_dtype=params, bf16=params == torch.bfloat16, fp16=params == torch.float16,
-                     ckpt_format="torch", iteration=0)
+                     ckpt_format=args.ckpt_format, iteration=0)
+        if stacked:
+            _write_torch_dist(release, stacked, cfg.num_layers, argparse.Namespace(**margs))
+            states = {}
         for (t, p), state in states.items():
             path = os.path.join(release, f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else ""), LEGACY_FILE)
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -410,9 +419,44 @@ def cmd_ml_to_megatron(args) -> None:
             f.write("release")
     finally:
         close()
-    print(f"wrote a Megatron-LM legacy checkpoint (--ckpt-format torch; {cfg.num_parameters():,} parameters, "
-          f"{params}, padded vocabulary {margs['padded_vocab_size']}) for tp={tp} pp={pp} ({tp * pp} files) to "
-          f"{release}: Megatron-LM loads it with --load {args.out} --ckpt-format torch --use-checkpoint-args")
+    what = "torch_dist" if stacked else f"legacy per-rank (torch) checkpoint for tp={tp} pp={pp} ({tp * pp} files)"
+    print(f"wrote a Megatron-LM {what} ({cfg.num_parameters():,} parameters, {params}, padded vocabulary "
+          f"{margs['padded_vocab_size']}) to {release}: Megatron-LM loads it with --load {args.out} --ckpt-format "
+          f"{args.ckpt_format} --use-checkpoint-args")
+
+
+# The linear layers of a Megatron-Core layer (local spec): each has an `_extra_state` (None; Transformer
+# Engine's FP8 metadata otherwise), stored as one pickled object per layer.
+_EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def _write_torch_dist(path: str, stacked: Dict[str, List[torch.Tensor]], num_layers: int, margs) -> None:
+    """Megatron-Core's torch_dist layout in one process through torch.distributed.checkpoint: full
+    tensors under their sharded keys (a layer's [num_layers, ...]), each layer's linear extra states
+    as ShardedObjects (`KEY/shard_LAYER_NUM_LAYERS`), common.pt (args) and metadata.json."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    state = {k: torch.stack(v) if k.startswith("decoder.layers.") else v[0] for k, v in stacked.items()}
+    for module in _EXTRA_STATE:
+        for i in range(num_layers):
+            # (DCP pickles it; Megatron-Core's object of a key is the list of its ranks' objects)
+            state[f"decoder.layers.{module}._extra_state/shard_{i}_{num_layers}"] = [None]
+
+    class Writer(dcp.FileSystemWriter):  # .metadata names the checkpoint by a string, as Megatron-Core's does
+        @property
+        def checkpoint_id(self) -> str:
+            return str(self.path)
+
+    os.makedirs(path, exist_ok=True)
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...: save in a single process" (we do)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, storage_writer=Writer(path), no_dist=True)
+    torch.save({"args": margs, "checkpoint_version": 3.0, "iteration": 0}, os.path.join(path, "common.pt"))
+    with open(os.path.join(path, "metadata.json"), "w") as f:
+        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                   "common_backend_version": 1}, f)
 
 
 def _ours_from(args):
@@ -672,7 +716,8 @@ def _add_ml_to_megatron(sub) -> None:
     p.add_argument("--out", required=True, help="Megatron-LM checkpoint root (what its --load takes)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="keep", help="cast floating tensors")
     p.add_argument("--ckpt-format", choices=["torch", "torch_dist"], default="torch",
-                   help="torch: Megatron-LM's legacy per-rank files (torch_dist is not written yet)")
+                   help="torch: Megatron-LM's legacy per-rank files; torch_dist: Megatron-Core's distributed "
+                        "checkpoint (one layout for any TP / PP)")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="layers split evenly over the stages")
     p.set_defaults(func=cmd_ml_to_megatron)
