@@ -321,13 +321,14 @@ def _megatron_loads(rank, world, shape, tp, pp, root, tokens, fmt):
     return logits if logits is not None and t == 0 else None
 
 
-@pytest.mark.parametrize("fmt,name,tp,pp", [("torch", "llama", 1, 1), ("torch", "llama", 2, 2), ("torch", "gpt2", 2, 1),
-                                            ("torch", "gpt2", 1, 2), ("torch_dist", "llama", 2, 2),
-                                            ("torch_dist", "gpt2", 1, 2)])
-def test_ml_to_megatron_loads_into_megatron_core(megatron, tmp_path, fmt, name, tp, pp):
+@pytest.mark.parametrize("fmt,name,tp,pp,world", [
+    ("torch", "llama", 1, 1, None), ("torch", "llama", 2, 2, None), ("torch", "gpt2", 2, 1, None),
+    ("torch", "gpt2", 1, 2, None), ("torch_dist", "llama", 2, 2, None), ("torch_dist", "gpt2", 1, 2, None),
+    ("torch_dist", "llama", 1, 1, (2, 2))])  # written for TP1, loaded at TP2 x PP2 (the same padded vocabulary)
+def test_ml_to_megatron_loads_into_megatron_core(megatron, tmp_path, fmt, name, tp, pp, world):
     """megatron -> ml -> ml-to-megatron (legacy or torch_dist, for TP x PP): Megatron-Core's GPTModel
-    loads it strictly and its logits (and so its first loss) are ours; megatron-to-ml of it gives
-    our checkpoint back bit for bit."""
+    (at TP x PP, or at `world` for torch_dist) loads it strictly and its logits (and so its first
+    loss) are ours; megatron-to-ml of it gives our checkpoint back bit for bit."""
     shape, vocab = SHAPES[name], SHAPES[name]["vocab"]
     ml, back, out = tmp_path / "ml", tmp_path / "back", tmp_path / "megatron"
     assert _convert("megatron-to-ml", "--load", megatron[name][0]["legacy"], "--out", ml, "--vocab-size", vocab) == 0
@@ -335,8 +336,9 @@ def test_ml_to_megatron_loads_into_megatron_core(megatron, tmp_path, fmt, name, 
                     "--pipeline-model-parallel-size", pp, "--ckpt-format", fmt) == 0
     assert (out / "latest_checkpointed_iteration.txt").read_text() == "release"
     tokens, labels = _batch(vocab)
-    theirs = next(r for r in run_distributed(_megatron_loads, tp * pp, shape, tp, pp, str(out), tokens, fmt,
-                                                 daemon=False)
+    load_tp, load_pp = world or (tp, pp)
+    theirs = next(r for r in run_distributed(_megatron_loads, load_tp * load_pp, shape, load_tp, load_pp, str(out),
+                                             tokens, fmt, daemon=False)
                   if r is not None)[..., :vocab]
     ours, _ = _our_logits(ml, tokens)
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
