@@ -419,7 +419,7 @@ def cmd_ml_to_megatron(args) -> None:
             f.write("release")
     finally:
         close()
-    what = "torch_dist" if stacked else f"legacy per-rank (torch) checkpoint for tp={tp} pp={pp} ({tp * pp} files)"
+    what = "torch_dist checkpoint" if stacked else f"legacy per-rank (torch) checkpoint for tp={tp} pp={pp} ({tp * pp} files)"
     print(f"wrote a Megatron-LM {what} ({cfg.num_parameters():,} parameters, {params}, padded vocabulary "
           f"{margs['padded_vocab_size']}) to {release}: Megatron-LM loads it with --load {args.out} --ckpt-format "
           f"{args.ckpt_format} --use-checkpoint-args")
