@@ -105,13 +105,15 @@ def megatron_args_of_config(cfg: ModelConfig, tp: int, pp: int) -> Dict[str, Any
         raise ConversionError(f"window_size={cfg.window_size} (sliding-window attention) has no Megatron-LM flag")
     if cfg.rope_scaling_type and (cfg.rope_scaling_low_freq_factor, cfg.rope_scaling_high_freq_factor,
                                   cfg.rope_scaling_original_max_position) != (1.0, 4.0, 8192):
-        raise ConversionError("Llama-3.1 RoPE scaling other than factors 1 / 4 at 8192 positions has no Megatron-LM flag")
+        raise ConversionError("Llama-3.1 RoPE scaling other than factors 1 / 4 at 8192 positions has no "
+                              "Megatron-LM flag")
     gqa = cfg.num_query_groups != cfg.num_attention_heads
     tanh = cfg.activation == "gelu_tanh" and not cfg.swiglu
     return dict(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
                 num_attention_heads=cfg.num_attention_heads, group_query_attention=gqa,
                 num_query_groups=cfg.num_query_groups if gqa else 1, kv_channels=cfg.kv_channels,
-                max_position_embeddings=cfg.max_position_embeddings, position_embedding_type=cfg.position_embedding_type,
+                max_position_embeddings=cfg.max_position_embeddings,
+                position_embedding_type=cfg.position_embedding_type,
                 add_position_embedding=cfg.position_embedding_type == "learned_absolute",
                 rotary_base=int(cfg.rotary_base) if float(cfg.rotary_base).is_integer() else cfg.rotary_base,
                 rotary_percent=cfg.rotary_percent, use_rope_scaling=cfg.rope_scaling_type == "llama3",

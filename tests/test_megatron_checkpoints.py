@@ -310,7 +310,8 @@ def _megatron_loads(rank, world, shape, tp, pp, root, tokens, fmt):
         from megatron.core.safe_globals import SAFE_GLOBALS
         torch.serialization.add_safe_globals(SAFE_GLOBALS)
         sharded = chunks[0].sharded_state_dict(metadata={"singleton_local_shards": False})
-        state = {**dist_checkpointing.load({"model": sharded}, release), "args": safe_load(release + "/common.pt")["args"]}
+        state = dict(dist_checkpointing.load({"model": sharded}, release),
+                     args=safe_load(release + "/common.pt")["args"])
     else:
         state = safe_load(os.path.join(release, f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else ""),
                                        "model_optim_rng.pt"))

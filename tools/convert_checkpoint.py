@@ -419,7 +419,8 @@ def cmd_ml_to_megatron(args) -> None:
             f.write("release")
     finally:
         close()
-    what = "torch_dist checkpoint" if stacked else f"legacy per-rank (torch) checkpoint for tp={tp} pp={pp} ({tp * pp} files)"
+    what = "torch_dist checkpoint" if stacked else \
+        f"legacy per-rank (torch) checkpoint for tp={tp} pp={pp} ({tp * pp} files)"
     print(f"wrote a Megatron-LM {what} ({cfg.num_parameters():,} parameters, {params}, padded vocabulary "
           f"{margs['padded_vocab_size']}) to {release}: Megatron-LM loads it with --load {args.out} --ckpt-format "
           f"{args.ckpt_format} --use-checkpoint-args")
@@ -723,7 +724,8 @@ def _add_ml_to_megatron(sub) -> None:
     p.set_defaults(func=cmd_ml_to_megatron)
 
 
-PARSERS: List[Callable] = [_add_hf_to_ml, _add_megatron_to_ml, _add_ml_to_megatron, _add_ml_to_hf, _add_consolidate, _add_reshard]
+PARSERS: List[Callable] = [_add_hf_to_ml, _add_megatron_to_ml, _add_ml_to_megatron, _add_ml_to_hf, _add_consolidate,
+                           _add_reshard]
 
 
 def build_parser() -> argparse.ArgumentParser:
