@@ -257,7 +257,7 @@ def refused(args: argparse.Namespace, unknown: List[str] = ()) -> List[str]:
     if args.ckpt_format in ("torch_dist", "fsdp_dtensor"):  # Megatron-LM's distributed formats
         out.append(f"--ckpt-format {args.ckpt_format}: megatron-lite writes its own format (per-rank safetensors pieces + "
                    "metadata.json), not Megatron-LM's; drop the flag; tools/convert_checkpoint.py reads torch_dist "
-                   "(megatron-to-ml) and writes Hugging Face (ml-to-hf)")
+                   "(megatron-to-ml) and writes it (ml-to-megatron --ckpt-format torch_dist)")
     return out
 
 

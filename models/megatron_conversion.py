@@ -85,6 +85,50 @@ def merge_tp(name: str, pieces, swiglu: bool) -> torch.Tensor:
     return torch.cat(list(pieces), dim=dim)
 
 
+def split_tp(name: str, full: torch.Tensor, tp: int, swiglu: bool) -> list:
+    """Every TP rank's piece of the full tensor `name` (merge_tp's inverse)."""
+    dim, fc1 = tp_split(name)
+    if dim is None or tp == 1:
+        return [full] * tp
+    if fc1 and swiglu:  # rank r holds [its gate rows; its up rows]
+        gate, up = (h.chunk(tp, dim=0) for h in full.chunk(2, dim=0))
+        return [torch.cat([g, u]) for g, u in zip(gate, up)]
+    return list(full.chunk(tp, dim=dim))
+
+
+def megatron_args_of_config(cfg: ModelConfig, tp: int, pp: int) -> Dict[str, Any]:
+    """The model-defining fields of the args Megatron-LM saves (model_config_from_megatron_args'
+    inverse); a ConversionError naming what Megatron-Core's GPT cannot express."""
+    if cfg.moe is not None and cfg.moe.num_experts:
+        raise ConversionError(f"MoE models (num_experts={cfg.moe.num_experts}) are not written to Megatron-LM yet")
+    if cfg.window_size:
+        raise ConversionError(f"window_size={cfg.window_size} (sliding-window attention) has no Megatron-LM flag")
+    if cfg.rope_scaling_type and (cfg.rope_scaling_low_freq_factor, cfg.rope_scaling_high_freq_factor,
+                                  cfg.rope_scaling_original_max_position) != (1.0, 4.0, 8192):
+        raise ConversionError("Llama-3.1 RoPE scaling other than factors 1 / 4 at 8192 positions has no "
+                              "Megatron-LM flag")
+    gqa = cfg.num_query_groups != cfg.num_attention_heads
+    tanh = cfg.activation == "gelu_tanh" and not cfg.swiglu
+    return dict(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
+                num_attention_heads=cfg.num_attention_heads, group_query_attention=gqa,
+                num_query_groups=cfg.num_query_groups if gqa else 1, kv_channels=cfg.kv_channels,
+                max_position_embeddings=cfg.max_position_embeddings,
+                position_embedding_type=cfg.position_embedding_type,
+                add_position_embedding=cfg.position_embedding_type == "learned_absolute",
+                rotary_base=int(cfg.rotary_base) if float(cfg.rotary_base).is_integer() else cfg.rotary_base,
+                rotary_percent=cfg.rotary_percent, use_rope_scaling=cfg.rope_scaling_type == "llama3",
+                rope_scaling_factor=cfg.rope_scaling_factor, normalization=cfg.normalization,
+                norm_epsilon=cfg.norm_epsilon, swiglu=cfg.swiglu, openai_gelu=tanh, bias_gelu_fusion=False,
+                add_bias_linear=cfg.add_bias_linear, add_qkv_bias=cfg.add_qkv_bias, qk_layernorm=cfg.qk_layernorm,
+                apply_layernorm_1p=cfg.apply_layernorm_1p,
+                untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
+                hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
+                init_method_std=cfg.init_method_std, make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
+                padded_vocab_size=cfg.padded_vocab_size(tp), tensor_model_parallel_size=tp,
+                pipeline_model_parallel_size=pp, num_experts=None, multi_latent_attention=False,
+                use_legacy_models=False, transformer_impl="local")
+
+
 # --- model config from Megatron-LM's args ---------------------------------------------------------
 # Megatron-LM settings the GPT model here cannot compute the same way: the arg -> (what it is, the
 # values that are fine: its defaults).

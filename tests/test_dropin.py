@@ -28,7 +28,8 @@ def test_every_refused_flag_is_in_one_error(capsys, monkeypatch):
         "the command line; --transformer-impl transformer_engine: megatron-lite's layers are its own "
         "(local); drop the flag or use --transformer-impl local; --ckpt-format torch_dist: megatron-lite writes its "
         "own format (per-rank safetensors pieces + metadata.json), not Megatron-LM's; drop the flag; "
-        "tools/convert_checkpoint.py reads torch_dist (megatron-to-ml) and writes Hugging Face (ml-to-hf)")
+        "tools/convert_checkpoint.py reads torch_dist (megatron-to-ml) and writes it (ml-to-megatron --ckpt-format "
+        "torch_dist)")
 
 
 def test_ckpt_format_torch_dist_alone_is_refused(capsys, monkeypatch):

@@ -291,3 +291,76 @@ def test_bad_inputs_are_one_line_errors(megatron, tmp_path, capsys):
                                     "MoE Megatron checkpoints are not supported yet"]):
         assert line.startswith("convert_checkpoint.py megatron-to-ml: error: ") and fragment in line, line
     assert not out.exists()
+
+
+# --- back to Megatron-LM: ml-to-megatron ------------------------------------------------------------
+def _megatron_loads(rank, world, shape, tp, pp, root, tokens, fmt):
+    """One rank of a Megatron-Core world whose GPTModel loads (strictly) what ml-to-megatron wrote:
+    its rank's legacy file, or its sharded state dict through Megatron-Core's dist_checkpointing.load;
+    then Megatron-Core's forward."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    from models.megatron_checkpoint import safe_load
+
+    mcore_cpu.cpu_shims()
+    chunks = mcore_cpu.build_gpt(shape, tp, pp, PADDED)
+    t, p = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    release = os.path.join(root, "release")
+    if fmt == "torch_dist":  # (Megatron-LM's own list of what its torch.load may unpickle, as importing it registers)
+        from megatron.core.safe_globals import SAFE_GLOBALS
+        torch.serialization.add_safe_globals(SAFE_GLOBALS)
+        sharded = chunks[0].sharded_state_dict(metadata={"singleton_local_shards": False})
+        state = dict(dist_checkpointing.load({"model": sharded}, release),
+                     args=safe_load(release + "/common.pt")["args"])
+    else:
+        state = safe_load(os.path.join(release, f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else ""),
+                                       "model_optim_rng.pt"))
+        assert state["args"].tensor_model_parallel_size == tp
+    assert state["args"].padded_vocab_size == PADDED and state["args"].ckpt_format == fmt
+    chunks[0].load_state_dict(state["model"], strict=True)
+    logits = mcore_cpu.forward_logits(chunks, tokens, pp)
+    return logits if logits is not None and t == 0 else None
+
+
+@pytest.mark.parametrize("fmt,name,tp,pp,world", [
+    ("torch", "llama", 1, 1, None), ("torch", "llama", 2, 2, None), ("torch", "gpt2", 2, 1, None),
+    ("torch", "gpt2", 1, 2, None), ("torch_dist", "llama", 2, 2, None), ("torch_dist", "gpt2", 1, 2, None),
+    ("torch_dist", "llama", 1, 1, (2, 2))])  # written for TP1, loaded at TP2 x PP2 (the same padded vocabulary)
+def test_ml_to_megatron_loads_into_megatron_core(megatron, tmp_path, fmt, name, tp, pp, world):
+    """megatron -> ml -> ml-to-megatron (legacy or torch_dist, for TP x PP): Megatron-Core's GPTModel
+    (at TP x PP, or at `world` for torch_dist) loads it strictly and its logits (and so its first
+    loss) are ours; megatron-to-ml of it gives our checkpoint back bit for bit."""
+    shape, vocab = SHAPES[name], SHAPES[name]["vocab"]
+    ml, back, out = tmp_path / "ml", tmp_path / "back", tmp_path / "megatron"
+    assert _convert("megatron-to-ml", "--load", megatron[name][0]["legacy"], "--out", ml, "--vocab-size", vocab) == 0
+    assert _convert("ml-to-megatron", "--load", ml, "--out", out, "--tensor-model-parallel-size", tp,
+                    "--pipeline-model-parallel-size", pp, "--ckpt-format", fmt) == 0
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "release"
+    tokens, labels = _batch(vocab)
+    load_tp, load_pp = world or (tp, pp)
+    theirs = next(r for r in run_distributed(_megatron_loads, load_tp * load_pp, shape, load_tp, load_pp, str(out),
+                                             tokens, fmt, daemon=False)
+                  if r is not None)[..., :vocab]
+    ours, _ = _our_logits(ml, tokens)
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+    loss = [F.cross_entropy(x.reshape(-1, vocab), labels.reshape(-1)).item() for x in (theirs, ours)]
+    assert loss[0] == pytest.approx(loss[1], rel=1e-6)
+    assert _convert("megatron-to-ml", "--load", out, "--out", back, "--vocab-size", vocab) == 0
+    with open_checkpoint(str(ml)) as a, open_checkpoint(str(back)) as b:
+        assert a.meta["model_config"] == b.meta["model_config"]
+        wa, wb = full_weights(a, fp32_from_main=False), full_weights(b, fp32_from_main=False)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_ml_to_megatron_refuses_what_it_does_not_write(megatron, tmp_path, capsys):
+    ml = tmp_path / "ml"
+    assert _convert("megatron-to-ml", "--load", megatron["llama"][0]["legacy"], "--out", ml) == 0
+    capsys.readouterr()
+    assert _convert("ml-to-megatron", "--load", ml, "--out", tmp_path / "o", "--pipeline-model-parallel-size", 3) == 2
+    moe = tmp_path / "moe"  # (refused from the config, before any tensor is read)
+    tool.write_ml_checkpoint(str(moe), ModelConfig(moe={"num_experts": 4}), {})
+    assert _convert("ml-to-megatron", "--ml-dir", moe, "--out", tmp_path / "o") == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 2 and "pp=3" in err[0], err
+    assert "MoE models (num_experts=4) are not written to Megatron-LM yet" in err[1], err
+    assert not (tmp_path / "o").exists()

@@ -3,6 +3,7 @@
 
     python tools/convert_checkpoint.py hf-to-ml --hf-dir llama-hf/ --out ckpt/ --tensor-model-parallel-size 2
     python tools/convert_checkpoint.py megatron-to-ml --load megatron-run/ --out ckpt/ [--iteration N]
+    python tools/convert_checkpoint.py ml-to-megatron --load ckpt/ --out megatron-run/ --tensor-model-parallel-size 2
     python tools/convert_checkpoint.py ml-to-hf --load ckpt/ --out llama-hf2/ [--tokenizer-model llama-hf/]
     python tools/convert_checkpoint.py consolidate --load ckpt/ --out full/ [--iteration N]
     python tools/convert_checkpoint.py reshard --load ckpt/ --out ckpt-tp4/ --tensor-model-parallel-size 4
@@ -20,7 +21,10 @@ on the meta device first, so every file's header is written before its tensors, 
 Families: models/hf_families.py.
 `megatron-to-ml` does what hf-to-ml does for a Megatron-LM `--save` directory of a GPT model
 (torch_dist or legacy per-rank files, any TP / PP / virtual PP layout), its model config from the
-checkpoint's args (models/megatron_conversion.py, models/megatron_checkpoint.py).
+checkpoint's args (models/megatron_conversion.py, models/megatron_checkpoint.py); `ml-to-megatron`
+goes back: a dense GPT model as Megatron-LM's legacy per-rank files (`--ckpt-format torch`) at a
+given TP / PP, or Megatron-Core's torch_dist checkpoint, through the same name table and TP split
+(megatron-to-ml reads either back bit for bit).
 
 Weights are read with safetensors, torch.distributed.checkpoint, or torch.load(weights_only=True)
 for `.bin` / `.pt` files: nothing is unpickled beyond tensors (and, for Megatron-LM's files, an
@@ -358,6 +362,104 @@ def cmd_megatron_to_ml(args) -> None:
           f"checkpoint for tp={tp} pp={pp} ({tp * pp * dp} files) to {final}")
 
 
+def cmd_ml_to_megatron(args) -> None:
+    from models.megatron_checkpoint import LEGACY_FILE, TRACKER
+    from models.megatron_conversion import ALIASES, MEGATRON_RULES, VOCAB_TENSORS, megatron_args_of_config, split_tp
+
+    cfg, get, _, close, ckpt_meta = _ours_from(args)
+    try:
+        tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+        if tp < 1 or pp < 1 or cfg.num_attention_heads % tp or cfg.num_query_groups % tp or cfg.num_layers % pp:
+            raise CLIError(f"tp={tp} pp={pp} does not divide the model's {cfg.num_attention_heads} heads, "
+                           f"{cfg.num_query_groups} query groups and {cfg.num_layers} layers")
+        margs = megatron_args_of_config(cfg, tp, pp)
+        data = (ckpt_meta.get("config") or {}).get("data") or {}
+        if data.get("tokenizer_type") == "NullTokenizer":  # Megatron's NullTokenizer adds the end of document
+            margs.update(tokenizer_type="NullTokenizer", vocab_size=cfg.vocab_size - 1)
+        dtype = DTYPES[args.dtype]
+        per_stage = cfg.num_layers // pp
+        states = {(t, p): {} for t in range(tp) for p in range(pp)}
+        release = os.path.join(args.out, "release")
+        stacked: Dict[str, List[torch.Tensor]] = {}  # torch_dist: Megatron-Core's sharded keys, full tensors
+        for name, full in ours_to_hf_stream(get, cfg, MEGATRON_RULES):
+            full = full if dtype is None or not full.is_floating_point() else full.to(dtype)
+            if name in VOCAB_TENSORS:  # Megatron's padded vocabulary: zero rows past the true one
+                full = torch.cat([full, full.new_zeros(margs["padded_vocab_size"] - full.shape[0], *full.shape[1:])])
+            if args.ckpt_format == "torch_dist":  # a layer's tensors stacked over the layers: decoder.layers.X
+                parts = name.split(".")
+                stacked.setdefault(".".join(parts[:2] + parts[3:]) if name.startswith("decoder.layers.") else name,
+                                   []).append(full)
+                continue
+            stages = [pp - 1] if name.startswith(("decoder.final_layernorm", "output_layer")) else [0]
+            if name.startswith("decoder.layers."):
+                layer, rest = name.split(".", 3)[2:]
+                stages, name = [int(layer) // per_stage], f"decoder.layers.{int(layer) % per_stage}.{rest}"
+            elif name == "embedding.word_embeddings.weight" and pp > 1 and not cfg.untie_embeddings_and_output_weights:
+                stages = [0, pp - 1]  # the last stage's copy of the tied embedding is its output layer
+            for canonical, local in ALIASES.items():
+                name = name.replace(canonical, local)
+            for t, piece in enumerate(split_tp(name, full, tp, cfg.swiglu)):
+                for p in stages:
+                    key = "output_layer.weight" if p != 0 and name.startswith("embedding.") else name
+                    states[(t, p)][key] = piece.clone()
+        first = next(iter(stacked.values()))[0] if stacked else \
+            next(v for v in states[(0, 0)].values() if v.is_floating_point())
+        params = dtype or first.dtype
+        margs.update(params_dtype=params, bf16=params == torch.bfloat16, fp16=params == torch.float16,
+                     ckpt_format=args.ckpt_format, iteration=0)
+        if stacked:
+            _write_torch_dist(release, stacked, cfg.num_layers, argparse.Namespace(**margs))
+            states = {}
+        for (t, p), state in states.items():
+            path = os.path.join(release, f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else ""), LEGACY_FILE)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save({"args": argparse.Namespace(**margs), "checkpoint_version": 3.0, "iteration": 0,
+                        "model": state}, path)
+        with open(os.path.join(args.out, TRACKER), "w") as f:
+            f.write("release")
+    finally:
+        close()
+    what = "torch_dist checkpoint" if stacked else \
+        f"legacy per-rank (torch) checkpoint for tp={tp} pp={pp} ({tp * pp} files)"
+    print(f"wrote a Megatron-LM {what} ({cfg.num_parameters():,} parameters, {params}, padded vocabulary "
+          f"{margs['padded_vocab_size']}) to {release}: Megatron-LM loads it with --load {args.out} --ckpt-format "
+          f"{args.ckpt_format} --use-checkpoint-args")
+
+
+# The linear layers of a Megatron-Core layer (local spec): each has an `_extra_state` (None; Transformer
+# Engine's FP8 metadata otherwise), stored as one pickled object per layer.
+_EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def _write_torch_dist(path: str, stacked: Dict[str, List[torch.Tensor]], num_layers: int, margs) -> None:
+    """Megatron-Core's torch_dist layout in one process through torch.distributed.checkpoint: full
+    tensors under their sharded keys (a layer's [num_layers, ...]), each layer's linear extra states
+    as ShardedObjects (`KEY/shard_LAYER_NUM_LAYERS`), common.pt (args) and metadata.json."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    state = {k: torch.stack(v) if k.startswith("decoder.layers.") else v[0] for k, v in stacked.items()}
+    for module in _EXTRA_STATE:
+        for i in range(num_layers):
+            # (DCP pickles it; Megatron-Core's object of a key is the list of its ranks' objects)
+            state[f"decoder.layers.{module}._extra_state/shard_{i}_{num_layers}"] = [None]
+
+    class Writer(dcp.FileSystemWriter):  # .metadata names the checkpoint by a string, as Megatron-Core's does
+        @property
+        def checkpoint_id(self) -> str:
+            return str(self.path)
+
+    os.makedirs(path, exist_ok=True)
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...: save in a single process" (we do)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, storage_writer=Writer(path), no_dist=True)
+    torch.save({"args": margs, "checkpoint_version": 3.0, "iteration": 0}, os.path.join(path, "common.pt"))
+    with open(os.path.join(path, "metadata.json"), "w") as f:
+        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                   "common_backend_version": 1}, f)
+
+
 def _ours_from(args):
     """(ModelConfig, getter of our full tensors by stored name, getter of the same on the meta
     device (shape and dtype, nothing read), closer) of --load or --ml-dir."""
@@ -607,7 +709,23 @@ def _add_reshard(sub) -> None:
     p.set_defaults(func=cmd_reshard)
 
 
-PARSERS: List[Callable] = [_add_hf_to_ml, _add_megatron_to_ml, _add_ml_to_hf, _add_consolidate, _add_reshard]
+def _add_ml_to_megatron(sub) -> None:
+    p = sub.add_parser("ml-to-megatron", help="training (or full) checkpoint of a GPT model -> Megatron-LM checkpoint "
+                                              "(legacy per-rank format)")
+    _add_checkpoint_source(p, required=False)
+    p.add_argument("--ml-dir", default=None, help="a full checkpoint (consolidate's output) instead of --load")
+    p.add_argument("--out", required=True, help="Megatron-LM checkpoint root (what its --load takes)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="keep", help="cast floating tensors")
+    p.add_argument("--ckpt-format", choices=["torch", "torch_dist"], default="torch",
+                   help="torch: Megatron-LM's legacy per-rank files; torch_dist: Megatron-Core's distributed "
+                        "checkpoint (one layout for any TP / PP)")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="layers split evenly over the stages")
+    p.set_defaults(func=cmd_ml_to_megatron)
+
+
+PARSERS: List[Callable] = [_add_hf_to_ml, _add_megatron_to_ml, _add_ml_to_megatron, _add_ml_to_hf, _add_consolidate,
+                           _add_reshard]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -621,7 +739,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "ml-to-hf" and not (args.load or args.ml_dir):
+        if args.command in ("ml-to-hf", "ml-to-megatron") and not (args.load or args.ml_dir):
             raise CLIError("give the checkpoint to convert: --load CKPT (training) or --ml-dir DIR (full)")
         args.func(args)
     except USER_ERRORS as e:
