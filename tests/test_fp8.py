@@ -151,7 +151,7 @@ def test_cli_trains_in_fp8_and_says_so(tmp_path):
                 "--metrics-file", str(metrics))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert ("> fp8: tensorwise current scaling (hybrid: e4m3 forward, e5m2 gradients, margin 0) in the attention "
-            "and MLP linears") in proc.stdout
+            "and MLP linears (QKV, projection, fc1, fc2); embedding") in proc.stdout
     import json
     losses = [json.loads(line)["lm_loss"] for line in metrics.read_text().splitlines()]
     assert len(losses) == 12 and all(torch.isfinite(torch.tensor(losses)))
