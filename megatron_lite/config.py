@@ -612,7 +612,10 @@ class Config:
         t, p, moe = self.training, self.parallel, self.model.moe
         if t.fp8_format is None:
             _require(t.fp8_recipe is None, f"--fp8-recipe {t.fp8_recipe} needs --fp8-format e4m3|hybrid")
+            _require(t.fp8_margin == 0, f"--fp8-margin {t.fp8_margin} needs --fp8-format e4m3|hybrid")
             return
+        _require(t.fp8_margin >= 0, f"--fp8-margin ({t.fp8_margin}) must be >= 0: the scale is fp8 max / amax / "
+                                    f"2^margin, and a negative margin saturates the largest values")
         _require(t.fp8_recipe is not None, "--fp8-format without --fp8-recipe is Megatron-LM's delayed scaling, not "
                                            "implemented yet: add --fp8-recipe tensorwise or rowwise")
         _require(t.fp8_recipe != "mxfp8", "--fp8-recipe mxfp8 needs Blackwell GPUs (and is not implemented yet): "

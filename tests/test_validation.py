@@ -67,6 +67,8 @@ CASES = [
     (1, ["--pipeline-schedule", "interleaved"], ["'interleaved' needs virtual pipeline size > 1 (got 1)"]),
     (1, ["--fp8-format", "hybrid"], ["--fp8-format without --fp8-recipe", "add --fp8-recipe tensorwise or rowwise"]),
     (1, ["--fp8-recipe", "rowwise"], ["--fp8-recipe rowwise needs --fp8-format e4m3|hybrid"]),
+    (1, ["--fp8-margin", "2"], ["--fp8-margin 2 needs --fp8-format e4m3|hybrid"]),
+    (1, ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--fp8-margin", "-1"], ["--fp8-margin (-1) must be >= 0"]),
     (2, ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--context-parallel-size", "2"],
      ["FP8 with --context-parallel-size > 1 is not implemented yet"]),
     (1, ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--num-experts", "4", "--moe-grouped-gemm"],
