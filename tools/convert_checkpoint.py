@@ -57,6 +57,7 @@ from models.hf_conversion import (ConversionError, hf_config_to_model_config, hf
                                   hf_to_ours_stream, model_config_to_hf_config, our_names, our_sizes,
                                   ours_to_hf_stream)
 from models.hf_families import FAMILIES, family_of  # noqa: E402
+from models.hf_tokenizers import hf_tokenizer  # noqa: E402
 
 ML_WEIGHTS, ML_CONFIG = "model.safetensors", "config.json"
 DTYPES = {"keep": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -656,36 +657,6 @@ def cmd_ml_to_hf(args) -> None:
     print(f"wrote HF {hf_config.architectures[0]} ({len(weight_map)} tensors in {len(files)} files) to {args.out}"
           + (f" with its {data['tokenizer_type']} as a HF tokenizer (eos id {tokenizer.eos_token_id})" if tokenizer
              else f"; no tokenizer: {why_not} (--tokenizer-model DIR adds a HF one)"))
-
-
-def byte_level_hf_tokenizer():
-    """ByteTokenizer as a HF fast tokenizer with the same ids: the 256 bytes (GPT-2's byte-to-character
-    map, no merges) and <|endoftext|> = 256 as eos."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    extra = iter(range(256, 512))
-    chars = {b: chr(b if b in printable else next(extra)) for b in range(256)}
-    tok = Tokenizer(models.BPE(vocab={c: b for b, c in chars.items()}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", clean_up_tokenization_spaces=False,
-                                   split_special_tokens=True)  # "<|endoftext|>" in a text is bytes, as ours
-
-
-def hf_tokenizer(data: dict):
-    """(a HF tokenizer equal to the run's, None) or (None, why not) from a run's tokenizer settings."""
-    kind, model = data.get("tokenizer_type"), data.get("tokenizer_model")
-    if kind == "ByteTokenizer":
-        return byte_level_hf_tokenizer(), None
-    if kind == "HuggingFaceTokenizer" and model:
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(model, local_files_only=True), None
-    if kind == "GPT2BPETokenizer" and data.get("vocab_file") and data.get("merge_file"):
-        from transformers import GPT2TokenizerFast
-        return GPT2TokenizerFast(data["vocab_file"], data["merge_file"]), None
-    return None, (f"the checkpoint records no tokenizer" if not kind else f"{kind} is not written as a HF tokenizer")
 
 
 def _name_shards(out: str, files: List[str], weight_map: Dict[str, str], total: int) -> None:
