@@ -135,7 +135,8 @@ def megatron_args_of_config(cfg: ModelConfig, tp: int, pp: int, ep: int = 1) -> 
                 hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
                 init_method_std=cfg.init_method_std, make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
                 padded_vocab_size=cfg.padded_vocab_size(tp), tensor_model_parallel_size=tp,
-                pipeline_model_parallel_size=pp, multi_latent_attention=False, use_legacy_models=False,
+                pipeline_model_parallel_size=pp, expert_model_parallel_size=ep, multi_latent_attention=False,
+                use_legacy_models=False,
                 transformer_impl="local", **(moe_args_of_config(cfg, ep) or {"num_experts": None}))
 
 
@@ -161,7 +162,7 @@ def moe_args_of_config(cfg: ModelConfig, ep: int) -> Dict[str, Any]:
         raise ConversionError("MoE experts with biases (--add-bias-linear) are not written to Megatron-LM "
                               "checkpoints: the experts here have none")
     out = {f.name: getattr(moe, f.name) for f in fields(moe) if f.name not in _MOE_OURS_ONLY}
-    return dict(out, moe_grouped_gemm=False, expert_model_parallel_size=ep, expert_tensor_parallel_size=None)
+    return dict(out, moe_grouped_gemm=False, expert_tensor_parallel_size=None)
 
 
 # --- model config from Megatron-LM's args ---------------------------------------------------------

@@ -49,6 +49,7 @@ def import_mcore():
         torch.serialization.add_safe_globals(registered)
     jit.disable_jit_fuser()
     import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: F401
+    import megatron.core.dist_checkpointing.strategies.state_dict_saver  # noqa: F401  (imported lazily in 0.19)
     import megatron.core.dist_checkpointing.strategies.torch  # noqa: F401
     import megatron.core.models.gpt  # noqa: F401
     import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401

@@ -96,7 +96,8 @@ def _megatron_loads(rank, world, root, shape, tp, pp, fmt):
         name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
         state = safe_load(os.path.join(release, name, "model_optim_rng.pt"))
         assert (state["args"].tensor_model_parallel_size, state["args"].expert_model_parallel_size) == (tp, ep)
-    assert state["args"].num_experts == shape["num_experts"] and state["args"].moe_layer_freq == shape["moe_layer_freq"]
+    assert state["args"].num_experts == shape.get("num_experts")
+    assert getattr(state["args"], "moe_layer_freq", None) == shape.get("moe_layer_freq")
     chunks[0].load_state_dict(state["model"], strict=True)
     logits = mcore_cpu.forward_logits(chunks, _batch(shape["vocab"])[0], pp)
     return logits if logits is not None and t == 0 else None
