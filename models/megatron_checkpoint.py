@@ -23,6 +23,7 @@ declares safe in its checkpoints); a file naming any other class is refused, nam
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import pickle
@@ -45,6 +46,7 @@ from .megatron_conversion import ALIASES, IGNORED, VOCAB_TENSORS, layout_of_args
 TRACKER = "latest_checkpointed_iteration.txt"
 LEGACY_FILE = "model_optim_rng.pt"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 
 
@@ -243,21 +245,37 @@ class TorchDistCheckpoint(_Reader):
             if self._halves(key[:-2]) and key.endswith("_v"):
                 continue  # indexed with its _w half
             base = key[:-2] if self._halves(key[:-2]) else key
-            parts = base.split(".")
-            if base.startswith("decoder.layers.") and not parts[2].isdigit():  # stacked over the layers
-                for i in range(m.size[0]):
-                    self.index[_canonical(f"decoder.layers.{i}.{'.'.join(parts[2:])}")] = (key, i)
-            else:
-                self.index[_canonical(base)] = (key, None)
+            self._index_key(key, base, m)
+
+    def _index_key(self, key: str, base: str, m) -> None:
+        """A layer's tensors are stacked over the layers (`decoder.layers.X` [num_layers, ...]) or one
+        per layer (`decoder.layers.N.X`: Megatron-Core's choice when dense and MoE layers mix); an
+        MoE layer's expert tensors are stacked over the experts after that (`mlp.experts.experts.X`)."""
+        parts = base.split(".")
+        if not base.startswith("decoder.layers."):
+            self.index[_canonical(base)] = (key, None)
+            return
+        stacked = not parts[2].isdigit()
+        rest = ".".join(parts[2:] if stacked else parts[3:])
+        experts = rest.startswith("mlp.experts.experts.")
+        if experts:
+            rest = f"mlp.experts.local_experts.{{e}}.{rest[len('mlp.experts.experts.'):]}"
+        if not stacked and not experts:
+            self.index[_canonical(base)] = (key, None)
+            return
+        for where in _stored_boxes(m, stacked + experts):
+            layer = where[0] if stacked else parts[2]
+            name = f"decoder.layers.{layer}.{rest.format(e=where[-1]) if experts else rest}"
+            self.index[_canonical(name)] = (key, where)
 
     def _halves(self, base: str) -> bool:
         """Whether SwiGLU's fc1 `base` is stored as two tensors, base_w (gate) and base_v (up)."""
         return base + "_w" in self.stored and base + "_v" in self.stored
 
     def _shape(self, name: str) -> Tuple[int, ...]:
-        key, layer = self.index[name]
+        key, where = self.index[name]
         size = tuple(self.stored[key].size)
-        size = size[1:] if layer is not None else size
+        size = size[len(where):] if where is not None else size
         if key.endswith("_w") and self._halves(key[:-2]):
             size = (2 * size[0],) + size[1:]
         return size
@@ -265,26 +283,37 @@ class TorchDistCheckpoint(_Reader):
     def _dtype(self, name: str) -> torch.dtype:
         return self.stored[self.index[name][0]].properties.dtype
 
-    def _box(self, key: str, layer: Optional[int], rows: Optional[int]) -> torch.Tensor:
-        """One layer of a stored tensor (or all of it), its first `rows` rows only if given."""
+    def _box(self, key: str, where: Optional[Tuple[int, ...]], rows: Optional[int]) -> torch.Tensor:
+        """One layer (or one layer's expert) of a stored tensor, or all of it; its first `rows` rows
+        only if given."""
         m = self.stored[key]
+        where = where or ()
         size, offsets = list(m.size), [0] * len(m.size)
-        if layer is not None:
-            size[0], offsets[0] = 1, layer
-        first = 1 if layer is not None else 0
+        for d, i in enumerate(where):
+            size[d], offsets[d] = 1, i
+        first = len(where)
         if rows is not None and first < len(size):
             size[first] = min(size[first], rows)
         out = torch.empty(size, dtype=m.properties.dtype)
         with warnings.catch_warnings():  # "torch.distributed is disabled ...: load in a single process" (we do)
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load({key: out}, storage_reader=self.reader, planner=_BoxPlanner(key, offsets, size), no_dist=True)
-        return out[0] if layer is not None else out
+        return out.reshape(size[first:])
 
     def _read(self, name: str, where: tuple, rows: Optional[int]) -> torch.Tensor:
         key, layer = where
         if key.endswith("_w") and self._halves(key[:-2]):
             return torch.cat([self._box(key, layer, None), self._box(key[:-2] + "_v", layer, None)])
         return self._box(key, layer, rows)
+
+
+def _stored_boxes(m, dims: int) -> List[Tuple[int, ...]]:
+    """The indices over the first `dims` dimensions that a stored tensor's chunks cover (Megatron-Core
+    stores a key of some layers only, e.g. the experts of the MoE layers, under the model's layer count)."""
+    out = set()
+    for c in m.chunks:
+        out.update(itertools.product(*(range(o, o + n) for o, n in zip(c.offsets[:dims], c.sizes[:dims]))))
+    return sorted(out)
 
 
 # torch.distributed.checkpoint's own reader unpickles `.metadata` with pickle.load, any class at all;
@@ -359,37 +388,32 @@ class LegacyCheckpoint(_Reader):
     format = "legacy"
 
     def __init__(self, directory: str):
-        ranks = {}
-        for entry in os.listdir(directory):
-            m = _RANK_DIR.match(entry)
-            if not m:
-                continue
-            if m.group(3) is not None:
-                raise ConversionError(f"{directory}/{entry}: expert-parallel legacy checkpoints (mp_rank_XX_YYY_EEE) "
-                                      f"are not supported")
-            ranks[(int(m.group(1)), int(m.group(2) or 0))] = os.path.join(directory, entry, LEGACY_FILE)
-        first = ranks.get((0, 0))
-        if first is None or not os.path.exists(first):
+        found = {entry: m.groups() for entry in os.listdir(directory) if (m := _RANK_DIR.match(entry))}
+        firsts = [e for e, g in found.items() if not any(int(x or 0) for x in g)]  # mp_rank_00[_000][_000]
+        first = os.path.join(directory, firsts[0], LEGACY_FILE) if firsts else ""
+        if not os.path.exists(first):
             raise ConversionError(f"{directory} lacks the first rank's file mp_rank_00*/{LEGACY_FILE}")
-        states = {(0, 0): safe_load(first, mmap=True)}
-        super().__init__(directory, states[(0, 0)])
+        state0 = safe_load(first, mmap=True)
+        super().__init__(directory, state0)
         layout = layout_of_args(self.args) if self.args else {
-            "tp": 1 + max(t for t, _ in ranks), "pp": 1 + max(p for _, p in ranks), "ep": 1}
-        self.tp, self.pp = layout["tp"], layout["pp"]
-        for t in range(self.tp):
-            for p in range(self.pp):
-                name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if self.pp > 1 else "")
-                path = os.path.join(directory, name, LEGACY_FILE)
-                if not os.path.exists(path):
-                    raise ConversionError(f"missing TP shard {path} (the checkpoint is tensor_model_parallel_size="
-                                          f"{self.tp}, pipeline_model_parallel_size={self.pp})")
-                if (t, p) not in states:
-                    states[(t, p)] = safe_load(path, mmap=True)
-        extra = sorted(set(ranks) - set(states))
+            "tp": 1 + max(int(g[0]) for g in found.values()), "pp": 1 + max(int(g[1] or 0) for g in found.values()),
+            "ep": 1}
+        self.tp, self.pp, self.ep = layout["tp"], layout["pp"], layout["ep"]
+        states, expected = {}, set()
+        for t, p, e in itertools.product(range(self.tp), range(self.pp), range(self.ep)):
+            name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if self.pp > 1 else "") + (f"_{e:03d}" if self.ep > 1 else "")
+            expected.add(name)
+            path = os.path.join(directory, name, LEGACY_FILE)
+            if not os.path.exists(path):
+                raise ConversionError(f"missing TP shard {path} (the checkpoint is tensor_model_parallel_size="
+                                      f"{self.tp}, pipeline_model_parallel_size={self.pp}, "
+                                      f"expert_model_parallel_size={self.ep})")
+            states[(t, p, e)] = state0 if path == first else safe_load(path, mmap=True)
+        extra = sorted(set(found) - expected)
         if extra:
             raise ConversionError(f"{directory} has rank files beyond tensor_model_parallel_size={self.tp} x "
-                                  f"pipeline_model_parallel_size={self.pp}, e.g. TP rank {extra[0][0]}, PP rank "
-                                  f"{extra[0][1]}")
+                                  f"pipeline_model_parallel_size={self.pp} x expert_model_parallel_size={self.ep}, "
+                                  f"e.g. {extra[0]}")
         self.chunks = {key: self._chunks(state, key) for key, state in states.items()}
         self._index_layers()
 
@@ -403,25 +427,32 @@ class LegacyCheckpoint(_Reader):
         return chunks
 
     def _index_layers(self) -> None:
-        """Global layer numbers: the chunks' runs of consecutive layers in (loop-placed) stage order."""
-        placement = StagePlacement(self.pp, len(self.chunks[(0, 0)]))
+        """Global layer numbers: the chunks' runs of consecutive layers in (loop-placed) stage order;
+        global expert numbers: EP rank e's local expert j is expert e * local experts + j."""
+        placement = StagePlacement(self.pp, len(self.chunks[(0, 0, 0)]))
         offset = 0
         for p, v in map(placement.location, range(placement.num_stages)):
-            sd = self.chunks[(0, p)][v]
-            local = sorted({int(m.group(1)) for k in sd if (m := _LAYER.match(k))})
-            for key, value in sd.items():
-                if _ignored(key) or not isinstance(value, torch.Tensor):
-                    continue
-                m = _LAYER.match(key)
-                name = key if m is None else f"decoder.layers.{offset + local.index(int(m.group(1)))}.{m.group(2)}"
-                self.index[_canonical(name)] = (p, v, key)
+            local = sorted({int(m.group(1)) for k in self.chunks[(0, p, 0)][v] if (m := _LAYER.match(k))})
+            for e in range(self.ep):
+                sd = self.chunks[(0, p, e)][v]
+                per_rank = len({m.group(1) for k in sd if (m := _LOCAL_EXPERT.search(k))})
+                for key, value in sd.items():
+                    if _ignored(key) or not isinstance(value, torch.Tensor):
+                        continue
+                    x = _LOCAL_EXPERT.search(key)
+                    if e and not x:
+                        continue  # the same on every EP rank: read from the first
+                    name = key if x is None else key.replace(x.group(0), f".local_experts.{e * per_rank + int(x.group(1))}.")
+                    if m := _LAYER.match(name):
+                        name = f"decoder.layers.{offset + local.index(int(m.group(1)))}.{m.group(2)}"
+                    self.index[_canonical(name)] = (p, v, key, e)
             offset += len(local)
 
     def _pieces(self, where: tuple) -> List[torch.Tensor]:
-        p, v, key = where
+        p, v, key, e = where
         out = []
         for t in range(self.tp):
-            sd = self.chunks[(t, p)][v]
+            sd = self.chunks[(t, p, e)][v]
             if key not in sd:
                 raise ConversionError(f"{self.dir}: TP rank {t}, PP rank {p} lacks {key!r}, which TP rank 0 has")
             out.append(sd[key])
@@ -433,8 +464,8 @@ class LegacyCheckpoint(_Reader):
         return (rows,) + tuple(pieces[0].shape[1:])
 
     def _dtype(self, name: str) -> torch.dtype:
-        p, v, key = self.index[name]
-        return self.chunks[(0, p)][v][key].dtype
+        p, v, key, e = self.index[name]
+        return self.chunks[(0, p, e)][v][key].dtype
 
     def _read(self, name: str, where: tuple, rows: Optional[int]) -> torch.Tensor:
         return merge_tp(where[2], self._pieces(where), self.swiglu)
