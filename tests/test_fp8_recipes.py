@@ -4,8 +4,9 @@ most_recent, margin, micro-batches folded once per step, zero amaxes), saturatio
 scale; blockwise scales per 1x128 tile / 128x128 block with padding, each GEMM equal to the fp32
 GEMM of its dequantised operands and within e4m3 / e5m2 rounding of the fp32 GEMM, and beside
 bf16's error; whole runs: delayed scaling at TP2+SP and DP2 equal the single process (the same
-recipe state), the recipe state in checkpoints (bit-exact resume, FP8 <-> bf16, TP2 -> TP1),
---first-last-layers-bf16, blockwise at TP2+SP and its one-line error."""
+recipe state), the recipe state in checkpoints (bit-exact resume, FP8 <-> bf16, TP2 -> TP1, a
+zero-bubble PP2 run's stages gathered -> PP1), --first-last-layers-bf16, blockwise at TP2+SP and
+its one-line error."""
 import os
 
 import pytest
@@ -160,8 +161,11 @@ def train_with_recipe_state(rank, world, argv):
 
 
 def _run(world, argv):
+    """(records, recipe state, state as loaded): the states of all ranks' layers (pipeline stages)."""
     results = run_distributed(train_with_recipe_state, world, argv)
-    return records_of([r[0] for r in results]), results[0][1], results[0][2]
+    states = [r[1] for r in results if r[1] is not None]
+    state = {k: v for s in reversed(states) for k, v in s.items()} if states else None
+    return records_of([r[0] for r in results]), state, results[0][2]
 
 
 # After a step, layouts' weights differ by fp32 rounding; an element on an FP8 rounding boundary
@@ -216,6 +220,17 @@ def test_delayed_resume_is_bit_exact_and_reshards_tp2_to_tp1(tmp_path):
     assert loaded1 == saved2  # by layer name: TP1 takes TP2's replicated state
     assert_same_run(straight[2:], rest, rtol=1e-4)  # TP's summation order only
     _assert_same_state(resumed1, state, rtol=LATER_AMAX_RTOL)
+
+
+def test_delayed_pp2_zero_bubble_checkpoint_loads_at_pp1(tmp_path):
+    """Each stage folds its own layers (the W pass's gradient amaxes too); a save gathers them."""
+    straight, state, _ = _run(1, _argv(["--micro-batch-size", "1"], iters=4))
+    pp = ["--micro-batch-size", "1", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"]
+    first, saved, _ = _run(2, _argv(pp + ["--save", str(tmp_path), "--exit-interval", "2"], iters=4))
+    rest, resumed, loaded = _run(1, _argv(["--micro-batch-size", "1", "--load", str(tmp_path)], iters=4))
+    assert loaded == saved and len(saved) == 10  # both stages' layers, by name
+    assert_same_run(straight, first + rest, rtol=1e-5)
+    _assert_same_state(resumed, state, rtol=LATER_AMAX_RTOL)
 
 
 def test_delayed_checkpoint_into_bf16_run_and_back(tmp_path, capfd):
