@@ -285,3 +285,15 @@ def test_blockwise_tp_shards_cutting_blocks_are_one_line():
     assert ("ConfigError: --fp8-recipe blockwise at --tensor-model-parallel-size 2: the TP shards of "
             "layers.0.self_attention.linear_q.weight (32 along dimension 0) cut its 128x128 blocks; use sizes whose "
             "TP shards are multiples of 128, or --fp8-recipe tensorwise / rowwise / delayed") in str(e.value)
+
+
+def test_first_last_layers_bf16_keeps_their_experts_too():
+    from test_fp8 import _Seen
+    from test_gemm_path import GEMM_WEIGHTS, _backward, _moe_model
+    gemm = _Seen()
+    model = _moe_model(gemm, grouped=False)
+    gemm.bind([model], (1, 0), 2)  # the first of 2 layers stays precise
+    _backward(model)
+    names = {n for n, p in model.named_parameters() if any(w is p or w._base is p for w in gemm.seen)}
+    assert names == {n for n in GEMM_WEIGHTS if n.startswith("layers.1.")}
+    assert "of layers 2-2 of 2 (first 1 and last 0 in float32)" in gemm.describe(torch.float32, [True, True])

@@ -138,7 +138,8 @@ class Float8GemmPath(GemmPath):
         return quantize(t, dtype, None, self.margin, reduce if scale is None else None, scale)
 
     def forward(self, call, x, w, bias=None):
-        param = w if w._base is None else w._base  # an expert's weight is a view of the stacked one
+        # an expert's weight is a view of the stacked parameter (a parameter may be a view of a buffer)
+        param = w if isinstance(w, torch.nn.Parameter) or w._base is None else w._base
         call["plain"] = getattr(param, "keep_precision", False)
         if call["plain"]:
             return super().forward(call, x, w, bias)
