@@ -240,7 +240,8 @@ def test_delayed_checkpoint_into_bf16_run_and_back(tmp_path, capfd):
     capfd.readouterr()
     records, state, _ = _run(1, plain + ["--load", str(fp8)])
     assert state is None and len(records) == 2
-    assert "the checkpoint's FP8 delayed-scaling state (amax histories) is not used by this run" in capfd.readouterr().out
+    note = "the checkpoint's FP8 delayed-scaling state (amax histories) is not used by this run"
+    assert note in capfd.readouterr().out
     _run(1, plain + ["--save", str(bf), "--exit-interval", "2"])
     capfd.readouterr()
     records, state, loaded = _run(1, _argv(["--load", str(bf)], iters=4))
