@@ -85,9 +85,11 @@ class Float8GemmPath(GemmPath):
                 if first_last_bf16 and layer is not None and (
                         layer < first_last_bf16[0] or layer >= num_layers - first_last_bf16[1]):
                     keep_precision(p)
-                if self.recipe == "blockwise" and self.dims is not None and self.dims.tp > 1 and p.dim() >= 2 \
-                        and not getattr(p, "keep_precision", False):
-                    check_tp_blocks(name, p, self.dims.tp)
+            if self.recipe == "blockwise" and self.dims is not None and self.dims.tp > 1:
+                for module in chunk.modules():  # the weights of this path's GEMMs
+                    for p in module.parameters(recurse=False) if getattr(module, "gemm", None) is self else ():
+                        if p.dim() >= 2 and not getattr(p, "keep_precision", False):
+                            check_tp_blocks(p.fp8_name, p, self.dims.tp)
         if first_last_bf16:
             self.bf16_layers = (first_last_bf16[0], first_last_bf16[1], num_layers)
 
