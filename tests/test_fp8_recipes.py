@@ -43,6 +43,9 @@ def test_delayed_history_and_scales_by_hand(algo):
     assert d.scale_of("w", "grad").item() == expect[2] and d.folds["w"] == 4
     d.before_step(5)  # a step's amaxes start from zero (a skipped update's are dropped)
     assert d.pending["w"].tolist() == [0.0, 0.0, 0.0]
+    if algo == "most_recent":  # an amax whose scale would overflow fp32 keeps the previous scale
+        d.fold("w", torch.tensor([1e-44, 4.0, 0.0]))
+        assert d.scale["w"].tolist() == [expect[0], 56.0, expect[2]]
 
 
 def test_delayed_state_round_trips_and_a_longer_history_keeps_the_newest():

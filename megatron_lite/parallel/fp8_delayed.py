@@ -10,7 +10,7 @@ step (`after_update`) the pending amaxes are MAX-all-reduced over the stage's TP
 ranks (TE's amax reduction group: a tensor split over TP / SP / CP, and the DP ranks' different
 micro-batches of one global batch, all agree), pushed into the histories, and the scales become
 fp8 max / amax / 2^margin with amax the history's max (`max`) or newest entry (`most_recent`);
-an amax of 0 keeps the previous scale. A GEMM with no folded step yet (the first step, or a
+an amax of 0 (or one so small that the scale overflows) keeps the previous scale. A GEMM with no folded step yet (the first step, or a
 checkpoint without this state) uses current scaling, as torchao's delayed scaling initializes
 from the first amax, instead of TE's scale 1 that flushes small gradients to zero.
 
@@ -89,7 +89,8 @@ class DelayedScaling:
         hist = torch.cat([amax[:, None].to(self.history[name]), self.history[name][:, :-1]], dim=1)
         self.history[name] = hist
         use = hist.amax(dim=1) if self.algo == "max" else hist[:, 0]
-        self.scale[name] = torch.where(use > 0, self.fmax / use / 2.0 ** self.margin, self.scale[name])
+        new = self.fmax / use / 2.0 ** self.margin
+        self.scale[name] = torch.where((use > 0) & torch.isfinite(new), new, self.scale[name])
         self.folds[name] += 1
 
     def metrics(self) -> dict:
