@@ -53,12 +53,7 @@ COMPAT_VALUE_FLAGS = list(COMPAT_VALUE)
 # line rather than silently ignored.
 UNSUPPORTED_FLAGS = {"--tp-comm-overlap": "Transformer Engine's userbuffers"}
 # The FP8 recipe's parts not built yet (--fp8-format / --fp8-recipe / --fp8-margin are config fields).
-FP8_NOT_YET = {"--fp8-amax-history-len": "FP8 delayed scaling's amax history",
-               "--fp8-amax-compute-algo": "FP8 delayed scaling's amax history",
-               "--fp8-param-gather": "ZeRO all-gathering FP8 weights",
-               "--first-last-layers-bf16": "bf16 first and last layers in an FP8 run",
-               "--num-layers-at-start-in-bf16": "bf16 first and last layers in an FP8 run",
-               "--num-layers-at-end-in-bf16": "bf16 first and last layers in an FP8 run"}
+FP8_NOT_YET = {"--fp8-param-gather": "ZeRO all-gathering FP8 weights"}
 UNSUPPORTED_FLAGS.update({flag: f"{what}, not implemented yet" for flag, what in FP8_NOT_YET.items()})
 # Flags that need a package or a device megatron-lite does not use: one line naming what is missing.
 NEEDS_PACKAGE_FLAGS = {

@@ -362,12 +362,20 @@ class TrainingConfig:
     clip_grad: float = arg(1.0, "clip the global gradient norm to this (0: no clipping)")
     bf16: bool = arg(False, "bf16 parameters and compute, fp32 main params and gradients", store="true")
     fp16: bool = arg(False, "fp16 parameters and compute with loss scaling", store="true")
-    fp8_format: Optional[str] = arg(None, "FP8 GEMMs in the attention and MLP linears (current scaling, "
-                                          "torch._scaled_mm): e4m3, or hybrid (e5m2 gradients)",
-                                    choices=["e4m3", "hybrid"])
-    fp8_recipe: Optional[str] = arg(None, "FP8 scaling: tensorwise or rowwise (delayed, blockwise, mxfp8: not yet)",
+    fp8_format: Optional[str] = arg(None, "FP8 GEMMs in the attention and MLP linears (torch._scaled_mm): e4m3, "
+                                          "or hybrid (e5m2 gradients)", choices=["e4m3", "hybrid"])
+    fp8_recipe: Optional[str] = arg(None, "FP8 scaling: delayed (the default with --fp8-format: scales from an "
+                                          "amax history), tensorwise / rowwise (current scaling per tensor / row), "
+                                          "blockwise (1x128 tiles, 128x128 weight blocks); mxfp8: Blackwell only",
                                     choices=["tensorwise", "rowwise", "delayed", "blockwise", "mxfp8"])
     fp8_margin: int = arg(0, "FP8 scale = fp8 max / amax / 2^margin")
+    fp8_amax_history_len: int = arg(1, "delayed scaling: steps of amax history per FP8 tensor")
+    fp8_amax_compute_algo: str = arg("most_recent", "delayed scaling: the amax of the history its scale uses",
+                                     choices=["most_recent", "max"])
+    first_last_layers_bf16: bool = arg(False, "FP8: keep the GEMMs of the first and last layers in the params dtype",
+                                       store="true")
+    num_layers_at_start_in_bf16: int = arg(1, "with --first-last-layers-bf16: first layers kept out of FP8")
+    num_layers_at_end_in_bf16: int = arg(1, "with --first-last-layers-bf16: last layers kept out of FP8")
     loss_scale: Optional[float] = arg(None, "constant fp16 loss scale; None: dynamic")
     initial_loss_scale: float = arg(2.0 ** 32, "first dynamic fp16 loss scale")
     min_loss_scale: float = arg(1.0, "smallest dynamic fp16 loss scale")
@@ -610,18 +618,32 @@ class Config:
 
     def _validate_fp8(self) -> None:
         t, p, moe = self.training, self.parallel, self.model.moe
+        given = {flag: f"{flag}" + ("" if value is True else f" {value}") for flag, value, default in (
+            ("--fp8-recipe", t.fp8_recipe, None), ("--fp8-margin", t.fp8_margin, 0),
+            ("--fp8-amax-history-len", t.fp8_amax_history_len, 1),
+            ("--fp8-amax-compute-algo", t.fp8_amax_compute_algo, "most_recent"),
+            ("--first-last-layers-bf16", t.first_last_layers_bf16, False)) if value != default}
         if t.fp8_format is None:
-            _require(t.fp8_recipe is None, f"--fp8-recipe {t.fp8_recipe} needs --fp8-format e4m3|hybrid")
-            _require(t.fp8_margin == 0, f"--fp8-margin {t.fp8_margin} needs --fp8-format e4m3|hybrid")
+            _require(not given, f"{next(iter(given.values()), '')} needs --fp8-format e4m3|hybrid")
             return
         _require(t.fp8_margin >= 0, f"--fp8-margin ({t.fp8_margin}) must be >= 0: the scale is fp8 max / amax / "
                                     f"2^margin, and a negative margin saturates the largest values")
-        _require(t.fp8_recipe is not None, "--fp8-format without --fp8-recipe is Megatron-LM's delayed scaling, not "
-                                           "implemented yet: add --fp8-recipe tensorwise or rowwise")
-        _require(t.fp8_recipe != "mxfp8", "--fp8-recipe mxfp8 needs Blackwell GPUs (and is not implemented yet): "
-                                          "use tensorwise or rowwise")
-        _require(t.fp8_recipe in ("tensorwise", "rowwise"),
-                 f"--fp8-recipe {t.fp8_recipe} is not implemented yet: use tensorwise or rowwise")
+        t.fp8_recipe = t.fp8_recipe or "delayed"  # Megatron-LM's default recipe
+        _require(t.fp8_recipe != "mxfp8", "--fp8-recipe mxfp8 needs Blackwell (sm100) GPUs and Transformer Engine's "
+                                          "MXFP8 kernels: use tensorwise, rowwise, delayed or blockwise")
+        _require(t.fp8_amax_history_len >= 1, f"--fp8-amax-history-len ({t.fp8_amax_history_len}) must be >= 1")
+        for flag in ("--fp8-amax-history-len", "--fp8-amax-compute-algo"):
+            _require(t.fp8_recipe == "delayed" or flag not in given,
+                     f"{flag} is delayed scaling's and does nothing with --fp8-recipe {t.fp8_recipe}: drop it")
+        most = self.model.num_layers // p.pp  # Megatron-LM's bound: the layers of one pipeline stage
+        for flag, n in (("--num-layers-at-start-in-bf16", t.num_layers_at_start_in_bf16),
+                        ("--num-layers-at-end-in-bf16", t.num_layers_at_end_in_bf16)):
+            _require(t.first_last_layers_bf16 or n == 1, f"{flag} needs --first-last-layers-bf16")
+            _require(0 <= n <= most, f"{flag} ({n}) must be between 0 and the layers per pipeline stage ({most})")
+        if moe is not None and moe.num_experts:
+            _require(t.fp8_recipe != "delayed", "FP8 delayed scaling with MoE layers is not implemented yet (the "
+                                                "experts' amax histories): use --fp8-recipe tensorwise, rowwise or "
+                                                "blockwise")
         _require(p.cp == 1, "FP8 with --context-parallel-size > 1 is not implemented yet (the amax is not reduced "
                             "over CP): drop one of them")
         if moe is not None and moe.num_experts:

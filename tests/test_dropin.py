@@ -19,15 +19,14 @@ def _error(capsys, argv, monkeypatch):
 
 
 def test_every_refused_flag_is_in_one_error(capsys, monkeypatch):
-    err = _error(capsys, TINY + ["--tp-comm-overlap", "--fp8-amax-history-len", "16", "--no-such-flag", "3",
+    err = _error(capsys, TINY + ["--tp-comm-overlap", "--no-such-flag", "3",
                                  "--transformer-impl", "transformer_engine", "--ckpt-format", "torch_dist"], monkeypatch)
     assert err == (
         "error: unrecognized arguments: --no-such-flag 3 (see --help); --tp-comm-overlap (Transformer Engine's "
-        "userbuffers) is not supported by megatron-lite; remove it from the command line; --fp8-amax-history-len "
-        "(FP8 delayed scaling's amax history, not implemented yet) is not supported by megatron-lite; remove it from "
-        "the command line; --transformer-impl transformer_engine: megatron-lite's layers are its own "
-        "(local); drop the flag or use --transformer-impl local; --ckpt-format torch_dist: megatron-lite writes its "
-        "own format (per-rank safetensors pieces + metadata.json), not Megatron-LM's; drop the flag; "
+        "userbuffers) is not supported by megatron-lite; remove it from the command line; --transformer-impl "
+        "transformer_engine: megatron-lite's layers are its own (local); drop the flag or use --transformer-impl local; "
+        "--ckpt-format torch_dist: megatron-lite writes its own format (per-rank safetensors pieces + metadata.json), "
+        "not Megatron-LM's; drop the flag; "
         "tools/convert_checkpoint.py reads torch_dist (megatron-to-ml) and writes it (ml-to-megatron --ckpt-format "
         "torch_dist)")
 

@@ -2,8 +2,9 @@
 values, zero tensors and saturation; each GEMM equals the fp32 GEMM of its dequantised operands and
 is within e4m3 / e5m2 rounding of the fp32 GEMM; the CPU product equals torch._scaled_mm's; only
 the layers' linears and experts are FP8 (not the output layer); a TP2+SP run and a zero-bubble PP2
-run equal the single-process FP8 run, and so does activation recomputation; the command line
-trains with it and names what it does not do yet."""
+run equal the single-process FP8 run, and so does activation recomputation (also under delayed
+scaling, whose recomputed forward records its amaxes again); the command line trains with it and
+names what it does not do yet. The recipes with state or blocks: test_fp8_recipes.py."""
 import os
 import subprocess
 import sys
@@ -132,10 +133,11 @@ def test_zero_bubble_pp2_equals_the_single_process_fp8_run():
     assert_same_run(ref, got, rtol=1e-5, params=params, ref_params=ref_params)
 
 
-def test_recomputed_fp8_layers_equal_the_stored_run():
-    ref, ref_params = _run(1, _argv("rowwise"))
-    got, params = _run(1, _argv("rowwise", ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                                            "--recompute-num-layers", "1"]))
+@pytest.mark.parametrize("recipe", ["rowwise", "delayed"])
+def test_recomputed_fp8_layers_equal_the_stored_run(recipe):
+    ref, ref_params = _run(1, _argv(recipe))
+    got, params = _run(1, _argv(recipe, ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                         "--recompute-num-layers", "1"]))
     assert_same_run(ref, got, rtol=1e-6, params=params, ref_params=ref_params)
 
 
@@ -159,12 +161,9 @@ def test_cli_trains_in_fp8_and_says_so(tmp_path):
 
 
 @pytest.mark.parametrize("flags,line", [
-    (["--fp8-format", "hybrid"], "error: --fp8-format without --fp8-recipe is Megatron-LM's delayed scaling, not "
-                                 "implemented yet: add --fp8-recipe tensorwise or rowwise"),
-    (["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"],
-     "error: --fp8-recipe blockwise is not implemented yet: use tensorwise or rowwise"),
     (["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"],
-     "error: --fp8-recipe mxfp8 needs Blackwell GPUs (and is not implemented yet): use tensorwise or rowwise"),
+     "error: --fp8-recipe mxfp8 needs Blackwell (sm100) GPUs and Transformer Engine's MXFP8 kernels: use tensorwise, "
+     "rowwise, delayed or blockwise"),
     (["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--fp8-param-gather"],
      "error: --fp8-param-gather (ZeRO all-gathering FP8 weights, not implemented yet) is not supported by "
      "megatron-lite; remove it from the command line"),

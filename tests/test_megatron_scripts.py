@@ -5,11 +5,12 @@ examples/megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh with its NSYS branch, an
 definitions of examples/post_training/modelopt/conf/ for Llama-3.1-8B, Qwen3-8B, Qwen3-30B-A3B).
 
 - At their real sizes every flag parses; what stops one is only a flag that needs a package or a
-  device we do not have (NCCL user buffers) or an FP8 part not built yet (delayed scaling's amax
-  history, FP8 param gather), with a one-line error, and the numbers Megatron derives from them
-  come out the same (iterations from samples, padded vocabulary, schedule).
+  device we do not have (NCCL user buffers) or an FP8 part not built yet (FP8 param gather), with a
+  one-line error, and the numbers Megatron derives from them come out the same (iterations from
+  samples, padded vocabulary, schedule).
 - Shrunk (sizes, data, device changed, every other flag kept) each trains two iterations on CPU,
-  after dropping only those flags (the FP8 scripts train with --fp8-recipe tensorwise).
+  after dropping only those flags (the FP8 scripts train with Megatron-LM's default recipe, delayed
+  scaling with their amax history flags).
 """
 import shlex
 
@@ -139,8 +140,7 @@ REFUSED_FORMATS = ("torch_dist", "fsdp_dtensor")  # Megatron-LM's checkpoint for
 
 def _without_package_flags(argv):
     """argv less the flags that are refused here: needing a package, an FP8 part not built yet, or a
-    Megatron-LM checkpoint format; an FP8 script (Megatron-LM's default recipe, delayed, is one of
-    those parts) takes tensorwise scaling."""
+    Megatron-LM checkpoint format."""
     out, skip = [], False
     for i, tok in enumerate(argv):
         if tok == "--ckpt-format" and argv[i + 1] in REFUSED_FORMATS or tok in REFUSED_FORMATS:
@@ -152,7 +152,7 @@ def _without_package_flags(argv):
             continue
         skip = False
         out.append(tok)
-    return out + (["--fp8-recipe", "tensorwise"] if "--fp8-format" in out and "--fp8-recipe" not in out else [])
+    return out
 
 
 def _with(argv, **values):

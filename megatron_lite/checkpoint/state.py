@@ -31,10 +31,13 @@ class TrainState:
     saves: Dict[str, Callable[[], Any]] = field(default_factory=dict)  # name -> the value to save now
     restores: Dict[str, Dict[str, Restore]] = field(default_factory=lambda: {"progress": {}, "optimizer": {}})
 
-    def register(self, name: str, save: Callable[[], Any], **restores: Restore) -> None:
-        """`restores`: progress=..., optimizer=... (either or both)."""
-        assert name not in self.saves, f"checkpoint value {name!r} registered twice"
-        self.saves[name] = save
+    def register(self, name: str, save: Optional[Callable[[], Any]], **restores: Restore) -> None:
+        """`restores`: progress=..., optimizer=... (either or both). `save` None: a value this run
+        does not write but reads when a checkpoint has it (to say that it is not used)."""
+        assert name not in self.saves and all(name not in r for r in self.restores.values()), \
+            f"checkpoint value {name!r} registered twice"
+        if save is not None:
+            self.saves[name] = save
         for moment, restore in restores.items():
             self.restores[moment][name] = restore
 

@@ -9,23 +9,33 @@ dimension split across TP ranks (row-parallel inputs and weights, column-paralle
 sequence-parallel activations) is MAX-all-reduced over the TP group, so the layout does not change
 the numerics. The per-tensor amax is reduced for every tensor (a replicated one keeps its value).
 Only the layers built with the path are FP8 (attention and MLP linears, experts), less a weight
-marked `keep_precision` (the output layer); the embedding, norms and router are not built with it.
+marked `keep_precision` (the output layer, and with --first-last-layers-bf16 those layers' weights);
+the embedding, norms and router are not built with it.
+
+`delayed` (fp8_delayed.py) scales each tensor by a scale from its amax history, a recipe state
+keyed by the weight's global name (`bind`); `blockwise` (fp8_blocks.py) scales 1x128 tiles of
+activations and gradients and 128x128 blocks of weights.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from .gemm import GemmPath
+from .fp8_blocks import blockwise_mm, check_tp_blocks
+from .fp8_delayed import DelayedScaling
+from .gemm import GemmPath, keep_precision
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
-def quantize(t: torch.Tensor, dtype: torch.dtype, dim=None, margin: int = 0, reduce=None):
+def quantize(t: torch.Tensor, dtype: torch.dtype, dim=None, margin: int = 0, reduce=None, scale=None):
     """(q, inverse scale): t scaled into fp8 `dtype` by its amax over all elements (dim None) or
-    over `dim` (kept); reduce(amax) makes the amax that of the whole tensor across ranks."""
+    over `dim` (kept); reduce(amax) makes the amax that of the whole tensor across ranks. A given
+    `scale` (delayed scaling's) is used as it is: values beyond fp8 max / scale saturate."""
     fmax = torch.finfo(dtype).max
     t = t.float()
+    if scale is not None:
+        return (t * scale).clamp(-fmax, fmax).to(dtype), scale.reciprocal()
     a = t.abs()
     if dim is None:
         amax = a.amax() if a.numel() else a.sum()  # the sum of nothing: a zero of the right shape
@@ -48,21 +58,58 @@ def scaled_mm(qa, qb, sa, sb, out_dtype):
 
 
 class Float8GemmPath(GemmPath):
-    """FP8 current scaling; `dims`: the layout whose TP group reduces split amaxes."""
+    """FP8 GEMMs by `recipe`; `dims`: the layout whose groups reduce split amaxes. Delayed scaling's
+    history length and amax algorithm, and the device its state lives on, are its last arguments."""
 
     def __init__(self, dims=None, fmt: str = "e4m3", recipe: str = "tensorwise", margin: int = 0,
-                 deferrable: bool = False):
+                 deferrable: bool = False, amax_history_len: int = 1, amax_compute_algo: str = "most_recent",
+                 device=None):
         super().__init__(deferrable)
-        assert fmt in ("e4m3", "hybrid") and recipe in ("tensorwise", "rowwise"), (fmt, recipe)
+        assert fmt in ("e4m3", "hybrid") and recipe in ("tensorwise", "rowwise", "delayed", "blockwise"), (fmt, recipe)
         self.dims, self.recipe, self.margin = dims, recipe, margin
         self.grad_dtype = FORMATS["e5m2" if fmt == "hybrid" else "e4m3"]
+        self.delayed = None  # the recipe state of delayed scaling (its step hooks too)
+        if recipe == "delayed":
+            dtypes = {"input": FORMATS["e4m3"], "weight": FORMATS["e4m3"], "grad": self.grad_dtype}
+            self.delayed = DelayedScaling(dtypes, amax_history_len, amax_compute_algo, margin, dims, device)
+        self.bf16_layers: tuple = ()  # (start, end): layers kept in the params dtype (describe)
+
+    def bind(self, chunks, first_last_bf16=None, num_layers: int = 0) -> None:
+        """Name each weight for the recipe state (its global parameter name), mark the weights of the
+        first / last (start, end) layers `keep_precision`, and check that TP shards keep whole
+        blocks (blockwise)."""
+        for chunk in chunks:
+            for name, p in chunk.named_parameters():
+                p.fp8_name = name
+                layer = _layer_of(name)
+                if first_last_bf16 and layer is not None and (
+                        layer < first_last_bf16[0] or layer >= num_layers - first_last_bf16[1]):
+                    keep_precision(p)
+            if self.recipe == "blockwise" and self.dims is not None and self.dims.tp > 1:
+                for module in chunk.modules():  # the weights of this path's GEMMs
+                    for p in module.parameters(recurse=False) if getattr(module, "gemm", None) is self else ():
+                        if p.dim() >= 2 and not getattr(p, "keep_precision", False):
+                            check_tp_blocks(p.fp8_name, p, self.dims.tp)
+        if first_last_bf16:
+            self.bf16_layers = (first_last_bf16[0], first_last_bf16[1], num_layers)
 
     def describe(self, params_dtype, moe_layers=()) -> str:
         """The start-up line; `moe_layers`: per layer, whether its MLP is an MoE layer."""
         fmt = "e4m3" if self.grad_dtype == FORMATS["e4m3"] else "hybrid: e4m3 forward, e5m2 gradients"
         gemms = "QKV, projection" + (", fc1, fc2" if not all(moe_layers) else "") + (", experts" if any(moe_layers) else "")
-        return (f"{self.recipe} current scaling ({fmt}, margin {self.margin}) in the attention and MLP linears "
-                f"({gemms}); embedding, output layer, norms and router in {str(params_dtype).replace('torch.', '')}")
+        dtype = str(params_dtype).replace('torch.', '')
+        recipe = {"tensorwise": "tensorwise current scaling", "rowwise": "rowwise current scaling",
+                  "blockwise": "blockwise scaling in 1x128 activation / gradient tiles and 128x128 weight blocks"}.get(
+            self.recipe, f"delayed scaling from a {self.delayed and self.delayed.history_len}-step amax history "
+                         f"({self.delayed and self.delayed.algo})")
+        layers = ""
+        if self.bf16_layers:
+            start, end, n = self.bf16_layers
+            fp8 = [i + 1 for i in range(start, n - end)]
+            layers = (f" of layers {fp8[0]}-{fp8[-1]} of {n} (first {start} and last {end} in {dtype})" if fp8
+                      else f" of no layer (all {n} in {dtype})")
+        return (f"{recipe} ({fmt}, margin {self.margin}) in the attention and MLP linears "
+                f"({gemms}){layers}; embedding, output layer, norms and router in {dtype}")
 
     def new_call(self):
         return {}  # forward records which dimension of the weight TP splits, and whether it stays plain
@@ -70,25 +117,42 @@ class Float8GemmPath(GemmPath):
     def _reduce(self, amax):
         self.dims.comm.all_reduce(amax, self.dims.tp_group, op=dist.ReduceOp.MAX)
 
-    def _mm(self, a, b, dtypes, reduce, out_dtype):
-        """a [M,K] @ b [K,N] in fp8; reduce[i]: operand i's amax spans ranks (split K, or tensorwise)."""
+    def _mm(self, a, b, dtypes, reduce, out_dtype, call=None, roles=("input", "weight")):
+        """a [M,K] @ b [K,N] in fp8; reduce[i]: operand i's amax spans ranks (split K, or tensorwise);
+        roles: which of the GEMM's tensors a and b are (delayed scaling's histories, blocks)."""
+        if self.recipe == "blockwise":  # blocks hold whole in a TP shard (bind): no amax spans ranks
+            return blockwise_mm(a, b, dtypes, roles[1] == "weight", self.margin, out_dtype)
         rowwise = self.recipe == "rowwise"
         split = self.dims is not None and self.dims.tp > 1
-        qa, sa = quantize(a, dtypes[0], 1 if rowwise else None, self.margin,
-                          self._reduce if split and (reduce[0] or not rowwise) else None)
-        qb, sb = quantize(b, dtypes[1], 0 if rowwise else None, self.margin,
-                          self._reduce if split and (reduce[1] or not rowwise) else None)
+        qa, sa = self._quantize(a, dtypes[0], 1 if rowwise else None,
+                                self._reduce if split and (reduce[0] or not rowwise) else None, call, roles[0])
+        qb, sb = self._quantize(b, dtypes[1], 0 if rowwise else None,
+                                self._reduce if split and (reduce[1] or not rowwise) else None, call, roles[1])
         return scaled_mm(qa, qb, sa, sb, out_dtype)
 
+    def _quantize(self, t, dtype, dim, reduce, call, role):
+        """quantize(); under delayed scaling by the recipe state's scale, recording the amax."""
+        if self.delayed is None:
+            return quantize(t, dtype, dim, self.margin, reduce)
+        name = call["name"]
+        self.delayed.observe(name, role, t.abs().amax() if t.numel() else t.new_zeros(()))
+        scale = self.delayed.scale_of(name, role)
+        return quantize(t, dtype, None, self.margin, reduce if scale is None else None, scale)
+
     def forward(self, call, x, w, bias=None):
-        call["plain"] = getattr(w, "keep_precision", False)
+        # an expert's weight is a view of the stacked parameter (a parameter may be a view of a buffer)
+        param = w if isinstance(w, torch.nn.Parameter) or w._base is None else w._base
+        call["plain"] = getattr(param, "keep_precision", False)
         if call["plain"]:
             return super().forward(call, x, w, bias)
+        if self.delayed is not None:
+            call["name"] = getattr(w, "fp8_name", None)
+            assert call["name"] is not None, "delayed scaling: bind() the model to the GEMM path first"
         spec = getattr(w, "shard_spec", None)
         call["split"] = next((s.dim for s in spec.splits if s.axis == "tp"), None) if spec else None
         k_split = call["split"] == 1  # row parallel: x and W split along the contracted dimension
         e4m3 = FORMATS["e4m3"]
-        y = self._mm(x.reshape(-1, x.shape[-1]), w.t(), (e4m3, e4m3), (k_split, k_split), x.dtype)
+        y = self._mm(x.reshape(-1, x.shape[-1]), w.t(), (e4m3, e4m3), (k_split, k_split), x.dtype, call)
         y = y.reshape(*x.shape[:-1], w.shape[0]).detach()  # not a view: callers may modify it in place
         return y if bias is None else y + bias
 
@@ -96,7 +160,8 @@ class Float8GemmPath(GemmPath):
         if call["plain"]:
             return super().input_grad(call, g, w)
         n_split = call["split"] == 0  # column parallel: g and W split along the output features
-        g2 = self._mm(g.reshape(-1, g.shape[-1]), w, (self.grad_dtype, FORMATS["e4m3"]), (n_split, n_split), g.dtype)
+        g2 = self._mm(g.reshape(-1, g.shape[-1]), w, (self.grad_dtype, FORMATS["e4m3"]), (n_split, n_split), g.dtype,
+                      call, ("grad", "weight"))
         return g2.reshape(*g.shape[:-1], w.shape[1])
 
     def weight_grad(self, call, g, x):
@@ -104,9 +169,15 @@ class Float8GemmPath(GemmPath):
             return super().weight_grad(call, g, x)
         # contracted over the tokens, which every TP rank holds whole (SP inputs are gathered)
         return self._mm(g.reshape(-1, g.shape[-1]).t(), x.reshape(-1, x.shape[-1]),
-                        (self.grad_dtype, FORMATS["e4m3"]), (False, False), g.dtype)
+                        (self.grad_dtype, FORMATS["e4m3"]), (False, False), g.dtype, call, ("grad", "input"))
 
     def grouped_forward(self, call, x, w, offs):
         raise NotImplementedError("FP8 grouped GEMM")  # refused at configuration (--moe-grouped-gemm)
 
     grouped_input_grad = grouped_weight_grad = grouped_forward
+
+
+def _layer_of(name: str):
+    """The global (0-based) transformer layer a parameter name belongs to, or None."""
+    parts = name.split(".")
+    return next((int(parts[i + 1]) for i, p in enumerate(parts[:-1]) if p == "layers" and parts[i + 1].isdigit()), None)

@@ -29,6 +29,7 @@ from ..parallel.pipeline.executor import PipelineExecutor
 from ..parallel.pipeline.schedules import ZERO_BUBBLE, default_schedule
 from ..parallel.gemm import GemmPath
 from ..parallel.fp8 import Float8GemmPath
+from ..parallel.fp8_delayed import register_checkpoint_state as register_fp8_state
 from ..optim.adam import fused_adamw_available
 from ..transformer.core_attention import describe_attention
 from ..transformer.fast_paths import describe_fast_paths
@@ -118,7 +119,8 @@ class Trainer:
         schedule = (p.pipeline_schedule or default_schedule(dims.vpp)) if dims.pp > 1 else None
         deferrable = schedule in ZERO_BUBBLE
         gemm = GemmPath(deferrable) if t.fp8_format is None else Float8GemmPath(
-            dims, t.fp8_format, t.fp8_recipe, t.fp8_margin, deferrable)
+            dims, t.fp8_format, t.fp8_recipe, t.fp8_margin, deferrable, t.fp8_amax_history_len,
+            t.fp8_amax_compute_algo, device)
         self.gemm = gemm
         ctx = BuildContext(dims, sequence_parallel=p.sequence_parallel, params_dtype=params_dtype(cfg),
                            tracker=self.tracker, gemm=gemm,
@@ -129,6 +131,11 @@ class Trainer:
         clock = time.perf_counter()
         self.chunks = model_provider(cfg, ctx)  # fills ctx.hooks with the model's step hooks
         self.loss_normalization, self.hooks = ctx.loss_normalization, ctx.hooks
+        if isinstance(gemm, Float8GemmPath):  # names the recipe state's GEMMs, marks bf16 layers
+            gemm.bind(self.chunks, (t.num_layers_at_start_in_bf16, t.num_layers_at_end_in_bf16)
+                      if t.first_last_layers_bf16 else None, m.num_layers)
+            if gemm.delayed is not None:
+                self.hooks.add(gemm.delayed)  # folds the amaxes once per step
         self.optimizer, self.grad_sync = build_optimizer(self.chunks, dims, t, p, t.optimizer_precision(),
                                                          p.num_distributed_optimizer_instances)
         clock = _phase_done("model build", clock)
@@ -153,6 +160,7 @@ class Trainer:
         self.state.register("lr_scheduler", self.lr_schedule.state_dict, progress=self.lr_schedule.resume,
                             optimizer=self.lr_schedule.changes_note)  # the position; notes on changed flags
         self.state.register("optimizer", self.optimizer.scalar_state, optimizer=self.optimizer.load_scalar_state)
+        register_fp8_state(self.state, getattr(gemm, "delayed", None))  # delayed scaling's amax histories
         self.checkpointing = Checkpointing(cfg, device)
         loaded = self.checkpointing.load_at_start(self.state)  # sets the iteration and consumed samples
         _phase_done("checkpoint load", clock)

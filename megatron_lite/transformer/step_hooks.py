@@ -26,6 +26,11 @@ class ModelHooks:
             self.parts[kind] = kind(*args)
         return self.parts[kind]
 
+    def add(self, part) -> None:
+        """A part built outside the model (the FP8 recipe state of the GEMM path)."""
+        assert type(part) not in self.parts, type(part)
+        self.parts[type(part)] = part
+
     def before_step(self, iteration: int) -> None:
         for part in self.parts.values():
             part.before_step(iteration)
