@@ -23,6 +23,7 @@ declares safe in its checkpoints); a file naming any other class is refused, nam
 from __future__ import annotations
 
 import argparse
+import io
 import itertools
 import json
 import os
@@ -34,9 +35,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, TensorStorageMetadata
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, StorageMeta
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.planner_helpers import _create_read_item_for_byteio, create_read_items_for_chunk_list
 
 from megatron_lite.parallel.pipeline.placement import StagePlacement
 
@@ -63,9 +64,11 @@ _PLAIN = {"argparse.Namespace": "argparse.Namespace", "types.SimpleNamespace": "
           "numpy._core.multiarray._reconstruct": "numpy._core.multiarray._reconstruct", "numpy.ndarray": "numpy.ndarray",
           "numpy.dtype": "numpy.dtype", "numpy.dtypes.UInt32DType": "numpy.dtypes.UInt32DType"}
 _MEGATRON_ENUMS = ("megatron.core.transformer.enums.AttnBackend", "megatron.core.transformer.enums.CudaGraphScope",
-                   "megatron.core.enums.ModelType", "megatron.core.rerun_state_machine.RerunDiagnostic",
+                   "megatron.core.transformer.enums.CudaGraphModule",  # (0.19)
+                   "megatron.core.transformer.enums.InferenceCudaGraphScope", "megatron.core.enums.ModelType", "megatron.core.rerun_state_machine.RerunDiagnostic",
                    "megatron.core.rerun_state_machine.RerunMode", "megatron.core.rerun_state_machine.RerunState")
-_MEGATRON_OBJECTS = ("megatron.core.optimizer.optimizer_config.OptimizerConfig",)
+# (0.19 also lists torch._C.Generator: an RNG's state, read here as a stand-in like Megatron-Core's objects)
+_MEGATRON_OBJECTS = ("megatron.core.optimizer.optimizer_config.OptimizerConfig", "torch._C.Generator")
 ALLOWED = set(_PLAIN) | set(_MEGATRON_ENUMS) | set(_MEGATRON_OBJECTS)
 # A NumPy array's dtype is rebuilt with the class of the dtype, which the pickle does not name.
 _IMPLIED = {"numpy.dtype": ("numpy.dtypes.UInt32DType",)}
@@ -96,7 +99,7 @@ def _allowed_object(name: str):
     return (getattr(importlib.import_module(module), attr), name)
 
 
-def safe_load(path: str, mmap: bool = False) -> Any:
+def safe_load(path, mmap: bool = False) -> Any:
     """torch.load(weights_only=True) allowing only the classes in ALLOWED that the file names. What
     this process may have registered as safe elsewhere (importing megatron.core registers its list)
     is set aside meanwhile: the allow-list here is the whole of it."""
@@ -108,9 +111,11 @@ def safe_load(path: str, mmap: bool = False) -> Any:
         torch.serialization.add_safe_globals(registered)
 
 
-def _load_allowed(path: str, mmap: bool) -> Any:
+def _load_allowed(path, mmap: bool) -> Any:
+    """(`path`: a file's path, or (what it is called, a file-like object))"""
+    path, f = path if isinstance(path, tuple) else (path, path)
     try:
-        needed = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        needed = torch.serialization.get_unsafe_globals_in_checkpoint(f)
     except Exception as e:  # not a zip-format torch.save file
         raise ConversionError(f"{path} is not a readable torch.save file: {e}") from e
     refused = [g for g in needed if g not in ALLOWED]
@@ -122,7 +127,9 @@ def _load_allowed(path: str, mmap: bool) -> Any:
     needed = list(needed) + [g for n in needed for g in _IMPLIED.get(n, ())]
     try:
         with torch.serialization.safe_globals([_allowed_object(g) for g in needed]):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            if not isinstance(f, str):
+                f.seek(0)
+            return torch.load(f, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         detail = next((lines[i + 1] for i, line in enumerate(lines[:-1]) if "WeightsUnpickler error" in line),
@@ -236,9 +243,16 @@ class TorchDistCheckpoint(_Reader):
             if backend != "torch_dist":
                 raise ConversionError(f"{directory}: sharded_backend {backend!r} is not supported; supported: torch_dist")
         common_path = os.path.join(directory, "common.pt")
-        super().__init__(directory, safe_load(common_path) if os.path.exists(common_path) else {})
-        self.metadata = read_dcp_metadata(os.path.join(directory, ".metadata"))
-        self.reader = _Storage(directory, self.metadata)
+        metadata = read_dcp_metadata(os.path.join(directory, ".metadata"))
+        reader = _Storage(directory, metadata)
+        if os.path.exists(common_path):
+            common = safe_load(common_path)
+        else:  # Megatron-Core 0.19: the args, iteration and version are an object inside the .distcp files
+            key = next((k for k in metadata.state_dict_metadata if k.startswith("common_state/")), None)
+            common = safe_load((f"{directory}:{key}", io.BytesIO(_read_bytes(reader, key)))) if key else {}
+            common = common[0] if isinstance(common, list) and common else common  # (a list: one object per rank)
+        super().__init__(directory, common)
+        self.metadata, self.reader = metadata, reader
         self.stored = {k: m for k, m in self.metadata.state_dict_metadata.items()
                        if isinstance(m, TensorStorageMetadata) and not k.startswith("optimizer.") and not _ignored(k)}
         for key, m in self.stored.items():
@@ -365,6 +379,24 @@ class _Storage(FileSystemReader):
             self.metadata.storage_meta = StorageMeta()
         self.metadata.storage_meta.load_id = self.load_id
         return self.metadata
+
+
+def _read_bytes(reader, key: str) -> bytes:
+    """The bytes of one object (a BytesStorageMetadata entry) of a DCP checkpoint, unpickled by no one."""
+    class Planner(DefaultLoadPlanner):
+        data = b""
+
+        def create_local_plan(self) -> LoadPlan:
+            index = MetadataIndex(key)
+            return LoadPlan([_create_read_item_for_byteio(index, 0, index, 0, 0)])
+
+        def load_bytes(self, read_item, value) -> None:
+            Planner.data = value.read()
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({}, storage_reader=reader, planner=Planner(), no_dist=True)
+    return Planner.data
 
 
 class _BoxPlanner(DefaultLoadPlanner):

@@ -170,7 +170,21 @@ def megatron_args(shape: dict, tp: int, pp: int, padded_vocab: int, ckpt_format:
         decoder_last_pipeline_num_layers=shape.get("last_stage_layers"),
         **{k: shape.get(k) for k in MOE_KEYS}, moe_grouped_gemm=False, expert_model_parallel_size=shape.get("ep", 1),
         multi_latent_attention=False, use_legacy_models=False, transformer_impl="local", ckpt_format=ckpt_format,
-        attention_backend=AttnBackend.auto, params_dtype=torch.float32, data_path=["a", "b"], iteration=5)
+        attention_backend=AttnBackend.auto, params_dtype=torch.float32, data_path=["a", "b"], iteration=5,
+        **_newer_args())
+
+
+def _newer_args() -> dict:
+    """Args of the kinds a newer Megatron-LM saves (0.19: its inference CUDA-graph scope and graph
+    modules are enums of classes 0.16 does not have)."""
+    from megatron.core.transformer import enums
+
+    out = {}
+    if hasattr(enums, "InferenceCudaGraphScope"):
+        out["inference_cuda_graph_scope"] = next(iter(enums.InferenceCudaGraphScope))
+    if hasattr(enums, "CudaGraphModule"):
+        out["cuda_graph_modules"] = [next(iter(enums.CudaGraphModule))]
+    return out
 
 
 def _seed(name: str, *extra) -> int:
@@ -324,6 +338,9 @@ def save_legacy(chunks, args: argparse.Namespace, root: str, iteration: int, tp_
     os.makedirs(os.path.dirname(path), exist_ok=True)
     rng = [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
             "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}]
+    from megatron.core.safe_globals import SAFE_GLOBALS
+    if torch._C.Generator in SAFE_GLOBALS:  # (0.19 declares generator objects safe: one in the file)
+        rng[0]["generator"] = torch.Generator().manual_seed(iteration)
     torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration,
                 **_model_states(chunks, lambda c: c.state_dict()), "rng_state": rng, "num_floating_point_operations_so_far": 0,
                 "opt_param_scheduler": {"max_lr": 1e-3, "num_steps": iteration}}, path)

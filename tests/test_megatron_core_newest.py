@@ -1,5 +1,7 @@
-"""ml-to-megatron's checkpoints loaded by another Megatron-Core release (the newest: 0.19.2 needs
-Python >= 3.12, so it lives in its own environment), strictly, with our logits.
+"""Another Megatron-Core release (the newest: 0.19.2 needs Python >= 3.12, so it lives in its own
+environment): it loads ml-to-megatron's checkpoints strictly with our logits, and megatron-to-ml
+reads the checkpoints it saves (0.19's torch_dist keeps the args inside the .distcp files; its
+legacy files hold classes 0.16 did not have) with its logits.
 
 Runs where MEGATRON_CORE_PYTHON names that environment's python (with torch, megatron-core, psutil,
 pytest and safetensors installed, e.g. `python3.12 -m venv v && v/bin/pip install torch==2.13.0
@@ -70,3 +72,39 @@ def test_newest_megatron_core_loads_ml_to_megatron(tmp_path, kind, fmt, tp, pp, 
     theirs = torch.load(result)
     print(f"megatron-core {theirs['version']}: {kind} {fmt} tp={tp} pp={pp} ep={ep}", file=sys.stderr)
     torch.testing.assert_close(theirs["logits"], ours, rtol=1e-5, atol=1e-5)
+
+
+_SAVER = """
+import sys, torch
+from mcore_cpu import import_mcore
+core = import_mcore()
+from megatron_lite.testing import run_distributed
+import test_megatron_checkpoints as dense
+import test_megatron_moe_checkpoints as moe
+kind, root, out = sys.argv[1:]
+if kind == "dense":
+    results = run_distributed(dense._megatron_world, 4, "llama", root, daemon=False)
+else:
+    results = [run_distributed(moe._megatron_world, 4, root + "/" + fmt, dict(moe.SHAPE, ep=2), 2, 1, fmt, daemon=False)
+               for fmt in ("torch", "torch_dist")][0]
+torch.save(next(r for r in results if r is not None), out)
+"""
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_megatron_to_ml_reads_the_newest_megatron_cores_checkpoints(tmp_path, kind):
+    from test_megatron_checkpoints import _our_logits
+
+    root, result = tmp_path / "megatron", tmp_path / "logits.pt"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tools")]))
+    run = subprocess.run([PYTHON, "-c", _SAVER, kind, str(root), str(result)], env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    theirs = torch.load(result)
+    for fmt in ("legacy", "torch_dist") if kind == "dense" else ("torch", "torch_dist"):
+        ckpt = tmp_path / f"ml-{fmt}"
+        assert _convert("megatron-to-ml", "--load", root / fmt, "--out", ckpt) == 0
+        ours, cfg = _our_logits(ckpt, _batch(theirs.shape[-1] if kind == "moe" else 200)[0])
+        vocab = ours.shape[-1]
+        assert cfg.hidden_dropout == 0.0  # (the run's args were found: their dropout, not the default 0.1)
+        assert (ours - theirs[..., :vocab]).abs().max().item() < 1e-4
