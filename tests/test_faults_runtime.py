@@ -1,0 +1,148 @@
+"""Faults while training (issue 26 points 2 and 5), in forked worlds that run pretrain_gpt.main:
+a rank that dies (the survivors name the collective, its group and the rank that did not answer),
+a rank that hangs (--hang-detection-factor dumps its stack and exits), and a slow rank
+(--log-straggler names it). The two-node case with real torchrun agents is the slow test at the end."""
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megatron_lite.testing import Exited, run_distributed
+from training_utils import ROOT, TINY, read_metrics
+
+
+def _main(rank, world, argv, tmp, hook):
+    """pretrain_gpt.main(argv) on this forked rank (in the harness's world), its stderr in
+    tmp/err<rank>.txt and stdout in tmp/out<rank>.txt; hook(rank, trainer, tmp) changes the trainer
+    first. Returns the exit code (a rank that ends its own process returns nothing)."""
+    import pretrain_gpt
+
+    os.environ["WORLD_SIZE"] = str(world)
+    make_trainer = pretrain_gpt.make_trainer
+
+    def hooked(cfg, tokenizer, device):
+        trainer = make_trainer(cfg, tokenizer, device)
+        hook(rank, trainer, tmp)
+        return trainer
+
+    pretrain_gpt.make_trainer = hooked
+    sys.stderr = open(os.path.join(tmp, f"err{rank}.txt"), "w", buffering=1)  # survives os._exit
+    with open(os.path.join(tmp, f"out{rank}.txt"), "w", buffering=1) as out, contextlib.redirect_stdout(out):
+        return pretrain_gpt.main(argv)
+
+
+def _on_rank1_at(iteration, action):
+    """A hook: rank 1's forward step calls action(tmp) at `iteration`."""
+    def hook(rank, trainer, tmp):
+        if rank != 1:
+            return
+        forward_step = trainer.forward_step
+
+        def forward(batch, chunk):
+            if trainer.iteration == iteration:
+                action(tmp)
+            return forward_step(batch, chunk)
+
+        trainer.forward_step = forward
+    return hook
+
+
+def _die(tmp):
+    with open(os.path.join(tmp, "died_at"), "w") as f:
+        f.write(repr(time.time()))
+    os._exit(1)
+
+
+def test_a_rank_that_dies_ends_each_survivor_with_one_line_naming_the_collective_and_the_rank(tmp_path):
+    """Rank 1 of a DP-2 world dies (os._exit) in iteration 3: rank 0 ends within the short timeout
+    with one line naming the gradient all-reduce, its group and rank 1, exit 1 (torchrun restarts)."""
+    argv = TINY + ["--train-iters", "6", "--distributed-timeout-minutes", "0.05"]  # 3 s
+    results = run_distributed(_main, 2, argv, str(tmp_path), _on_rank1_at(3, _die), timeout=120, exits=True)
+    ended = time.time()
+    assert results[1] == Exited(1) and isinstance(results[1], Exited), results
+    assert results[0] == 1 and not isinstance(results[0], Exited), results
+    err = (tmp_path / "err0.txt").read_text()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert re.fullmatch(r"error: \[rank 0\] a collective failed: all_reduce over the dp_cp group \(ranks 0-1\) "
+                        r"failed: .+: rank 1 of the group did not answer in time \(dead, or hung past "
+                        r"--distributed-timeout-minutes\); restart from the last checkpoint", lines[0]), lines[0]
+    # within the timeout (3 s) and the wait for the peers' reports (as long), not gloo's default 30 min
+    assert ended - float((tmp_path / "died_at").read_text()) < 10, ended
+
+
+def _sleeping_forward(tmp):
+    time.sleep(60)
+
+
+def test_hang_detection_dumps_the_hung_ranks_stack_and_exits(tmp_path):
+    """Rank 1 sleeps in its forward step at iteration 8: its watchdog fires after 20 x the median
+    step with one line and a dump that holds the sleeping frame, and exits 1 long before the sleep
+    ends. Rank 0, which waits for it in the gradient all-reduce, ends with one line too: its own
+    watchdog's (a dump of the wait), or, when rank 1 exits first, the lost peer's naming rank 1."""
+    ckpt = tmp_path / "ckpt"
+    argv = TINY + ["--train-iters", "12", "--hang-detection-factor", "20", "--hang-detection-warmup-steps", "5",
+                   "--distributed-timeout-minutes", "0.05",
+                   "--save", str(ckpt)]
+    start = time.time()
+    results = run_distributed(_main, 2, argv, str(tmp_path), _on_rank1_at(8, _sleeping_forward), timeout=120,
+                              exits=True)
+    assert time.time() - start < 50  # not the end of the 60 s sleep
+    assert results[1] == 1 and isinstance(results[1], Exited) and results[0] == 1, results
+    for rank in (0, 1):
+        lines = (tmp_path / f"err{rank}.txt").read_text().strip().splitlines()
+        assert len(lines) == 1, lines
+        if rank == 0 and not isinstance(results[0], Exited):
+            assert "a collective failed: all_reduce over the dp_cp group (ranks 0-1) failed: " in lines[0] \
+                and ": rank 1 of the group did not answer in time" in lines[0], lines[0]
+            continue
+        dump = ckpt / f"hang-rank{rank}.txt"
+        m = re.fullmatch(rf"error: \[rank {rank}\] iteration 8 has run for ([\d.]+) s, over --hang-detection-factor "
+                         rf"20 x the median step time ([\d.]+) s: a hang; every thread's stack is in {re.escape(str(dump))}"
+                         rf"; exiting for torchrun to restart from the last checkpoint", lines[0])
+        assert m and float(m.group(1)) + 0.05 >= 20 * float(m.group(2)), lines[0]  # as printed, rounded
+        text = dump.read_text()
+        assert text.startswith(f"rank {rank}, iteration 8: "), text[:200]
+        main_thread = text.split("\n\n")[1]  # after the watchdog's own thread
+        assert ("in _sleeping_forward" in main_thread) == (rank == 1), text
+        assert rank == 1 or "in wait" in main_thread, text
+
+
+def _slow_data(rank, trainer, tmp):
+    if rank == 1:
+        next_batches = trainer._next_batches
+
+        def slow(it, n):
+            time.sleep(0.25)
+            return next_batches(it, n)
+
+        trainer._next_batches = slow
+
+
+def test_log_straggler_names_the_slow_rank_in_the_console_and_the_metrics(tmp_path):
+    """Rank 1 of a DP-2 world waits 0.25 s for its data every step: every --log-interval (2) the
+    logging rank names rank 1 as the slowest, busy > 1.5 x the median, and the metrics have it."""
+    metrics = tmp_path / "metrics.jsonl"
+    argv = TINY + ["--train-iters", "4", "--log-interval", "2", "--log-straggler", "--metrics-file", str(metrics)]
+    assert run_distributed(_main, 2, argv, str(tmp_path), _slow_data, timeout=120) == [0, 0]
+    out = (tmp_path / "out0.txt").read_text()
+    found = re.findall(r"> stragglers, iterations (\d+)-(\d+) .*: slowest rank (\d) busy [\d.]+ s = ([\d.]+) x median",
+                       out)
+    assert [(a, b, r) for a, b, r, _ in found] == [("1", "2", "1"), ("3", "4", "1")], out
+    assert all(float(ratio) > 1.5 for *_, ratio in found), found
+    records = read_metrics(metrics)
+    assert [r["iteration"] for r in records if "stragglers" in r] == [2, 4]
+    for rec in (records[1], records[3]):
+        rep = rec["stragglers"]
+        slow, fast = rep["slowest"][0], rep["fastest"][0]
+        assert (slow["rank"], fast["rank"]) == (1, 0) and rec["straggler_max_ratio"] == slow["ratio"] > 1.5, rep
+        assert slow["data_s"] >= 0.25 > fast["data_s"], rep
+        assert fast["blocked_s"] > 0.2 > slow["blocked_s"], rep  # rank 0 waits for rank 1 in the all-reduce
+        assert set(slow) == {"rank", "busy_s", "ratio", "data_s", "fwd_bwd_s", "optimizer_s", "blocked_s"}
