@@ -3,7 +3,6 @@ a rank that dies (the survivors name the collective, its group and the rank that
 a rank that hangs (--hang-detection-factor dumps its stack and exits), and a slow rank
 (--log-straggler names it). The two-node case with real torchrun agents is the slow test at the end."""
 import contextlib
-import json
 import os
 import re
 import signal
@@ -15,6 +14,7 @@ import time
 import pytest
 
 from megatron_lite.testing import Exited, run_distributed
+from test_checkpoint_faults import _worker_pids
 from training_utils import ROOT, TINY, read_metrics
 
 
@@ -146,3 +146,52 @@ def test_log_straggler_names_the_slow_rank_in_the_console_and_the_metrics(tmp_pa
         assert slow["data_s"] >= 0.25 > fast["data_s"], rep
         assert fast["blocked_s"] > 0.2 > slow["blocked_s"], rep  # rank 0 waits for rank 1 in the all-reduce
         assert set(slow) == {"rank", "busy_s", "ratio", "data_s", "fwd_bwd_s", "optimizer_s", "blocked_s"}
+
+
+@pytest.mark.slow
+def test_two_torchrun_agents_as_two_nodes_a_killed_node_is_one_line_on_the_other(tmp_path):
+    """Issue 26: two torchrun agents on localhost as two nodes (static rendezvous on node 0's agent
+    store); node 1 (agent and worker) is killed mid-training. Node 0's rank ends within the
+    --distributed-timeout-minutes (30 s) with one error line naming the collective and rank 1, and
+    no traceback from the project's files (torchrun's own report follows, from torch's)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    metrics = tmp_path / "metrics.jsonl"
+    flags = TINY + ["--train-iters", "100000", "--distributed-timeout-minutes", "0.5", "--metrics-file", str(metrics)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    logs = [(open(tmp_path / f"out{n}.txt", "w"), open(tmp_path / f"err{n}.txt", "w")) for n in (0, 1)]
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
+                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               "--max-restarts", "0", os.path.join(ROOT, "pretrain_gpt.py"), *flags],
+                              stdout=logs[n][0], stderr=logs[n][1], cwd=ROOT, env=env, start_new_session=True)
+             for n in (0, 1)]
+    workers = {}
+    try:
+        deadline = time.monotonic() + 180
+        while not (metrics.exists() and len(read_metrics(metrics)) >= 3):
+            assert time.monotonic() < deadline and nodes[0].poll() is None, nodes[0].poll()
+            time.sleep(0.1)
+        workers = {n: list(_worker_pids(p.pid).values()) for n, p in enumerate(nodes)}
+        for pid in [nodes[1].pid] + workers[1]:  # the whole node: its agent and its worker
+            os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        nodes[0].wait(timeout=120)
+        took = time.monotonic() - killed
+    finally:
+        for n, p in enumerate(nodes):
+            for pid in [p.pid] + workers.get(n, []):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            p.wait()
+        for f in sum(logs, ()):
+            f.close()
+    err = (tmp_path / "err0.txt").read_text()
+    assert nodes[0].returncode != 0, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, err[-5000:]
+    assert re.fullmatch(r"error: \[rank 0\] a collective failed: \w+ over the \w+ group \(ranks 0-1\) failed: .+: "
+                        r"rank 1 of the group did not answer in time \(dead, or hung past "
+                        r"--distributed-timeout-minutes\); restart from the last checkpoint", lines[0]), lines[0]
+    assert took < 30 + 10, took  # the timeout, then at most the 10 s wait for the peers' reports
+    assert f'File "{ROOT}/megatron_lite' not in err and f'File "{ROOT}/pretrain_gpt' not in err, err[-5000:]
