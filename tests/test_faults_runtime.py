@@ -60,10 +60,13 @@ def _die(tmp):
     os._exit(1)
 
 
-def test_a_rank_that_dies_ends_each_survivor_with_one_line_naming_the_collective_and_the_rank(tmp_path):
-    """Rank 1 of a DP-2 world dies (os._exit) in iteration 3: rank 0 ends within the short timeout
-    with one line naming the gradient all-reduce, its group and rank 1, exit 1 (torchrun restarts)."""
-    argv = TINY + ["--train-iters", "6", "--distributed-timeout-minutes", "0.05"]  # 3 s
+@pytest.mark.parametrize("flags,what", [([], "all_reduce over the dp_cp group"),
+                                        (["--pipeline-model-parallel-size", "2"], "send/recv over the pp group")])
+def test_a_rank_that_dies_ends_each_survivor_with_one_line_naming_the_collective_and_the_rank(tmp_path, flags, what):
+    """Rank 1 of a DP-2 (PP-2) world dies (os._exit) in iteration 3: rank 0 ends within the short
+    timeout with one line naming the gradient all-reduce (the pipeline's send/recv), its group and
+    rank 1, exit 1 (torchrun restarts)."""
+    argv = TINY + flags + ["--train-iters", "6", "--distributed-timeout-minutes", "0.05"]  # 3 s
     results = run_distributed(_main, 2, argv, str(tmp_path), _on_rank1_at(3, _die), timeout=120, exits=True)
     ended = time.time()
     assert results[1] == Exited(1) and isinstance(results[1], Exited), results
@@ -71,7 +74,7 @@ def test_a_rank_that_dies_ends_each_survivor_with_one_line_naming_the_collective
     err = (tmp_path / "err0.txt").read_text()
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
-    assert re.fullmatch(r"error: \[rank 0\] a collective failed: all_reduce over the dp_cp group \(ranks 0-1\) "
+    assert re.fullmatch(rf"error: \[rank 0\] a collective failed: {what} \(ranks 0-1\) "
                         r"failed: .+: rank 1 of the group did not answer in time \(dead, or hung past "
                         r"--distributed-timeout-minutes\); restart from the last checkpoint", lines[0]), lines[0]
     # within the timeout (3 s) and the wait for the peers' reports (as long), not gloo's default 30 min

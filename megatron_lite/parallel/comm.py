@@ -91,11 +91,13 @@ def _ranges(ranks: List[int]) -> str:
 class _WatchedWork:
     """An async collective's handle whose wait() counts the time blocked and names a failure."""
 
-    def __init__(self, work, comm: "Communicator", op: str, group, entered: float):
-        self._work, self._comm, self._op, self._group, self._entered = work, comm, op, group, entered
+    def __init__(self, work, comm: "Communicator", op: str, group, entered: float, ranks: Optional[List[int]]):
+        self._work, self._comm, self._op, self._group = work, comm, op, group
+        self._entered, self._ranks = entered, ranks
 
     def wait(self, *args, **kwargs):
-        return self._comm._run(self._op, self._group, lambda: self._work.wait(*args, **kwargs), entered=self._entered)
+        return self._comm._run(self._op, self._group, lambda: self._work.wait(*args, **kwargs), entered=self._entered,
+                               ranks=self._ranks)
 
     def __getattr__(self, name):  # is_completed, get_future, ...
         return getattr(self._work, name)
@@ -127,20 +129,24 @@ class Communicator:
         if group is not None:
             self.group_names[id(group)] = name
 
-    def _run(self, op: str, group, call: Callable, async_op: bool = False, entered: Optional[float] = None):
-        """call() (a torch.distributed collective or a wait), timed; a peer's failure named."""
+    def _run(self, op: str, group, call: Callable, async_op: bool = False, entered: Optional[float] = None,
+             ranks: Optional[List[int]] = None):
+        """call() (a torch.distributed collective or a wait), timed; a peer's failure named, with
+        `ranks` (default: the group's) as the ranks that had to answer."""
         start, entered = time.perf_counter(), time.time() if entered is None else entered
         try:
             work = call()
         except RuntimeError as e:
             if not is_peer_failure(e):
                 raise
-            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+            ranks = ranks or dist.get_process_group_ranks(group or dist.group.WORLD)
             raise CollectiveError(op, self.group_names.get(id(group), "world" if group is None else "unnamed"),
                                   ranks, e, entered) from e
         finally:
             self.blocked_s += time.perf_counter() - start
-        return _WatchedWork(work, self, op, group, entered) if async_op and work is not None else work
+        if async_op and isinstance(work, list):  # batch_isend_irecv's works
+            return [_WatchedWork(w, self, op, group, entered, ranks) for w in work]
+        return _WatchedWork(work, self, op, group, entered, ranks) if async_op and work is not None else work
 
     # --- plain collectives (no autograd) ----------------------------------------------------
     def all_reduce(self, t: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False):
@@ -179,6 +185,14 @@ class Communicator:
     def record_p2p(self, t: torch.Tensor) -> None:
         """Count a point-to-point send (posted by the caller: batched with its receives)."""
         self._count("p2p", t)
+
+    def batch_p2p(self, ops: List["dist.P2POp"], group) -> list:
+        """Post sends and receives (dist.P2POp, global peer ranks) together; their works' waits are
+        timed, and a failure names `group` and this rank with its peers."""
+        if not ops:
+            return []
+        ranks = sorted({dist.get_rank()} | {op.peer for op in ops})
+        return self._run("send/recv", group, lambda: dist.batch_isend_irecv(ops), async_op=True, ranks=ranks)
 
     def gather_along(self, t: torch.Tensor, dim: int, group) -> torch.Tensor:
         n = group_size(group)
