@@ -315,7 +315,8 @@ class Trainer:
         self.profiler.on_step_end(self.iteration)
         model_metrics = self.hooks.metrics()  # collective
         rec = self._record(out, lrs[DEFAULT_GROUP], step_time, tokens_per_step, gbs, mem, model_metrics)
-        if self.stragglers is not None and (self.iteration % t.log_interval == 0 or self.iteration == t.train_iters):
+        if self.stragglers is not None and self.stragglers.pending and (self.iteration % t.log_interval == 0
+                                                                        or self.iteration == t.train_iters):
             rec["stragglers"] = self.stragglers.gather(self.iteration, self.device)  # collective
             rec["straggler_max_ratio"] = rec["stragglers"]["slowest"][0]["ratio"]
             self.logger.info(straggler_line(rec["stragglers"]))

@@ -7,6 +7,8 @@ the time blocked waiting for peers) does: a slow rank is busy while the others w
 --log-interval one all-gather over the world brings every rank's means to every rank; the logging
 rank names the `count` slowest and fastest ranks and their busy time's ratio to the median (the
 lower middle for an even count, so that in a world of two the slow rank is held against the other).
+The first step of the process is left out: its one-time costs (allocation, lazy initialization)
+differ from rank to rank and say nothing about stragglers.
 """
 from __future__ import annotations
 
@@ -23,12 +25,21 @@ class StragglerLog:
         self.dims, self.count = dims, count
         self._sums = torch.zeros(len(PARTS), dtype=torch.float64)
         self._steps, self._first = 0, None
+        self._warm = False  # the process's first step has been seen (and left out)
 
     def add(self, iteration: int, **seconds: float) -> None:
         """One step's times, by PARTS."""
+        if not self._warm:
+            self._warm = True
+            return
         self._sums += torch.tensor([seconds[p] for p in PARTS], dtype=torch.float64)
         self._steps += 1
         self._first = iteration if self._first is None else self._first
+
+    @property
+    def pending(self) -> bool:
+        """Steps to report (the same on every rank: each leaves out its first)."""
+        return self._steps > 0
 
     def gather(self, iteration: int, device) -> Dict:
         """Collective over the world: the report of the steps since the last one (then reset)."""
@@ -40,7 +51,7 @@ class StragglerLog:
         first, self._first = self._first, None
         self._sums.zero_()
         self._steps = 0
-        return report(per_rank.tolist(), self.count, (first or iteration, iteration))
+        return report(per_rank.tolist(), self.count, (first, iteration))
 
 
 def report(per_rank: List[List[float]], count: int, iterations) -> Dict:
@@ -53,7 +64,7 @@ def report(per_rank: List[List[float]], count: int, iterations) -> Dict:
     by_busy = sorted(ranks, key=lambda r: (-r["busy_s"], r["rank"]))
     median = sorted(r["busy_s"] for r in ranks)[(len(ranks) - 1) // 2]
     for r in ranks:
-        r["ratio"] = r["busy_s"] / median if median > 0 else float("inf")
+        r["ratio"] = r["busy_s"] / max(median, 1e-9)  # finite: the metrics file is strict JSON
     count = min(count, len(ranks))
     return {"iterations": list(iterations), "median_busy_s": median, "slowest": by_busy[:count],
             "fastest": by_busy[::-1][:count]}
