@@ -202,3 +202,20 @@ def test_two_torchrun_agents_as_two_nodes_a_killed_node_is_one_line_on_the_other
                         r"--distributed-timeout-minutes\); restart from the last checkpoint", lines[0]), lines[0]
     assert took < 30 + 10, took  # the timeout, then at most the 10 s wait for the peers' reports
     assert f'File "{ROOT}/megatron_lite' not in err and f'File "{ROOT}/pretrain_gpt' not in err, err[-5000:]
+
+
+def test_megatron_straggler_toggle_flags(capsys, monkeypatch):
+    """Megatron-LM's run-time toggle of the straggler report: its port is accepted with a note,
+    starting it switched off is refused (nothing here would switch it on)."""
+    import pretrain_gpt
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    pretrain_gpt.resolve(TINY + ["--log-straggler", "--straggler-ctrlr-port", "65535"])
+    assert capsys.readouterr().out.splitlines() == [
+        "> note: accepted with no effect here: --straggler-ctrlr-port 65535 (the straggler report is not toggled at "
+        "run time: --log-straggler turns it on)"]
+    assert pretrain_gpt.main(TINY + ["--log-straggler", "--disable-straggler-on-startup"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --disable-straggler-on-startup (a straggler report toggled on at run time (its controller port); "
+        "--log-straggler reports from the second step) is not supported by megatron-lite; remove it from the command "
+        "line\n")
