@@ -7,6 +7,9 @@ the time blocked waiting for peers) does: a slow rank is busy while the others w
 --log-interval one all-gather over the world brings every rank's means to every rank; the logging
 rank names the `count` slowest and fastest ranks and their busy time's ratio to the median (the
 lower middle for an even count, so that in a world of two the slow rank is held against the other).
+The times are the host's: on the CPU (gloo) a collective blocks the host until its peers answer;
+NCCL's kernels wait on the device instead, so on GPUs the wait shows up in the part that next
+synchronizes (the optimizer's end of step), not in "blocked" (not run on a GPU yet).
 The first step of the process is left out: its one-time costs (allocation, lazy initialization)
 differ from rank to rank and say nothing about stragglers.
 """
