@@ -47,11 +47,14 @@ COMPAT_VALUE = {
     "--num-dataset-builder-threads": "indices are built by one thread and cached",
     "--data-impl": "the .bin is memory-mapped", "--tensorboard-log-interval": "TensorBoard gets every iteration",
     "--ckpt-format": "megatron-lite writes its own sharded safetensors format",
-    "--tensorboard-queue-size": "the writer is flushed every iteration"}
+    "--tensorboard-queue-size": "the writer is flushed every iteration",
+    "--straggler-ctrlr-port": "the straggler report is not toggled at run time: --log-straggler turns it on"}
 COMPAT_VALUE_FLAGS = list(COMPAT_VALUE)
 # Megatron-LM flags that would change training here but are not implemented: refused with one
 # line rather than silently ignored.
-UNSUPPORTED_FLAGS = {"--tp-comm-overlap": "Transformer Engine's userbuffers"}
+UNSUPPORTED_FLAGS = {"--tp-comm-overlap": "Transformer Engine's userbuffers",
+                     "--disable-straggler-on-startup": "a straggler report toggled on at run time (its controller "
+                                                       "port); --log-straggler reports from the second step"}
 # The FP8 recipe's parts not built yet (--fp8-format / --fp8-recipe / --fp8-margin are config fields).
 FP8_NOT_YET = {"--fp8-param-gather": "ZeRO all-gathering FP8 weights"}
 UNSUPPORTED_FLAGS.update({flag: f"{what}, not implemented yet" for flag, what in FP8_NOT_YET.items()})

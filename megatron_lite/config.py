@@ -392,6 +392,14 @@ class TrainingConfig:
     device: Optional[str] = arg(None, "cpu or cuda; None: cuda when available", choices=["cpu", "cuda"])
     distributed_timeout_minutes: float = arg(10, "timeout of every process group (gloo and NCCL): a collective that "
                                                  "waits longer for a peer fails")
+    hang_detection_factor: Optional[float] = arg(
+        None, "a watchdog thread per rank: a step that runs longer than this many times the median step so far "
+              "dumps every thread's Python stack to <--save or .>/hang-rank<R>.txt and exits 1 (torchrun restarts)")
+    hang_detection_warmup_steps: int = arg(10, "steps timed before --hang-detection-factor arms")
+    log_straggler: bool = arg(False, "every --log-interval: each rank's step time (data wait, forward-backward, "
+                                     "optimizer, blocked in collectives) gathered, the slowest ranks and their ratio "
+                                     "to the median printed and in the metrics", store="true")
+    straggler_minmax_count: int = arg(1, "with --log-straggler: how many slowest and fastest ranks to name")
     compile: bool = arg(False, "torch.compile each transformer layer (fuses norms, RoPE, SwiGLU; compile time "
                                "bounded by the layer, not the model)", store="true")
     cross_entropy_chunk_size: Optional[int] = arg(
@@ -543,6 +551,13 @@ class TrainingConfig:
         _require(self.log_interval >= 1, f"log_interval ({self.log_interval}) must be >= 1")
         _require(self.distributed_timeout_minutes > 0,
                  f"--distributed-timeout-minutes ({self.distributed_timeout_minutes}) must be positive")
+        _require(self.hang_detection_factor is None or self.hang_detection_factor > 1,
+                 f"--hang-detection-factor ({self.hang_detection_factor}) must be > 1 (a multiple of the median step "
+                 f"time)")
+        _require(self.hang_detection_warmup_steps >= 1,
+                 f"--hang-detection-warmup-steps ({self.hang_detection_warmup_steps}) must be >= 1")
+        _require(self.straggler_minmax_count >= 1,
+                 f"--straggler-minmax-count ({self.straggler_minmax_count}) must be >= 1")
         _require(self.eval_interval >= 1, f"eval_interval ({self.eval_interval}) must be >= 1")
         self._validate_checkpointing()
 

@@ -21,6 +21,10 @@ class WorkerError(RuntimeError):
     pass
 
 
+class Exited(int):
+    """The result of a rank that ended its process itself (os._exit) without returning: its exit code."""
+
+
 def _worker(rank: int, world_size: int, tmp: str, fn: Callable, args: tuple) -> None:
     try:
         torch.set_num_threads(1)
@@ -38,10 +42,12 @@ def _worker(rank: int, world_size: int, tmp: str, fn: Callable, args: tuple) -> 
     os._exit(0)
 
 
-def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 300.0, daemon: bool = True) -> List[Any]:
+def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 300.0, daemon: bool = True,
+                    exits: bool = False) -> List[Any]:
     """Run fn(rank, world_size, *args) on `world_size` forked ranks; return the results by rank.
     `daemon=False` for ranks that start processes of their own (a daemonic process may not:
-    e.g. Megatron-Core's checkpoint writer forks one per file); they are killed here all the same."""
+    e.g. Megatron-Core's checkpoint writer forks one per file); they are killed here all the same.
+    `exits`: a rank that ended its process (os._exit) before the deadline gives `Exited(code)`."""
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory() as tmp:
         procs = [ctx.Process(target=_worker, args=(r, world_size, tmp, fn, args), daemon=daemon)
@@ -70,6 +76,10 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 300.0
         results = []
         for r, p in enumerate(procs):
             path = os.path.join(tmp, f"result_{r}.pt")
+            if not os.path.exists(path) and exits and p.exitcode is not None and p.exitcode >= 0 \
+                    and time.monotonic() <= deadline:
+                results.append(Exited(p.exitcode))
+                continue
             if not os.path.exists(path):
                 why = "timed out" if time.monotonic() > deadline else f"exit code {p.exitcode}"
                 raise WorkerError(f"rank {r} returned no result ({why})")
@@ -124,4 +134,4 @@ def assert_same_run(reference, other, rtol: float = 1e-5, grad_norm_rtol: float 
         assert_state_close(params, ref_params, rtol=rtol, what=f"{what} parameters")
 
 
-__all__ = ["run_distributed", "assert_close", "assert_state_close", "assert_same_run", "WorkerError"]
+__all__ = ["run_distributed", "assert_close", "assert_state_close", "assert_same_run", "WorkerError", "Exited"]

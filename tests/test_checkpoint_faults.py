@@ -192,7 +192,11 @@ def test_distributed_timeout_minutes_sets_every_group_and_a_late_peer_is_one_lin
         assert seen == {"world": 3.0, "tp": 3.0}, seen
         assert code == 1, (code, err)
         lines = err.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith(f"error: [rank {rank}] a collective failed: "), err
-        assert lines[0].endswith("a peer rank died or did not answer in time (--distributed-timeout-minutes); "
-                                 "restart from the last checkpoint"), err
+        assert len(lines) == 1 and lines[0].startswith(f"error: [rank {rank}] a collective failed: all_reduce over "
+                                                       f"the tp group (ranks 0-1) failed: "), err
+        assert lines[0].endswith("; restart from the last checkpoint"), err
+    # rank 0 gave up before the late rank 1 entered the collective: it names rank 1
     assert "Timed out waiting 3000ms" in results[0][1], results[0][1]
+    assert ": rank 1 of the group did not answer in time (dead, or hung past --distributed-timeout-minutes)" \
+        in results[0][1], results[0][1]
+    assert "every other rank of the group entered it in time and failed too" in results[1][1], results[1][1]

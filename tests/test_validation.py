@@ -119,6 +119,10 @@ CASES = [
      ["--recompute-num-layers (5)", "1 layers"]),
     (2, ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
          "--recompute-num-layers", "3"], ["--recompute-num-layers (3)", "use at most 2"]),
+    (1, ["--hang-detection-factor", "1"], ["--hang-detection-factor (1.0) must be > 1"]),
+    (1, ["--hang-detection-factor", "5", "--hang-detection-warmup-steps", "0"],
+     ["--hang-detection-warmup-steps (0) must be >= 1"]),
+    (1, ["--log-straggler", "--straggler-minmax-count", "0"], ["--straggler-minmax-count (0) must be >= 1"]),
 ]
 
 

@@ -9,11 +9,18 @@ The autograd regions implement Megatron's four TP regions (f/g of the Megatron-L
 their sequence-parallel counterparts; they keep the communicator, so backward counts into the
 same counter. Activations are laid out [s, b, h]: the sequence dimension is dim 0, so
 sequence-parallel gathers and scatters are contiguous.
+
+A collective that fails because a peer died or did not answer in time (gloo / NCCL report it as
+a `DistError`, or a RuntimeError from gloo's sources) is raised as a `CollectiveError` naming the
+operation and the group (launch.py turns it into one line), from the call or from an async
+handle's wait(). The communicator also adds up the seconds this rank spent blocked in
+collectives (`blocked_s`), so that a straggler report can tell a rank's own work from waiting.
 """
 from __future__ import annotations
 
+import time
 from collections import defaultdict
-from typing import Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -48,6 +55,54 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def is_peer_failure(error: BaseException) -> bool:
+    """A collective's error that means a peer died or did not answer in time."""
+    return isinstance(error, (dist.DistError, CollectiveError)) or (isinstance(error, RuntimeError)
+                                                                   and "/gloo/" in str(error))
+
+
+class CollectiveError(RuntimeError):
+    """A collective that failed because a peer died or did not answer in time: the operation, the
+    name of its group (ParallelDims' name: "tp", "dp_cp", ...), the group's global ranks, and when
+    this rank entered it (issued it, for an async one) and saw it fail."""
+
+    def __init__(self, op: str, group_name: str, ranks: List[int], cause: BaseException, entered: float):
+        self.op, self.group_name, self.ranks = op, group_name, ranks
+        self.entered, self.failed = entered, time.time()  # wall clock: compared with the peers' reports
+        # gloo's / NCCL's own first sentence, without its "[file:line]" prefix
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        self.reason = first.split("] ", 1)[-1] if first.startswith("[") else first
+        self.reason = self.reason.split(". ")[0]
+        super().__init__(f"{op} over the {group_name} group (ranks {_ranges(ranks)}) failed: {self.reason}")
+
+
+def _ranges(ranks: List[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ", ".join(out)
+
+
+class _WatchedWork:
+    """An async collective's handle whose wait() counts the time blocked and names a failure."""
+
+    def __init__(self, work, comm: "Communicator", op: str, group, entered: float, ranks: Optional[List[int]]):
+        self._work, self._comm, self._op, self._group = work, comm, op, group
+        self._entered, self._ranks = entered, ranks
+
+    def wait(self, *args, **kwargs):
+        return self._comm._run(self._op, self._group, lambda: self._work.wait(*args, **kwargs), entered=self._entered,
+                               ranks=self._ranks)
+
+    def __getattr__(self, name):  # is_completed, get_future, ...
+        return getattr(self._work, name)
+
+
 def split_along(t: torch.Tensor, dim: int, group) -> torch.Tensor:
     """This rank's 1/n slice of `t` along `dim` (moves no bytes)."""
     n = group_size(group)
@@ -63,17 +118,43 @@ class Communicator:
 
     def __init__(self, counter: Optional[CommCounter] = None):
         self.counter = counter
+        self.group_names: Dict[int, str] = {}  # id(group) -> its name in ParallelDims (error lines)
+        self.blocked_s = 0.0  # seconds spent in blocking collectives and in waits on async ones
 
     def _count(self, kind: str, t: torch.Tensor) -> None:
         if self.counter is not None:
             self.counter.add(kind, t.numel() * t.element_size())
+
+    def name_group(self, group, name: str) -> None:
+        if group is not None:
+            self.group_names[id(group)] = name
+
+    def _run(self, op: str, group, call: Callable, async_op: bool = False, entered: Optional[float] = None,
+             ranks: Optional[List[int]] = None):
+        """call() (a torch.distributed collective or a wait), timed; a peer's failure named, with
+        `ranks` (default: the group's) as the ranks that had to answer."""
+        start, entered = time.perf_counter(), time.time() if entered is None else entered
+        try:
+            work = call()
+        except RuntimeError as e:
+            if not is_peer_failure(e):
+                raise
+            ranks = ranks or dist.get_process_group_ranks(group or dist.group.WORLD)
+            raise CollectiveError(op, self.group_names.get(id(group), "world" if group is None else "unnamed"),
+                                  ranks, e, entered) from e
+        finally:
+            self.blocked_s += time.perf_counter() - start
+        if async_op and isinstance(work, list):  # batch_isend_irecv's works
+            return [_WatchedWork(w, self, op, group, entered, ranks) for w in work]
+        return _WatchedWork(work, self, op, group, entered, ranks) if async_op and work is not None else work
 
     # --- plain collectives (no autograd) ----------------------------------------------------
     def all_reduce(self, t: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False):
         if group_size(group) == 1:
             return None
         self._count("all_reduce", t)
-        return dist.all_reduce(t, op=op, group=group, async_op=async_op)
+        return self._run("all_reduce", group, lambda: dist.all_reduce(t, op=op, group=group, async_op=async_op),
+                         async_op)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
         """Gather `inp` from every rank into `out` along dim 0 (out has group_size x inp rows)."""
@@ -81,7 +162,8 @@ class Communicator:
             out.copy_(inp)
             return None
         self._count("all_gather", out)
-        return _ALL_GATHER(out, inp.contiguous(), group=group, async_op=async_op)
+        return self._run("all_gather", group, lambda: _ALL_GATHER(out, inp.contiguous(), group=group,
+                                                                  async_op=async_op), async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
         """Sum `inp` over ranks and keep this rank's dim-0 slice in `out`."""
@@ -89,18 +171,28 @@ class Communicator:
             out.copy_(inp)
             return None
         self._count("reduce_scatter", inp)
-        return _REDUCE_SCATTER(out, inp.contiguous(), group=group, async_op=async_op)
+        return self._run("reduce_scatter", group, lambda: _REDUCE_SCATTER(out, inp.contiguous(), group=group,
+                                                                          async_op=async_op), async_op)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group, out_splits=None, in_splits=None):
         if group_size(group) == 1:
             out.copy_(inp)
             return None
         self._count("all_to_all", inp)
-        return dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group)
+        return self._run("all_to_all", group, lambda: dist.all_to_all_single(out, inp.contiguous(), out_splits,
+                                                                             in_splits, group=group))
 
     def record_p2p(self, t: torch.Tensor) -> None:
         """Count a point-to-point send (posted by the caller: batched with its receives)."""
         self._count("p2p", t)
+
+    def batch_p2p(self, ops: List["dist.P2POp"], group) -> list:
+        """Post sends and receives (dist.P2POp, global peer ranks) together; their works' waits are
+        timed, and a failure names `group` and this rank with its peers."""
+        if not ops:
+            return []
+        ranks = sorted({dist.get_rank()} | {op.peer for op in ops})
+        return self._run("send/recv", group, lambda: dist.batch_isend_irecv(ops), async_op=True, ranks=ranks)
 
     def gather_along(self, t: torch.Tensor, dim: int, group) -> torch.Tensor:
         n = group_size(group)

@@ -103,7 +103,7 @@ class _RingExchange:
         comm.record_p2p(send)  # counted once per rank: the bytes this rank sends
         ops = [dist.P2POp(dist.isend, send, dist.get_global_rank(group, (rank + 1) % size), group, tag),
                dist.P2POp(dist.irecv, self.recv, dist.get_global_rank(group, (rank - 1) % size), group, tag)]
-        self.works = dist.batch_isend_irecv(ops)
+        self.works = comm.batch_p2p(ops, group)
 
     def wait(self) -> torch.Tensor:
         for w in self.works:

@@ -274,6 +274,7 @@ class ParallelDims:
                 if self.rank in ranks:
                     self.groups[name] = g
                     self.group_ranks[name] = ranks
+                    self.comm.name_group(g, name)  # for the one line that names a failed collective
         return self
 
     @classmethod
@@ -307,4 +308,5 @@ def partial_dp_groups(dims: ParallelDims, instances: int):
             g = dist.new_group(ranks, timeout=dims.timeout) if len(ranks) > 1 and dist.is_initialized() else None
             if dims.rank in ranks:
                 dims.groups[key + suffix], dims.group_ranks[key + suffix] = g, ranks
+                dims.comm.name_group(g, key + suffix)
     return dims.groups[key + "_shard"], dims.groups[key + "_replica"]

@@ -23,6 +23,8 @@ from ..parallel.random import RNGStatesTracker, model_parallel_seed
 from ..parallel.state import ParallelDims
 from .flops import device_peak_tflops, flops_per_token
 from .metrics import MetricsLogger
+from .stragglers import StragglerLog, line as straggler_line
+from .watchdog import HangWatchdog
 from .profiling import HostSyncCounter, StepProfiler, default_trace_dir, empty_unused_memory
 from ..parallel.context_parallel import split_batch_for_cp
 from ..parallel.pipeline.executor import PipelineExecutor
@@ -187,6 +189,8 @@ class Trainer:
                                      record_memory_history=t.record_memory_history,
                                      memory_snapshot_path=t.memory_snapshot_path, snapshot_interval=t.log_interval,
                                      is_last_rank=dims.rank == dims.world_size - 1, device=device)
+        self.watchdog = None  # started by train(): --hang-detection-factor
+        self.stragglers = StragglerLog(dims, t.straggler_minmax_count) if t.log_straggler else None
         if t.logging_level is not None:  # --logging-level: Python logging (libraries' messages)
             logging.getLogger().setLevel(t.logging_level)
 
@@ -233,6 +237,9 @@ class Trainer:
             gc.disable()
             gc.collect()
         first = self.iteration == 0  # a fresh run's first record holds this rank's memory
+        if t.hang_detection_factor:  # the dump goes next to the checkpoints (the job's directory)
+            self.watchdog = HangWatchdog(t.hang_detection_factor, t.hang_detection_warmup_steps, t.save or os.getcwd(),
+                                         dims.rank)
         try:
             while self.iteration < t.train_iters:
                 clock = time.perf_counter()
@@ -250,6 +257,8 @@ class Trainer:
         finally:
             if t.manual_gc:
                 gc.enable()
+            if self.watchdog is not None:
+                self.watchdog.close()
         self.grad_sync.wait_param_gather()  # in-flight gathers end inside a trace cut short by the end
         self.profiler.close()
         for note in self.profiler.notes[printed:]:  # each tracing rank says where its trace is
@@ -273,24 +282,38 @@ class Trainer:
         lrs, weight_decay = self.lr_schedule.lrs(), self.lr_schedule.weight_decay()
         if dims.comm_counter is not None:
             dims.comm_counter.reset()  # count this step's traffic only
-        start = time.perf_counter()
+        start, blocked = time.perf_counter(), dims.comm.blocked_s
+        if self.watchdog is not None:
+            self.watchdog.step_started(self.iteration)
         batches = self._next_batches(self.train_iter, num_microbatches)
+        fetched = backward = time.perf_counter()
         norm = LossNormalization(t.calculate_per_token_loss, num_microbatches, self.optimizer.loss_scale,
                                  float(tokens_per_step), dims)  # the weight of every loss of the step
         self.loss_normalization.current = norm  # ... the model's own (MoE's auxiliary losses) included
         self.hooks.before_step(self.iteration)
         level = t.empty_unused_memory_level
+
+        def after_backward():
+            nonlocal backward
+            empty_unused_memory(level, "forward_backward")
+            backward = time.perf_counter()  # the gradients are reduced: the optimizer's part starts
+
         try:
             with self.host_syncs.step(self.iteration):
                 out = train_step(self.chunks, batches, dims, self.optimizer, self.grad_sync, lrs, self.forward_step,
                                  self.forward_backward, loss_normalization=norm, weight_decay=weight_decay,
-                                 after_backward=lambda: empty_unused_memory(level, "forward_backward"))
+                                 after_backward=after_backward)
         except NonFiniteError as e:  # raised on every rank at once: stop before any save
             self._stop_on_nonfinite(e)
         empty_unused_memory(level, "optimizer")
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         step_time = time.perf_counter() - start
+        if self.watchdog is not None:
+            self.watchdog.step_ended()
+        if self.stragglers is not None:
+            self.stragglers.add(self.iteration, data=fetched - start, fwd_bwd=backward - fetched,
+                                optimizer=start + step_time - backward, blocked=dims.comm.blocked_s - blocked)
         if out["update_successful"]:
             self.lr_schedule.step(gbs)  # the schedule advances by the samples of the update
             self.hooks.after_update()
@@ -300,6 +323,11 @@ class Trainer:
         self.profiler.on_step_end(self.iteration)
         model_metrics = self.hooks.metrics()  # collective
         rec = self._record(out, lrs[DEFAULT_GROUP], step_time, tokens_per_step, gbs, mem, model_metrics)
+        if self.stragglers is not None and self.stragglers.pending and (self.iteration % t.log_interval == 0
+                                                                        or self.iteration == t.train_iters):
+            rec["stragglers"] = self.stragglers.gather(self.iteration, self.device)  # collective
+            rec["straggler_max_ratio"] = rec["stragglers"]["slowest"][0]["ratio"]
+            self.logger.info(straggler_line(rec["stragglers"]))
         if self.valid_iter is not None and (self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters):
             rec["val_lm_loss"] = self.evaluate()
             self.consumed_valid_samples += t.eval_iters * t.global_batch_size

@@ -110,7 +110,7 @@ class PipelineExecutor:
                 ops += [("recv", t, peer) for t in bufs]
             if self.trace is not None:
                 self.trace.append(a)
-        return P2PBatch(ops, self.dims.comm)
+        return P2PBatch(ops, self.dims.comm, self.dims.pp_group)
 
     @staticmethod
     def _uses(a: Action, received: set) -> bool:
