@@ -17,6 +17,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
+import torch
+
 from megatron_lite.config import ModelConfig
 from megatron_lite.transformer.moe import MoEConfig
 
@@ -112,6 +114,25 @@ class Family:
         for old, new in self.renames.items():
             sd = {k.replace(old, new): v for k, v in sd.items()}
         return sd
+
+
+def deinterleave_rope_rows(w, nope: int, rope: int):
+    """DeepSeek's RoPE rows (in each block of `nope` plain rows then `rope` rotated ones, the rotated
+    pairs interleaved: x0 x1, x2 x3, ...) in our half-split order (x0 x2 ... | x1 x3 ...): the same
+    rotation, as transformers' apply_rotary_pos_emb_interleave computes it."""
+    block = nope + rope
+    blocks = w.reshape(-1, block, *w.shape[1:])
+    r = blocks[:, nope:]
+    return torch.cat([blocks[:, :nope], r[:, 0::2], r[:, 1::2]], dim=1).reshape(w.shape)
+
+
+def interleave_rope_rows(w, nope: int, rope: int):
+    """Inverse of deinterleave_rope_rows."""
+    block = nope + rope
+    blocks = w.reshape(-1, block, *w.shape[1:])
+    half = rope // 2
+    r = torch.stack([blocks[:, nope:nope + half], blocks[:, nope + half:]], dim=2).flatten(1, 2)
+    return torch.cat([blocks[:, :nope], r], dim=1).reshape(w.shape)
 
 
 # --- configs: HF -> ours ----------------------------------------------------------------------

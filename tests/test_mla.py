@@ -1,0 +1,151 @@
+"""Multi-latent attention: every layout trains like the single process (losses, grad norms, final
+weights), the layer equals Hugging Face's DeepSeek-V3 attention (with YaRN), decoding over the
+cache of latents with the absorbed up-projections equals the uncached forward, and the flags'
+one-line errors."""
+import pytest
+import torch
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.errors import ConfigError
+from megatron_lite.testing import assert_same_run, run_distributed
+from training_utils import TINY, merged_params, records_of, single_process_reference, train_and_gather
+
+MLA = ["--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "16", "--qk-head-dim", "12",
+       "--qk-pos-emb-head-dim", "8", "--v-head-dim", "20"]
+BASE = TINY + ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+               "--untie-embeddings-and-output-weights", "--disable-bias-linear"] + MLA
+def _assert_like_single(argv, world, extra):
+    """Losses to 1e-5 and the first grad norm to 1e-6; the final weights to 1e-4 (5 Adam steps)."""
+    for flag in ("--num-layers", "--global-batch-size"):  # the reference gets the same model and batch
+        if flag in extra:
+            argv = argv + [flag, extra[extra.index(flag) + 1]]
+    ref, ref_params = single_process_reference(argv)
+    results = run_distributed(train_and_gather, world, argv + extra)
+    got = records_of([r[0] for r in results])
+    assert_same_run(ref, got, grad_norm_rtol=1e-6, what=" ".join(extra))
+    assert_same_run(ref, got, rtol=1e-4, params=merged_params(results), ref_params=ref_params, what=" ".join(extra))
+
+
+TP_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+LAYOUTS = {  # the fast representative of each feature first; the rest are slow
+    "tp2-sp": (2, TP_SP),
+    "cp2-p2p": (2, ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
+    "pp2-zb-h1": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1", "--num-layers", "4"]),
+    "dp2-zero3": (2, ["--zero-stage", "3", "--global-batch-size", "8"]),
+    "recompute-selective": (1, ["--recompute-granularity", "selective"]),
+    "cp2-a2a": (2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
+    "cp2-allgather": (2, ["--context-parallel-size", "2", "--cp-comm-type", "allgather"]),
+    "cp4-a2a+p2p": (4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                        "--hierarchical-context-parallel-sizes", "2", "2"]),
+    "pp2-1f1b": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b", "--num-layers", "4"]),
+    "recompute-full": (1, ["--recompute-granularity", "full"]),
+    "tp2-sp-cp2": (4, TP_SP + ["--context-parallel-size", "2"]),
+    "tp2-sp-pp2-zb-h1": (4, TP_SP + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1",
+                                     "--num-layers", "4"]),
+    "tp2-dp2-zero3": (4, ["--tensor-model-parallel-size", "2", "--zero-stage", "3", "--global-batch-size", "8"]),
+}
+FAST = ("tp2-sp", "cp2-p2p", "pp2-zb-h1", "dp2-zero3", "recompute-selective")
+
+
+@pytest.mark.parametrize("layout", [name if name in FAST else pytest.param(name, marks=pytest.mark.slow)
+                                    for name in LAYOUTS])
+def test_mla_layout_trains_like_single_process(layout):
+    world, extra = LAYOUTS[layout]
+    _assert_like_single(BASE, world, extra)
+
+
+@pytest.mark.slow
+def test_mla_without_q_lora_and_with_biases_tp2_sp():
+    argv = [a for a in BASE if a != "--disable-bias-linear"]
+    i = argv.index("--q-lora-rank")
+    _assert_like_single(argv[:i] + argv[i + 2:], 2, TP_SP)
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(position_embedding_type="learned_absolute"), "--position-embedding-type rope"),
+    (dict(qk_pos_emb_head_dim=7), "--qk-pos-emb-head-dim (7) must be even"),
+    (dict(q_lora_rank=0), "--q-lora-rank (0) must be positive"),
+    (dict(qk_layernorm=True), "drop --qk-layernorm"),
+    (dict(rotary_percent=0.5), "drop it"),
+])
+def test_mla_config_errors(kw, message):
+    cfg = ModelConfig(**{**dict(multi_latent_attention=True, position_embedding_type="rope"), **kw})
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        cfg.validate(64)
+
+
+# --- oracles: Hugging Face's DeepSeek-V3 attention and YaRN ----------------------------------------
+YARN = dict(rope_type="yarn", factor=4.0, mscale=0.707, mscale_all_dim=0.707, original_max_position_embeddings=16,
+            beta_fast=32.0, beta_slow=1.0, rope_theta=10000.0)
+
+
+def _ours_from_hf_rope(p):
+    return dict(rope_scaling_type="yarn", rotary_scaling_factor=p["factor"], mscale=p["mscale"],
+                mscale_all_dim=p["mscale_all_dim"], original_max_position_embeddings=p["original_max_position_embeddings"],
+                beta_fast=p["beta_fast"], beta_slow=p["beta_slow"], rotary_base=p["rope_theta"])
+
+
+@pytest.mark.parametrize("params", [YARN, dict(YARN, factor=40.0, mscale=1.0, mscale_all_dim=1.0,
+                                                original_max_position_embeddings=4096)], ids=["tiny", "deepseek-v3"])
+def test_yarn_equals_hf(params):
+    """inv_freq and the cos/sin attention factor equal transformers' _compute_yarn_parameters."""
+    from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import _compute_yarn_parameters
+    from megatron_lite.transformer.rope import rope_attention_factor, rope_inv_freq
+    hf = DeepseekV3Config(qk_rope_head_dim=64, rope_parameters=dict(params),
+                          max_position_embeddings=int(params["factor"] * params["original_max_position_embeddings"]))
+    inv_freq, factor = _compute_yarn_parameters(hf)
+    cfg = ModelConfig(multi_latent_attention=True, position_embedding_type="rope", qk_pos_emb_head_dim=64,
+                      **_ours_from_hf_rope(params))
+    assert torch.allclose(rope_inv_freq(cfg), inv_freq, rtol=1e-6, atol=0)
+    assert abs(rope_attention_factor(cfg) - factor) < 1e-12
+
+
+def _hf_attention(q_lora_rank):
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+    hf_cfg = DeepseekV3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=q_lora_rank,
+                              kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=20,
+                              rope_parameters=dict(YARN), max_position_embeddings=64, rms_norm_eps=1e-6)
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    attn = DeepseekV3Attention(hf_cfg, 0)
+    for p in attn.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return hf_cfg, attn, DeepseekV3RotaryEmbedding(hf_cfg)
+
+
+@pytest.mark.parametrize("q_lora_rank", [24, None], ids=["q-lora", "q-full"])
+def test_mla_layer_equals_hf_deepseek_v3_attention(q_lora_rank):
+    """Our MLA layer with HF's weights (RoPE rows de-interleaved) equals DeepseekV3Attention with
+    YaRN (mscale in cos/sin and in the softmax scale)."""
+    from megatron_lite.transformer.core_attention import SDPAAttention
+    from megatron_lite.transformer.mla import MLASelfAttention
+    from megatron_lite.transformer.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq
+    from megatron_lite.transformer.spec import BuildContext
+    from models.hf_families import deinterleave_rope_rows
+    hf_cfg, attn, rotary = _hf_attention(q_lora_rank)
+    cfg = ModelConfig(hidden_size=64, num_attention_heads=4, normalization="RMSNorm", norm_epsilon=1e-6,
+                      position_embedding_type="rope", add_bias_linear=False, attention_dropout=0.0,
+                      multi_latent_attention=True, q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_head_dim=12,
+                      qk_pos_emb_head_dim=8, v_head_dim=20, **_ours_from_hf_rope(YARN))
+    ours = MLASelfAttention(cfg, BuildContext(), 0, core_attention=SDPAAttention)
+    sd = {n: p for n, p in attn.named_parameters()}
+    with torch.no_grad():
+        q_name = "q_proj.weight" if q_lora_rank is None else "q_b_proj.weight"
+        q_up = ours.linear_q_proj if q_lora_rank is None else ours.linear_q_up_proj
+        q_up.weight.copy_(deinterleave_rope_rows(sd[q_name], 12, 8))
+        if q_lora_rank is not None:
+            ours.linear_q_down_proj.weight.copy_(sd["q_a_proj.weight"])
+            ours.q_layernorm.weight.copy_(sd["q_a_layernorm.weight"])
+        ours.linear_kv_down_proj.weight.copy_(deinterleave_rope_rows(sd["kv_a_proj_with_mqa.weight"], 16, 8))
+        ours.kv_layernorm.weight.copy_(sd["kv_a_layernorm.weight"])
+        ours.linear_kv_up_proj.weight.copy_(sd["kv_b_proj.weight"])
+        ours.linear_proj.weight.copy_(sd["o_proj.weight"])
+    x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(32).expand(2, -1)
+    mask = torch.full((32, 32), float("-inf")).triu(1).expand(2, 1, 32, 32)
+    expected = attn(x, rotary(x, pos), mask)[0]
+    rope = rope_cos_sin(pos, rope_inv_freq(cfg), x.dtype, rope_attention_factor(cfg))
+    got = ours(x.transpose(0, 1), rope).transpose(0, 1)
+    assert (got - expected).abs().max().item() < 1e-5 * expected.abs().max().item()
