@@ -366,7 +366,9 @@ def test_a_prompt_longer_than_the_trained_length_is_warned_about(checkpoint):
                                                      "--max-new-tokens", "1"])
     assert code == 0 and out.startswith("y" * (trained + 3))
     assert err == (f"> warning: a prompt of {trained + 3} tokens is longer than the {trained} tokens the model was "
-                   f"trained on (its --seq-length): expect worse text\n"), err
+                   f"trained on (its --seq-length): expect worse text\n"
+                   f"> KV cache: {2 * 2 * 2 * 16 * 4} bytes per token per sequence on each TP rank\n"), err  # 2 layers,
+    # K and V of 2 groups of 16 channels in fp32
 
 
 def test_generate_tool_prompt_file(checkpoint, tmp_path):

@@ -149,3 +149,30 @@ def test_mla_layer_equals_hf_deepseek_v3_attention(q_lora_rank):
     rope = rope_cos_sin(pos, rope_inv_freq(cfg), x.dtype, rope_attention_factor(cfg))
     got = ours(x.transpose(0, 1), rope).transpose(0, 1)
     assert (got - expected).abs().max().item() < 1e-5 * expected.abs().max().item()
+
+
+# --- generation: the cache of latents and the absorbed up-projections --------------------------------
+def _decoding_worker(rank, world, bias):
+    from megatron_lite.inference import KVCache, kv_cache_bytes_per_token
+    from megatron_lite.parallel.state import ParallelDims
+    from models.gpt import build_model
+    from test_generate import PROMPTS, _recomputation_gap
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, normalization="RMSNorm", swiglu=True,
+                      position_embedding_type="rope", add_bias_linear=bias, attention_dropout=0.0, hidden_dropout=0.0,
+                      init_method_std=0.2, multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16,
+                      qk_head_dim=12, qk_pos_emb_head_dim=8, v_head_dim=20, **_ours_from_hf_rope(YARN))
+    model = build_model(cfg, ParallelDims.from_world(tp=world), seed=7)[0].eval()
+    gap = max(_recomputation_gap(model), _recomputation_gap(model, [PROMPTS[0], PROMPTS[0][::-1]]))
+    cache = KVCache.for_model(model, batch_size=1, max_length=1)
+    assert kv_cache_bytes_per_token(model) == cache.nbytes()
+    return gap, cache.nbytes()
+
+
+@pytest.mark.parametrize("tp,bias", [(1, False), (2, True)], ids=["tp1", "tp2-biases"])
+def test_mla_decoding_over_latents_equals_recomputation(tp, bias):
+    """Greedy decoding with the cache of latents (absorbed W_UK / W_UV) gives the logits of a full
+    forward of each sequence; the cache holds kv_lora_rank + qk_pos_emb_head_dim numbers per token
+    and layer on every rank, not per-head K and V."""
+    for gap, nbytes in run_distributed(_decoding_worker, tp, bias):
+        assert gap < 5e-5, f"cached logits differ from recomputation by {gap:.2e}"
+        assert nbytes == 2 * (16 + 8) * 4  # 2 layers, fp32, one token

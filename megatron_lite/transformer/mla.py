@@ -122,7 +122,7 @@ class MLASelfAttention(nn.Module):
             q_rope, k_rope = apply_rope(q_rope, *rope), apply_rope(k_rope, *rope)
         q_nope, q_rope, latent, k_rope = (t.transpose(0, 1) for t in (q_nope, q_rope, latent, k_rope))
         if self.cache_update is not None:
-            out = self._absorbed(q_nope, q_rope, latent, k_rope.squeeze(2))
+            out = self._absorbed(q_nope, q_rope, latent, k_rope.squeeze(2), packed)
         else:
             kv = self._local(self.linear_kv_up_proj, latent).reshape(b, s, self.heads, dn + dv)
             k_nope, v = kv.split([dn, dv], dim=-1)
@@ -135,7 +135,7 @@ class MLASelfAttention(nn.Module):
                 out = self._core(q, k, v, packed)
         return self.linear_proj(out.transpose(0, 1).reshape(s, b, self.heads * dv))
 
-    def _absorbed(self, q_nope, q_rope, latent, k_rope):
+    def _absorbed(self, q_nope, q_rope, latent, k_rope, packed):
         """Decoding over the cache of latents: scores q_nope W_UK^T c + q_rope k_rope, output
         (softmax . c) W_UV, as multi-query attention over [c | k_rope] with values c (one head)."""
         c = self.config
@@ -146,7 +146,7 @@ class MLASelfAttention(nn.Module):
         q_latent = torch.einsum("bshd,hdr->bshr", q_nope, w_uk)
         q = torch.cat([q_latent, q_rope], dim=-1) * (c.softmax_scale * math.sqrt(r + dr))
         k = torch.cat([latents, k_ropes], dim=-1).unsqueeze(2)  # [b, t, 1, r + dr]
-        out = self.core_attention(q, k, latents.unsqueeze(2), None, q_offset=q_offset)  # [b, s, heads, r]
+        out = self.core_attention(q, k, latents.unsqueeze(2), packed, q_offset=q_offset)  # [b, s, heads, r]
         out = torch.einsum("bshr,hvr->bshv", out, w_uv)
         bias = self.linear_kv_up_proj.bias
         if bias is not None:  # the value bias passes through attention unchanged (softmax rows sum to 1)
