@@ -65,8 +65,8 @@ def _hf_config(name: str):
                                               mlp_only_layers=[0], norm_topk_prob=False, **_MOE),
         "qwen3_moe": lambda: t.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=48, head_dim=24,
                                               norm_topk_prob=True, **_MOE),
-        # MLA with YaRN; 3 layers: one dense, then sigmoid group-limited routing with expert bias, one shared expert
-        "deepseek_v3": lambda: t.DeepseekV3Config(**dict(_DEEPSEEK, num_hidden_layers=3), n_group=4, topk_group=2,
+        # MLA with YaRN; 4 layers: one dense, then sigmoid group-limited routing with expert bias, one shared expert
+        "deepseek_v3": lambda: t.DeepseekV3Config(**dict(_DEEPSEEK, num_hidden_layers=4), n_group=4, topk_group=2,
                                                   num_experts_per_tok=4, routed_scaling_factor=2.5, norm_topk_prob=True,
                                                   q_lora_rank=24, rope_parameters=dict(YARN)),
         # V2-Lite's kind: no query compression, softmax routing without renormalization, two shared experts

@@ -467,13 +467,16 @@ def _ours_from(args):
         cfg, state = read_ml_checkpoint(args.ml_dir)
         return cfg, state.__getitem__, lambda name: torch.empty_like(state[name], device="meta"), lambda: None, {}
     from megatron_lite.checkpoint.offline import open_checkpoint
+    from megatron_lite.checkpoint.plan import buffer_key
 
     reader = open_checkpoint(args.load, args.iteration, args.verify_checkpoint)
     cfg = ModelConfig(**reader.meta["model_config"])
 
-    def key_of(name: str) -> str:  # fp32 main params where bf16/fp16 training kept them
-        main = f"optim/{name}/main"
-        return main if reader.has(main) else f"model/{name}"
+    def key_of(name: str) -> str:  # fp32 main params where bf16/fp16 training kept them; buffers (expert biases)
+        for key in (f"optim/{name}/main", buffer_key(name)):
+            if reader.has(key):
+                return key
+        return f"model/{name}"
 
     def meta(name: str) -> torch.Tensor:
         key = key_of(name)
