@@ -162,7 +162,7 @@ class ModelConfig:
             _require(self.rotary_scaling_factor >= 1 and self.original_max_position_embeddings >= 1,
                      f"--rope-type yarn needs --rotary-scaling-factor >= 1 ({self.rotary_scaling_factor}) and "
                      f"--original-max-position-embeddings >= 1 ({self.original_max_position_embeddings})")
-            _require(self.beta_fast > self.beta_slow > 0, f"YaRN needs --beta-fast ({self.beta_fast}) > --beta-slow "
+            _require(self.beta_fast >= self.beta_slow > 0, f"YaRN needs --beta-fast ({self.beta_fast}) >= --beta-slow "
                                                           f"({self.beta_slow}) > 0")
         if self.multi_latent_attention:
             self._validate_mla()
