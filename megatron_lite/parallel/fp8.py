@@ -57,10 +57,12 @@ class Float8GemmPath(GemmPath):
         self.dims, self.recipe, self.margin = dims, recipe, margin
         self.grad_dtype = FORMATS["e5m2" if fmt == "hybrid" else "e4m3"]
 
-    def describe(self, params_dtype, moe_layers=()) -> str:
-        """The start-up line; `moe_layers`: per layer, whether its MLP is an MoE layer."""
+    def describe(self, params_dtype, moe_layers=(), mla: bool = False) -> str:
+        """The start-up line; `moe_layers`: per layer, whether its MLP is an MoE layer; `mla`: multi-latent
+        attention's projections instead of QKV."""
         fmt = "e4m3" if self.grad_dtype == FORMATS["e4m3"] else "hybrid: e4m3 forward, e5m2 gradients"
-        gemms = "QKV, projection" + (", fc1, fc2" if not all(moe_layers) else "") + (", experts" if any(moe_layers) else "")
+        gemms = ("Q, KV down- and up-projections" if mla else "QKV") + ", projection"
+        gemms += (", fc1, fc2" if not all(moe_layers) else "") + (", experts" if any(moe_layers) else "")
         return (f"{self.recipe} current scaling ({fmt}, margin {self.margin}) in the attention and MLP linears "
                 f"({gemms}); embedding, output layer, norms and router in {str(params_dtype).replace('torch.', '')}")
 
