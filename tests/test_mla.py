@@ -176,3 +176,22 @@ def test_mla_decoding_over_latents_equals_recomputation(tp, bias):
     for gap, nbytes in run_distributed(_decoding_worker, tp, bias):
         assert gap < 5e-5, f"cached logits differ from recomputation by {gap:.2e}"
         assert nbytes == 2 * (16 + 8) * 4  # 2 layers, fp32, one token
+
+
+def test_mla_and_yarn_flags_parse():
+    from megatron_lite.arguments import parse_args
+    from models.zoo import zoo
+    cfg = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                      "--position-embedding-type", "rope", "--rope-type", "yarn", "--rotary-scaling-factor", "40",
+                      "--mscale", "0.707", "--mscale-all-dim", "0.707", "--original-max-position-embeddings", "16",
+                      "--beta-fast", "32", "--beta-slow", "1"] + MLA, zoo()).model
+    assert (cfg.multi_latent_attention, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_head_dim, cfg.qk_pos_emb_head_dim,
+            cfg.v_head_dim) == (True, 24, 16, 12, 8, 20)
+    assert (cfg.rope_scaling_type, cfg.rotary_scaling_factor, cfg.mscale, cfg.mscale_all_dim,
+            cfg.original_max_position_embeddings) == ("yarn", 40.0, 0.707, 0.707, 16)
+    assert cfg.kv_channels == 20 and cfg.num_query_groups == 4  # query / key head size; one K/V head per head
+    with pytest.raises(ConfigError, match="--rope-type rope contradicts --rope-scaling-type yarn"):
+        parse_args(["--rope-type", "rope", "--rope-scaling-type", "yarn"], zoo())
+    with pytest.raises(ConfigError, match=r"--beta-fast \(1.0\) >= --beta-slow \(2.0\)"):
+        parse_args(["--position-embedding-type", "rope", "--rope-type", "yarn", "--beta-fast", "1", "--beta-slow",
+                    "2"], zoo()).model.validate(64)
