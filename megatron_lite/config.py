@@ -662,6 +662,11 @@ class Config:
                  f"--fp8-recipe {t.fp8_recipe} is not implemented yet: use tensorwise or rowwise")
         _require(p.cp == 1, "FP8 with --context-parallel-size > 1 is not implemented yet (the amax is not reduced "
                             "over CP): drop one of them")
+        # MLA's replicated down-projections see partial input gradients on each TP rank (summed after): FP8
+        # would quantize the partial sums, not the single process's whole gradient.
+        _require(not (self.model.multi_latent_attention and p.tp > 1),
+                 "FP8 with --multi-latent-attention at --tensor-model-parallel-size > 1 is not implemented yet (it "
+                 "would not reproduce the single-process run): use TP 1, or drop one of them")
         if moe is not None and moe.num_experts:
             _require(not moe.moe_grouped_gemm, "FP8 with --moe-grouped-gemm is not implemented yet: drop one of them")
             _require(p.tp == 1, "FP8 with MoE at --tensor-model-parallel-size > 1 is not implemented yet")

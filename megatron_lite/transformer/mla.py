@@ -70,19 +70,19 @@ class MLASelfAttention(nn.Module):
         self.recompute_core = ctx.recompute_granularity == "selective"
         q_head = c.qk_head_dim + c.qk_pos_emb_head_dim
 
-        def replicated(out_size):  # whole on every TP rank; its gradient partial over TP (summed there)
+        def duplicated(out_size):  # whole on every TP rank; its gradient partial over TP (summed there)
             return ColumnParallelLinear(h, out_size, dims, bias=c.bias, sequence_parallel=sp, replicas=tp, dtype=dt,
                                         gemm=gemm)
         if c.q_lora_rank is None:
             self.linear_q_proj = ColumnParallelLinear(h, heads * q_head, dims, bias=c.bias, sequence_parallel=sp,
                                                       dtype=dt, gemm=gemm)
         else:
-            self.linear_q_down_proj = replicated(c.q_lora_rank)
+            self.linear_q_down_proj = duplicated(c.q_lora_rank)
             self.q_layernorm = head_norm(cfg, ctx, c.q_lora_rank)
             # Applied to the replicated latent on each rank (no TP region of its own: see the module doc).
             self.linear_q_up_proj = ColumnParallelLinear(c.q_lora_rank, heads * q_head, dims, bias=c.bias, dtype=dt,
                                                          gemm=gemm)
-        self.linear_kv_down_proj = replicated(c.kv_lora_rank + c.qk_pos_emb_head_dim)
+        self.linear_kv_down_proj = duplicated(c.kv_lora_rank + c.qk_pos_emb_head_dim)
         self.kv_layernorm = head_norm(cfg, ctx, c.kv_lora_rank)
         self.linear_kv_up_proj = ColumnParallelLinear(c.kv_lora_rank, heads * (c.qk_head_dim + c.v_head_dim), dims,
                                                       bias=c.bias, dtype=dt, gemm=gemm)
