@@ -23,6 +23,8 @@ declares safe in its checkpoints); a file naming any other class is refused, nam
 from __future__ import annotations
 
 import argparse
+import io
+import itertools
 import json
 import os
 import pickle
@@ -33,9 +35,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, TensorStorageMetadata
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, StorageMeta
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.planner_helpers import _create_read_item_for_byteio, create_read_items_for_chunk_list
 
 from megatron_lite.parallel.pipeline.placement import StagePlacement
 
@@ -45,6 +47,7 @@ from .megatron_conversion import ALIASES, IGNORED, VOCAB_TENSORS, layout_of_args
 TRACKER = "latest_checkpointed_iteration.txt"
 LEGACY_FILE = "model_optim_rng.pt"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 
 
@@ -61,9 +64,11 @@ _PLAIN = {"argparse.Namespace": "argparse.Namespace", "types.SimpleNamespace": "
           "numpy._core.multiarray._reconstruct": "numpy._core.multiarray._reconstruct", "numpy.ndarray": "numpy.ndarray",
           "numpy.dtype": "numpy.dtype", "numpy.dtypes.UInt32DType": "numpy.dtypes.UInt32DType"}
 _MEGATRON_ENUMS = ("megatron.core.transformer.enums.AttnBackend", "megatron.core.transformer.enums.CudaGraphScope",
-                   "megatron.core.enums.ModelType", "megatron.core.rerun_state_machine.RerunDiagnostic",
+                   "megatron.core.transformer.enums.CudaGraphModule",  # (0.19)
+                   "megatron.core.transformer.enums.InferenceCudaGraphScope", "megatron.core.enums.ModelType", "megatron.core.rerun_state_machine.RerunDiagnostic",
                    "megatron.core.rerun_state_machine.RerunMode", "megatron.core.rerun_state_machine.RerunState")
-_MEGATRON_OBJECTS = ("megatron.core.optimizer.optimizer_config.OptimizerConfig",)
+# (0.19 also lists torch._C.Generator: an RNG's state, read here as a stand-in like Megatron-Core's objects)
+_MEGATRON_OBJECTS = ("megatron.core.optimizer.optimizer_config.OptimizerConfig", "torch._C.Generator")
 ALLOWED = set(_PLAIN) | set(_MEGATRON_ENUMS) | set(_MEGATRON_OBJECTS)
 # A NumPy array's dtype is rebuilt with the class of the dtype, which the pickle does not name.
 _IMPLIED = {"numpy.dtype": ("numpy.dtypes.UInt32DType",)}
@@ -94,7 +99,7 @@ def _allowed_object(name: str):
     return (getattr(importlib.import_module(module), attr), name)
 
 
-def safe_load(path: str, mmap: bool = False) -> Any:
+def safe_load(path, mmap: bool = False) -> Any:
     """torch.load(weights_only=True) allowing only the classes in ALLOWED that the file names. What
     this process may have registered as safe elsewhere (importing megatron.core registers its list)
     is set aside meanwhile: the allow-list here is the whole of it."""
@@ -106,9 +111,11 @@ def safe_load(path: str, mmap: bool = False) -> Any:
         torch.serialization.add_safe_globals(registered)
 
 
-def _load_allowed(path: str, mmap: bool) -> Any:
+def _load_allowed(path, mmap: bool) -> Any:
+    """(`path`: a file's path, or (what it is called, a file-like object))"""
+    path, f = path if isinstance(path, tuple) else (path, path)
     try:
-        needed = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        needed = torch.serialization.get_unsafe_globals_in_checkpoint(f)
     except Exception as e:  # not a zip-format torch.save file
         raise ConversionError(f"{path} is not a readable torch.save file: {e}") from e
     refused = [g for g in needed if g not in ALLOWED]
@@ -120,7 +127,9 @@ def _load_allowed(path: str, mmap: bool) -> Any:
     needed = list(needed) + [g for n in needed for g in _IMPLIED.get(n, ())]
     try:
         with torch.serialization.safe_globals([_allowed_object(g) for g in needed]):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            if not isinstance(f, str):
+                f.seek(0)
+            return torch.load(f, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         detail = next((lines[i + 1] for i, line in enumerate(lines[:-1]) if "WeightsUnpickler error" in line),
@@ -234,30 +243,53 @@ class TorchDistCheckpoint(_Reader):
             if backend != "torch_dist":
                 raise ConversionError(f"{directory}: sharded_backend {backend!r} is not supported; supported: torch_dist")
         common_path = os.path.join(directory, "common.pt")
-        super().__init__(directory, safe_load(common_path) if os.path.exists(common_path) else {})
-        self.metadata = read_dcp_metadata(os.path.join(directory, ".metadata"))
-        self.reader = _Storage(directory, self.metadata)
+        metadata = read_dcp_metadata(os.path.join(directory, ".metadata"))
+        reader = _Storage(directory, metadata)
+        if os.path.exists(common_path):
+            common = safe_load(common_path)
+        else:  # Megatron-Core 0.19: the args, iteration and version are an object inside the .distcp files
+            key = next((k for k in metadata.state_dict_metadata if k.startswith("common_state/")), None)
+            common = safe_load((f"{directory}:{key}", io.BytesIO(_read_bytes(reader, key)))) if key else {}
+            common = common[0] if isinstance(common, list) and common else common  # (a list: one object per rank)
+        super().__init__(directory, common)
+        self.metadata, self.reader = metadata, reader
         self.stored = {k: m for k, m in self.metadata.state_dict_metadata.items()
                        if isinstance(m, TensorStorageMetadata) and not k.startswith("optimizer.") and not _ignored(k)}
         for key, m in self.stored.items():
             if self._halves(key[:-2]) and key.endswith("_v"):
                 continue  # indexed with its _w half
             base = key[:-2] if self._halves(key[:-2]) else key
-            parts = base.split(".")
-            if base.startswith("decoder.layers.") and not parts[2].isdigit():  # stacked over the layers
-                for i in range(m.size[0]):
-                    self.index[_canonical(f"decoder.layers.{i}.{'.'.join(parts[2:])}")] = (key, i)
-            else:
-                self.index[_canonical(base)] = (key, None)
+            self._index_key(key, base, m)
+
+    def _index_key(self, key: str, base: str, m) -> None:
+        """A layer's tensors are stacked over the layers (`decoder.layers.X` [num_layers, ...]) or one
+        per layer (`decoder.layers.N.X`: Megatron-Core's choice when dense and MoE layers mix); an
+        MoE layer's expert tensors are stacked over the experts after that (`mlp.experts.experts.X`)."""
+        parts = base.split(".")
+        if not base.startswith("decoder.layers."):
+            self.index[_canonical(base)] = (key, None)
+            return
+        stacked = not parts[2].isdigit()
+        rest = ".".join(parts[2:] if stacked else parts[3:])
+        experts = rest.startswith("mlp.experts.experts.")
+        if experts:
+            rest = f"mlp.experts.local_experts.{{e}}.{rest[len('mlp.experts.experts.'):]}"
+        if not stacked and not experts:
+            self.index[_canonical(base)] = (key, None)
+            return
+        for where in _stored_boxes(m, stacked + experts):
+            layer = where[0] if stacked else parts[2]
+            name = f"decoder.layers.{layer}.{rest.format(e=where[-1]) if experts else rest}"
+            self.index[_canonical(name)] = (key, where)
 
     def _halves(self, base: str) -> bool:
         """Whether SwiGLU's fc1 `base` is stored as two tensors, base_w (gate) and base_v (up)."""
         return base + "_w" in self.stored and base + "_v" in self.stored
 
     def _shape(self, name: str) -> Tuple[int, ...]:
-        key, layer = self.index[name]
+        key, where = self.index[name]
         size = tuple(self.stored[key].size)
-        size = size[1:] if layer is not None else size
+        size = size[len(where):] if where is not None else size
         if key.endswith("_w") and self._halves(key[:-2]):
             size = (2 * size[0],) + size[1:]
         return size
@@ -265,26 +297,37 @@ class TorchDistCheckpoint(_Reader):
     def _dtype(self, name: str) -> torch.dtype:
         return self.stored[self.index[name][0]].properties.dtype
 
-    def _box(self, key: str, layer: Optional[int], rows: Optional[int]) -> torch.Tensor:
-        """One layer of a stored tensor (or all of it), its first `rows` rows only if given."""
+    def _box(self, key: str, where: Optional[Tuple[int, ...]], rows: Optional[int]) -> torch.Tensor:
+        """One layer (or one layer's expert) of a stored tensor, or all of it; its first `rows` rows
+        only if given."""
         m = self.stored[key]
+        where = where or ()
         size, offsets = list(m.size), [0] * len(m.size)
-        if layer is not None:
-            size[0], offsets[0] = 1, layer
-        first = 1 if layer is not None else 0
+        for d, i in enumerate(where):
+            size[d], offsets[d] = 1, i
+        first = len(where)
         if rows is not None and first < len(size):
             size[first] = min(size[first], rows)
         out = torch.empty(size, dtype=m.properties.dtype)
         with warnings.catch_warnings():  # "torch.distributed is disabled ...: load in a single process" (we do)
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load({key: out}, storage_reader=self.reader, planner=_BoxPlanner(key, offsets, size), no_dist=True)
-        return out[0] if layer is not None else out
+        return out.reshape(size[first:])
 
     def _read(self, name: str, where: tuple, rows: Optional[int]) -> torch.Tensor:
         key, layer = where
         if key.endswith("_w") and self._halves(key[:-2]):
             return torch.cat([self._box(key, layer, None), self._box(key[:-2] + "_v", layer, None)])
         return self._box(key, layer, rows)
+
+
+def _stored_boxes(m, dims: int) -> List[Tuple[int, ...]]:
+    """The indices over the first `dims` dimensions that a stored tensor's chunks cover (Megatron-Core
+    stores a key of some layers only, e.g. the experts of the MoE layers, under the model's layer count)."""
+    out = set()
+    for c in m.chunks:
+        out.update(itertools.product(*(range(o, o + n) for o, n in zip(c.offsets[:dims], c.sizes[:dims]))))
+    return sorted(out)
 
 
 # torch.distributed.checkpoint's own reader unpickles `.metadata` with pickle.load, any class at all;
@@ -338,6 +381,24 @@ class _Storage(FileSystemReader):
         return self.metadata
 
 
+def _read_bytes(reader, key: str) -> bytes:
+    """The bytes of one object (a BytesStorageMetadata entry) of a DCP checkpoint, unpickled by no one."""
+    class Planner(DefaultLoadPlanner):
+        data = b""
+
+        def create_local_plan(self) -> LoadPlan:
+            index = MetadataIndex(key)
+            return LoadPlan([_create_read_item_for_byteio(index, 0, index, 0, 0)])
+
+        def load_bytes(self, read_item, value) -> None:
+            Planner.data = value.read()
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({}, storage_reader=reader, planner=Planner(), no_dist=True)
+    return Planner.data
+
+
 class _BoxPlanner(DefaultLoadPlanner):
     """Loads one box (offsets, sizes) of one stored tensor into a tensor shaped like the box."""
 
@@ -359,37 +420,32 @@ class LegacyCheckpoint(_Reader):
     format = "legacy"
 
     def __init__(self, directory: str):
-        ranks = {}
-        for entry in os.listdir(directory):
-            m = _RANK_DIR.match(entry)
-            if not m:
-                continue
-            if m.group(3) is not None:
-                raise ConversionError(f"{directory}/{entry}: expert-parallel legacy checkpoints (mp_rank_XX_YYY_EEE) "
-                                      f"are not supported")
-            ranks[(int(m.group(1)), int(m.group(2) or 0))] = os.path.join(directory, entry, LEGACY_FILE)
-        first = ranks.get((0, 0))
-        if first is None or not os.path.exists(first):
+        found = {entry: m.groups() for entry in os.listdir(directory) if (m := _RANK_DIR.match(entry))}
+        firsts = [e for e, g in found.items() if not any(int(x or 0) for x in g)]  # mp_rank_00[_000][_000]
+        first = os.path.join(directory, firsts[0], LEGACY_FILE) if firsts else ""
+        if not os.path.exists(first):
             raise ConversionError(f"{directory} lacks the first rank's file mp_rank_00*/{LEGACY_FILE}")
-        states = {(0, 0): safe_load(first, mmap=True)}
-        super().__init__(directory, states[(0, 0)])
+        state0 = safe_load(first, mmap=True)
+        super().__init__(directory, state0)
         layout = layout_of_args(self.args) if self.args else {
-            "tp": 1 + max(t for t, _ in ranks), "pp": 1 + max(p for _, p in ranks), "ep": 1}
-        self.tp, self.pp = layout["tp"], layout["pp"]
-        for t in range(self.tp):
-            for p in range(self.pp):
-                name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if self.pp > 1 else "")
-                path = os.path.join(directory, name, LEGACY_FILE)
-                if not os.path.exists(path):
-                    raise ConversionError(f"missing TP shard {path} (the checkpoint is tensor_model_parallel_size="
-                                          f"{self.tp}, pipeline_model_parallel_size={self.pp})")
-                if (t, p) not in states:
-                    states[(t, p)] = safe_load(path, mmap=True)
-        extra = sorted(set(ranks) - set(states))
+            "tp": 1 + max(int(g[0]) for g in found.values()), "pp": 1 + max(int(g[1] or 0) for g in found.values()),
+            "ep": 1}
+        self.tp, self.pp, self.ep = layout["tp"], layout["pp"], layout["ep"]
+        states, expected = {}, set()
+        for t, p, e in itertools.product(range(self.tp), range(self.pp), range(self.ep)):
+            name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if self.pp > 1 else "") + (f"_{e:03d}" if self.ep > 1 else "")
+            expected.add(name)
+            path = os.path.join(directory, name, LEGACY_FILE)
+            if not os.path.exists(path):
+                raise ConversionError(f"missing TP shard {path} (the checkpoint is tensor_model_parallel_size="
+                                      f"{self.tp}, pipeline_model_parallel_size={self.pp}, "
+                                      f"expert_model_parallel_size={self.ep})")
+            states[(t, p, e)] = state0 if path == first else safe_load(path, mmap=True)
+        extra = sorted(set(found) - expected)
         if extra:
             raise ConversionError(f"{directory} has rank files beyond tensor_model_parallel_size={self.tp} x "
-                                  f"pipeline_model_parallel_size={self.pp}, e.g. TP rank {extra[0][0]}, PP rank "
-                                  f"{extra[0][1]}")
+                                  f"pipeline_model_parallel_size={self.pp} x expert_model_parallel_size={self.ep}, "
+                                  f"e.g. {extra[0]}")
         self.chunks = {key: self._chunks(state, key) for key, state in states.items()}
         self._index_layers()
 
@@ -403,25 +459,32 @@ class LegacyCheckpoint(_Reader):
         return chunks
 
     def _index_layers(self) -> None:
-        """Global layer numbers: the chunks' runs of consecutive layers in (loop-placed) stage order."""
-        placement = StagePlacement(self.pp, len(self.chunks[(0, 0)]))
+        """Global layer numbers: the chunks' runs of consecutive layers in (loop-placed) stage order;
+        global expert numbers: EP rank e's local expert j is expert e * local experts + j."""
+        placement = StagePlacement(self.pp, len(self.chunks[(0, 0, 0)]))
         offset = 0
         for p, v in map(placement.location, range(placement.num_stages)):
-            sd = self.chunks[(0, p)][v]
-            local = sorted({int(m.group(1)) for k in sd if (m := _LAYER.match(k))})
-            for key, value in sd.items():
-                if _ignored(key) or not isinstance(value, torch.Tensor):
-                    continue
-                m = _LAYER.match(key)
-                name = key if m is None else f"decoder.layers.{offset + local.index(int(m.group(1)))}.{m.group(2)}"
-                self.index[_canonical(name)] = (p, v, key)
+            local = sorted({int(m.group(1)) for k in self.chunks[(0, p, 0)][v] if (m := _LAYER.match(k))})
+            for e in range(self.ep):
+                sd = self.chunks[(0, p, e)][v]
+                per_rank = len({m.group(1) for k in sd if (m := _LOCAL_EXPERT.search(k))})
+                for key, value in sd.items():
+                    if _ignored(key) or not isinstance(value, torch.Tensor):
+                        continue
+                    x = _LOCAL_EXPERT.search(key)
+                    if e and not x:
+                        continue  # the same on every EP rank: read from the first
+                    name = key if x is None else key.replace(x.group(0), f".local_experts.{e * per_rank + int(x.group(1))}.")
+                    if m := _LAYER.match(name):
+                        name = f"decoder.layers.{offset + local.index(int(m.group(1)))}.{m.group(2)}"
+                    self.index[_canonical(name)] = (p, v, key, e)
             offset += len(local)
 
     def _pieces(self, where: tuple) -> List[torch.Tensor]:
-        p, v, key = where
+        p, v, key, e = where
         out = []
         for t in range(self.tp):
-            sd = self.chunks[(t, p)][v]
+            sd = self.chunks[(t, p, e)][v]
             if key not in sd:
                 raise ConversionError(f"{self.dir}: TP rank {t}, PP rank {p} lacks {key!r}, which TP rank 0 has")
             out.append(sd[key])
@@ -433,8 +496,8 @@ class LegacyCheckpoint(_Reader):
         return (rows,) + tuple(pieces[0].shape[1:])
 
     def _dtype(self, name: str) -> torch.dtype:
-        p, v, key = self.index[name]
-        return self.chunks[(0, p)][v][key].dtype
+        p, v, key, e = self.index[name]
+        return self.chunks[(0, p, e)][v][key].dtype
 
     def _read(self, name: str, where: tuple, rows: Optional[int]) -> torch.Tensor:
         return merge_tp(where[2], self._pieces(where), self.swiglu)

@@ -13,11 +13,13 @@ Anything in the args the GPT model cannot compute the same way is a ConversionEr
 """
 from __future__ import annotations
 
+from dataclasses import fields, replace
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.transformer.moe import MoEConfig
 
 from .hf_conversion import ConversionError, R
 
@@ -39,10 +41,20 @@ MEGATRON_RULES = [
     R("layers.{i}.self_attention.k_layernorm.bias", D + "self_attention.k_layernorm.bias", when=("qk_norm", "layernorm")),
     R("layers.{i}.pre_mlp_layernorm.weight", D + "mlp.linear_fc1.layer_norm_weight"),
     R("layers.{i}.pre_mlp_layernorm.bias", D + "mlp.linear_fc1.layer_norm_bias", when="layernorm"),
-    R("layers.{i}.mlp.linear_fc1.weight", D + "mlp.linear_fc1.weight"),
-    R("layers.{i}.mlp.linear_fc1.bias", D + "mlp.linear_fc1.bias", when="bias"),
-    R("layers.{i}.mlp.linear_fc2.weight", D + "mlp.linear_fc2.weight"),
-    R("layers.{i}.mlp.linear_fc2.bias", D + "mlp.linear_fc2.bias", when="bias"),
+    R("layers.{i}.mlp.linear_fc1.weight", D + "mlp.linear_fc1.weight", when="dense"),
+    R("layers.{i}.mlp.linear_fc1.bias", D + "mlp.linear_fc1.bias", when=("dense", "bias")),
+    R("layers.{i}.mlp.linear_fc2.weight", D + "mlp.linear_fc2.weight", when="dense"),
+    R("layers.{i}.mlp.linear_fc2.bias", D + "mlp.linear_fc2.bias", when=("dense", "bias")),
+    # MoE layers (SequentialMLP: one MLP per expert, `{e}` the global expert number)
+    R("layers.{i}.mlp.router.weight", D + "mlp.router.weight", when="moe"),
+    R("layers.{i}.mlp.experts.weight1", D + "mlp.experts.local_experts.{e}.linear_fc1.weight", "experts", when="moe"),
+    R("layers.{i}.mlp.experts.weight2", D + "mlp.experts.local_experts.{e}.linear_fc2.weight", "experts", when="moe"),
+    R("layers.{i}.mlp.shared_experts.linear_fc1.weight", D + "mlp.shared_experts.linear_fc1.weight",
+      when=("moe", "shared_expert")),
+    R("layers.{i}.mlp.shared_experts.linear_fc2.weight", D + "mlp.shared_experts.linear_fc2.weight",
+      when=("moe", "shared_expert")),
+    R("layers.{i}.mlp.shared_experts.gate_weight", D + "mlp.shared_experts.gate_weight",
+      when=("moe", "shared_expert", "shared_gate")),
     R("final_norm.weight", "decoder.final_layernorm.weight"),
     R("final_norm.bias", "decoder.final_layernorm.bias", when="layernorm"),
     R("output_layer.weight", "output_layer.weight", when="untied"),
@@ -96,11 +108,9 @@ def split_tp(name: str, full: torch.Tensor, tp: int, swiglu: bool) -> list:
     return list(full.chunk(tp, dim=dim))
 
 
-def megatron_args_of_config(cfg: ModelConfig, tp: int, pp: int) -> Dict[str, Any]:
+def megatron_args_of_config(cfg: ModelConfig, tp: int, pp: int, ep: int = 1) -> Dict[str, Any]:
     """The model-defining fields of the args Megatron-LM saves (model_config_from_megatron_args'
     inverse); a ConversionError naming what Megatron-Core's GPT cannot express."""
-    if cfg.moe is not None and cfg.moe.num_experts:
-        raise ConversionError(f"MoE models (num_experts={cfg.moe.num_experts}) are not written to Megatron-LM yet")
     if cfg.window_size:
         raise ConversionError(f"window_size={cfg.window_size} (sliding-window attention) has no Megatron-LM flag")
     if cfg.rope_scaling_type and (cfg.rope_scaling_low_freq_factor, cfg.rope_scaling_high_freq_factor,
@@ -125,8 +135,34 @@ def megatron_args_of_config(cfg: ModelConfig, tp: int, pp: int) -> Dict[str, Any
                 hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
                 init_method_std=cfg.init_method_std, make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
                 padded_vocab_size=cfg.padded_vocab_size(tp), tensor_model_parallel_size=tp,
-                pipeline_model_parallel_size=pp, num_experts=None, multi_latent_attention=False,
-                use_legacy_models=False, transformer_impl="local")
+                pipeline_model_parallel_size=pp, expert_model_parallel_size=ep, multi_latent_attention=False,
+                use_legacy_models=False,
+                transformer_impl="local", **(moe_args_of_config(cfg, ep) or {"num_experts": None}))
+
+
+# Our MoEConfig fields that are Megatron-LM args of the same name and meaning (the others: ours only)
+_MOE_OURS_ONLY = ("moe_router_norm_topk_prob",)
+
+
+def moe_args_of_config(cfg: ModelConfig, ep: int) -> Dict[str, Any]:
+    """The MoE args Megatron-LM saves (its MoEConfig fields have Megatron's names), experts as
+    SequentialMLP (one MLP per expert: --moe-grouped-gemm off); {} for a dense model."""
+    moe = cfg.moe
+    if moe is None or not moe.num_experts:
+        return {}
+    if moe.moe_router_norm_topk_prob is not None and moe.moe_router_norm_topk_prob != replace(
+            moe, moe_router_norm_topk_prob=None).normalizes_topk:
+        raise ConversionError(f"moe_router_norm_topk_prob={moe.moe_router_norm_topk_prob} (from a HF config) differs "
+                              f"from Megatron-LM's rule for {moe.moe_router_score_function} scores: no Megatron-LM "
+                              f"flag expresses it")
+    if moe.moe_router_enable_expert_bias:
+        raise ConversionError("the router's expert bias (--moe-router-enable-expert-bias) is not written to "
+                              "Megatron-LM checkpoints yet")
+    if cfg.add_bias_linear:
+        raise ConversionError("MoE experts with biases (--add-bias-linear) are not written to Megatron-LM "
+                              "checkpoints: the experts here have none")
+    out = {f.name: getattr(moe, f.name) for f in fields(moe) if f.name not in _MOE_OURS_ONLY}
+    return dict(out, moe_grouped_gemm=False, expert_tensor_parallel_size=None)
 
 
 # --- model config from Megatron-LM's args ---------------------------------------------------------
@@ -168,8 +204,6 @@ def true_vocab_size(a: Mapping[str, Any], given: Optional[int]) -> Optional[int]
 
 def model_config_from_megatron_args(a: Mapping[str, Any], vocab_size: int) -> ModelConfig:
     """Our GPT config of a Megatron-LM run's args (a dict of its Namespace, flags merged in)."""
-    if a.get("num_experts"):
-        raise ConversionError(f"MoE Megatron checkpoints are not supported yet (num_experts={a['num_experts']})")
     for key, (what, fine) in _UNSUPPORTED.items():
         if a.get(key) not in fine:
             raise ConversionError(f"{key}={a[key]!r} ({what}) is not supported")
@@ -207,7 +241,21 @@ def model_config_from_megatron_args(a: Mapping[str, Any], vocab_size: int) -> Mo
               make_vocab_size_divisible_by=a.get("make_vocab_size_divisible_by"))
     if a.get("use_rope_scaling"):
         kw.update(rope_scaling_type="llama3", rope_scaling_factor=float(a.get("rope_scaling_factor", 8.0)))
+    if a.get("num_experts"):
+        kw["moe"] = moe_config_from_megatron_args(a)
     return ModelConfig(**{k: v for k, v in kw.items() if v is not None})
+
+
+def moe_config_from_megatron_args(a: Mapping[str, Any]) -> MoEConfig:
+    """Our MoEConfig of a Megatron-LM MoE run's args (same names; Megatron's defaults where absent)."""
+    if a.get("moe_router_enable_expert_bias"):
+        raise ConversionError("moe_router_enable_expert_bias=True (the router's expert bias) is not read from "
+                              "Megatron-LM checkpoints yet")
+    if a.get("add_bias_linear", True):
+        raise ConversionError("MoE experts with biases (add_bias_linear=True) are not supported: the experts here "
+                              "have none")
+    names = {f.name for f in fields(MoEConfig)} - set(_MOE_OURS_ONLY)
+    return MoEConfig(**{k: a[k] for k in names if a.get(k) is not None})
 
 
 def layout_of_args(a: Mapping[str, Any]) -> Dict[str, int]:

@@ -49,6 +49,7 @@ def import_mcore():
         torch.serialization.add_safe_globals(registered)
     jit.disable_jit_fuser()
     import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: F401
+    import megatron.core.dist_checkpointing.strategies.state_dict_saver  # noqa: F401  (imported lazily in 0.19)
     import megatron.core.dist_checkpointing.strategies.torch  # noqa: F401
     import megatron.core.models.gpt  # noqa: F401
     import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
@@ -94,6 +95,9 @@ def cpu_shims() -> None:
     filesystem_async._results_queue = queue.Queue()
     filesystem_async._process_memory = lambda: 0
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)  # no CUDA RNG states
+    from megatron.core.transformer.moe import moe_utils
+    if not hasattr(moe_utils, "te_general_gemm"):  # the router's GEMM asks for it (None: no Transformer Engine)
+        moe_utils.te_general_gemm = None
 
 
 # --- a model and its Megatron-LM args -------------------------------------------------------------
@@ -117,7 +121,23 @@ def transformer_config(shape: dict, tp: int, pp: int, vpp: int = 1):
         pipeline_dtype=torch.float32, use_cpu_initialization=True, gradient_accumulation_fusion=False,
         bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
         layernorm_zero_centered_gamma=shape.get("apply_layernorm_1p", False),
-        qk_layernorm=shape.get("qk_layernorm", False))
+        qk_layernorm=shape.get("qk_layernorm", False), **_moe_config(shape))
+
+
+# An MoE shape's keys (Megatron-LM's args of the same names); the experts run as SequentialMLP
+# and the allgather dispatcher (the alltoall one asks for a CUDA stream).
+MOE_KEYS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+            "moe_shared_expert_gate", "moe_layer_freq", "moe_router_score_function", "moe_router_pre_softmax",
+            "moe_router_topk_scaling_factor")
+
+
+def _moe_config(shape: dict) -> dict:
+    if not shape.get("num_experts"):
+        return {}
+    kw = {k: shape[k] for k in MOE_KEYS[1:] if k in shape}
+    return dict(kw, num_moe_experts=shape["num_experts"], moe_token_dispatcher_type="allgather",
+                moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
+                expert_model_parallel_size=shape.get("ep", 1), expert_tensor_parallel_size=None)
 
 
 def megatron_args(shape: dict, tp: int, pp: int, padded_vocab: int, ckpt_format: str,
@@ -147,9 +167,24 @@ def megatron_args(shape: dict, tp: int, pp: int, padded_vocab: int, ckpt_format:
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         decoder_first_pipeline_num_layers=shape.get("first_stage_layers"),
-        decoder_last_pipeline_num_layers=shape.get("last_stage_layers"), num_experts=None,
+        decoder_last_pipeline_num_layers=shape.get("last_stage_layers"),
+        **{k: shape.get(k) for k in MOE_KEYS}, moe_grouped_gemm=False, expert_model_parallel_size=shape.get("ep", 1),
         multi_latent_attention=False, use_legacy_models=False, transformer_impl="local", ckpt_format=ckpt_format,
-        attention_backend=AttnBackend.auto, params_dtype=torch.float32, data_path=["a", "b"], iteration=5)
+        attention_backend=AttnBackend.auto, params_dtype=torch.float32, data_path=["a", "b"], iteration=5,
+        **_newer_args())
+
+
+def _newer_args() -> dict:
+    """Args of the kinds a newer Megatron-LM saves (0.19: its inference CUDA-graph scope and graph
+    modules are enums of classes 0.16 does not have)."""
+    from megatron.core.transformer import enums
+
+    out = {}
+    if hasattr(enums, "InferenceCudaGraphScope"):
+        out["inference_cuda_graph_scope"] = next(iter(enums.InferenceCudaGraphScope))
+    if hasattr(enums, "CudaGraphModule"):
+        out["cuda_graph_modules"] = [next(iter(enums.CudaGraphModule))]
+    return out
 
 
 def _seed(name: str, *extra) -> int:
@@ -208,14 +243,20 @@ def build_gpt(shape: dict, tp: int, pp: int, padded_vocab: int, vpp: int = 1):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+                                             virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+                                             expert_model_parallel_size=shape.get("ep", 1))
     pp_rank, tp_rank = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
     tied = not shape["untie_embeddings_and_output_weights"]
     one_p = shape.get("apply_layernorm_1p", False)
     if one_p:
         apex_layer_norm()
     config = transformer_config(shape, tp, pp, vpp)
-    spec = get_gpt_layer_local_spec(normalization=shape["normalization"], qk_layernorm=shape.get("qk_layernorm", False))
+    if shape.get("num_experts"):  # dense and MoE layers as --moe-layer-freq says
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=shape["normalization"],
+                                          qk_l2_norm=False)
+    else:
+        spec = get_gpt_layer_local_spec(normalization=shape["normalization"], qk_layernorm=shape.get("qk_layernorm", False))
     chunks = []
     for v in range(vpp):
         first, last = pp_rank == 0 and v == 0, pp_rank == pp - 1 and v == vpp - 1
@@ -288,14 +329,18 @@ def save_torch_dist(chunks, args: argparse.Namespace, root: str, iteration: int)
 
 
 def save_legacy(chunks, args: argparse.Namespace, root: str, iteration: int, tp_rank: int, pp_rank: int,
-                pp: int) -> None:
+                pp: int, ep_rank: int = 0, ep: int = 1) -> None:
     """Megatron-LM's legacy save: each rank torch.saves {args, checkpoint_version, iteration,
-    model (its state dict), rng_state, ...} to root/iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt."""
-    name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
+    model (its state dict), rng_state, ...} to root/iter_XXXXXXX/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt
+    (data-parallel replicas write the same file)."""
+    name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "") + (f"_{ep_rank:03d}" if ep > 1 else "")
     path = os.path.join(root, f"iter_{iteration:07d}", name, "model_optim_rng.pt")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     rng = [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
             "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}]
+    from megatron.core.safe_globals import SAFE_GLOBALS
+    if torch._C.Generator in SAFE_GLOBALS:  # (0.19 declares generator objects safe: one in the file)
+        rng[0]["generator"] = torch.Generator().manual_seed(iteration)
     torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration,
                 **_model_states(chunks, lambda c: c.state_dict()), "rng_state": rng, "num_floating_point_operations_so_far": 0,
                 "opt_param_scheduler": {"max_lr": 1e-3, "num_steps": iteration}}, path)

@@ -284,11 +284,16 @@ def test_bad_inputs_are_one_line_errors(megatron, tmp_path, capsys):
     state["args"].rotary_interleaved, state["args"].num_experts = False, 8
     torch.save(state, moe / "mp_rank_00_000" / "model_optim_rng.pt")
     assert _convert("megatron-to-ml", "--load", moe, "--out", out) == 2
+    grouped = broken("grouped")
+    state["args"].moe_grouped_gemm = True
+    torch.save(state, grouped / "mp_rank_00_000" / "model_optim_rng.pt")
+    assert _convert("megatron-to-ml", "--load", grouped, "--out", out) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 6, err
+    assert len(err) == 7, err
     for line, fragment in zip(err, ["collections.deque, test_megatron_checkpoints.Stranger",
                                     "refused to unpickle test_megatron_checkpoints.Stranger", "neither", "missing TP shard", "rotary_interleaved",
-                                    "MoE Megatron checkpoints are not supported yet"]):
+                                    "lacks",  # (args that say MoE over dense tensors)
+                                    "legacy checkpoints of grouped-GEMM experts"]):
         assert line.startswith("convert_checkpoint.py megatron-to-ml: error: ") and fragment in line, line
     assert not out.exists()
 
@@ -358,9 +363,12 @@ def test_ml_to_megatron_refuses_what_it_does_not_write(megatron, tmp_path, capsy
     capsys.readouterr()
     assert _convert("ml-to-megatron", "--load", ml, "--out", tmp_path / "o", "--pipeline-model-parallel-size", 3) == 2
     moe = tmp_path / "moe"  # (refused from the config, before any tensor is read)
-    tool.write_ml_checkpoint(str(moe), ModelConfig(moe={"num_experts": 4}), {})
+    tool.write_ml_checkpoint(str(moe), ModelConfig(add_bias_linear=False, moe={
+        "num_experts": 4, "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True}), {})
     assert _convert("ml-to-megatron", "--ml-dir", moe, "--out", tmp_path / "o") == 2
+    assert _convert("ml-to-megatron", "--ml-dir", moe, "--out", tmp_path / "o", "--expert-model-parallel-size", 3) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 2 and "pp=3" in err[0], err
-    assert "MoE models (num_experts=4) are not written to Megatron-LM yet" in err[1], err
+    assert len(err) == 3 and "pp=3" in err[0], err
+    assert "expert bias (--moe-router-enable-expert-bias) is not written" in err[1], err
+    assert "expert_model_parallel_size (3) must divide the model's 4 experts" in err[2], err
     assert not (tmp_path / "o").exists()

@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import os
 import pickle
+import re
 import struct
 import sys
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
@@ -55,6 +57,7 @@ from models.hf_conversion import (ConversionError, hf_config_to_model_config, hf
                                   hf_to_ours_stream, model_config_to_hf_config, our_names, our_sizes,
                                   ours_to_hf_stream)
 from models.hf_families import FAMILIES, family_of  # noqa: E402
+from models.hf_tokenizers import hf_tokenizer  # noqa: E402
 
 ML_WEIGHTS, ML_CONFIG = "model.safetensors", "config.json"
 DTYPES = {"keep": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -339,6 +342,9 @@ def cmd_megatron_to_ml(args) -> None:
 
     src = open_megatron_checkpoint(args.load, args.iteration)
     cfg = _megatron_model(src, args)
+    if src.format == "legacy" and cfg.moe is not None and cfg.moe.moe_grouped_gemm:
+        raise ConversionError("legacy checkpoints of grouped-GEMM experts (--moe-grouped-gemm: GroupedMLP / "
+                              "TEGroupedMLP tensors) are not read yet: convert the run's torch_dist checkpoint")
     src.configure(cfg.vocab_size, cfg.swiglu)
     _layout(args, cfg)  # a bad layout fails before anything is read
     wanted = hf_names(cfg, MEGATRON_RULES)
@@ -362,102 +368,192 @@ def cmd_megatron_to_ml(args) -> None:
           f"checkpoint for tp={tp} pp={pp} ({tp * pp * dp} files) to {final}")
 
 
+_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(\d+)\.(.+)$")
+
+
 def cmd_ml_to_megatron(args) -> None:
     from models.megatron_checkpoint import LEGACY_FILE, TRACKER
-    from models.megatron_conversion import ALIASES, MEGATRON_RULES, VOCAB_TENSORS, megatron_args_of_config, split_tp
+    from models.megatron_conversion import MEGATRON_RULES, VOCAB_TENSORS, megatron_args_of_config
 
     cfg, get, _, close, ckpt_meta = _ours_from(args)
     try:
-        tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+        tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
+        experts = cfg.moe.num_experts if cfg.moe is not None and cfg.moe.num_experts else 0
         if tp < 1 or pp < 1 or cfg.num_attention_heads % tp or cfg.num_query_groups % tp or cfg.num_layers % pp:
             raise CLIError(f"tp={tp} pp={pp} does not divide the model's {cfg.num_attention_heads} heads, "
                            f"{cfg.num_query_groups} query groups and {cfg.num_layers} layers")
-        margs = megatron_args_of_config(cfg, tp, pp)
+        if ep < 1 or (experts or 1) % ep:
+            raise CLIError(f"expert_model_parallel_size ({ep}) must divide the model's "
+                           f"{experts or 'no'} experts" + ("" if experts else ": leave it at 1 for a dense model"))
+        margs = megatron_args_of_config(cfg, tp, pp, ep)
         data = (ckpt_meta.get("config") or {}).get("data") or {}
         if data.get("tokenizer_type") == "NullTokenizer":  # Megatron's NullTokenizer adds the end of document
             margs.update(tokenizer_type="NullTokenizer", vocab_size=cfg.vocab_size - 1)
         dtype = DTYPES[args.dtype]
-        per_stage = cfg.num_layers // pp
-        states = {(t, p): {} for t in range(tp) for p in range(pp)}
         release = os.path.join(args.out, "release")
-        stacked: Dict[str, List[torch.Tensor]] = {}  # torch_dist: Megatron-Core's sharded keys, full tensors
-        for name, full in ours_to_hf_stream(get, cfg, MEGATRON_RULES):
-            full = full if dtype is None or not full.is_floating_point() else full.to(dtype)
-            if name in VOCAB_TENSORS:  # Megatron's padded vocabulary: zero rows past the true one
-                full = torch.cat([full, full.new_zeros(margs["padded_vocab_size"] - full.shape[0], *full.shape[1:])])
-            if args.ckpt_format == "torch_dist":  # a layer's tensors stacked over the layers: decoder.layers.X
-                parts = name.split(".")
-                stacked.setdefault(".".join(parts[:2] + parts[3:]) if name.startswith("decoder.layers.") else name,
-                                   []).append(full)
-                continue
-            stages = [pp - 1] if name.startswith(("decoder.final_layernorm", "output_layer")) else [0]
-            if name.startswith("decoder.layers."):
-                layer, rest = name.split(".", 3)[2:]
-                stages, name = [int(layer) // per_stage], f"decoder.layers.{int(layer) % per_stage}.{rest}"
-            elif name == "embedding.word_embeddings.weight" and pp > 1 and not cfg.untie_embeddings_and_output_weights:
-                stages = [0, pp - 1]  # the last stage's copy of the tied embedding is its output layer
-            for canonical, local in ALIASES.items():
-                name = name.replace(canonical, local)
-            for t, piece in enumerate(split_tp(name, full, tp, cfg.swiglu)):
-                for p in stages:
-                    key = "output_layer.weight" if p != 0 and name.startswith("embedding.") else name
-                    states[(t, p)][key] = piece.clone()
-        first = next(iter(stacked.values()))[0] if stacked else \
-            next(v for v in states[(0, 0)].values() if v.is_floating_point())
-        params = dtype or first.dtype
-        margs.update(params_dtype=params, bf16=params == torch.bfloat16, fp16=params == torch.float16,
-                     ckpt_format=args.ckpt_format, iteration=0)
-        if stacked:
-            _write_torch_dist(release, stacked, cfg.num_layers, argparse.Namespace(**margs))
-            states = {}
-        for (t, p), state in states.items():
-            path = os.path.join(release, f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else ""), LEGACY_FILE)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            torch.save({"args": argparse.Namespace(**margs), "checkpoint_version": 3.0, "iteration": 0,
-                        "model": state}, path)
+        stream = ((n, t if dtype is None or not t.is_floating_point() else t.to(dtype))
+                  for n, t in ours_to_hf_stream(get, cfg, MEGATRON_RULES))
+        stream = ((n, _pad_vocab(t, margs["padded_vocab_size"]) if n in VOCAB_TENSORS else t) for n, t in stream)
+        if args.ckpt_format == "torch_dist":
+            # Megatron-Core names a layer's tensors per layer when dense and MoE layers may mix
+            per_layer = experts and (isinstance(cfg.moe.moe_layer_freq, (list, str)) or cfg.moe.moe_layer_freq > 1)
+            params = _write_torch_dist(release, stream, cfg.num_layers, experts, margs, per_layer)
+        else:
+            params = _write_legacy(release, stream, cfg, margs, tp, pp, ep, experts)
         with open(os.path.join(args.out, TRACKER), "w") as f:
             f.write("release")
     finally:
         close()
-    what = "torch_dist checkpoint" if stacked else \
-        f"legacy per-rank (torch) checkpoint for tp={tp} pp={pp} ({tp * pp} files)"
+    what = "torch_dist checkpoint" if args.ckpt_format == "torch_dist" else \
+        f"legacy per-rank (torch) checkpoint for tp={tp} pp={pp}" + (f" ep={ep}" if ep > 1 else "") + \
+        f" ({tp * pp * ep} files)"
     print(f"wrote a Megatron-LM {what} ({cfg.num_parameters():,} parameters, {params}, padded vocabulary "
           f"{margs['padded_vocab_size']}) to {release}: Megatron-LM loads it with --load {args.out} --ckpt-format "
           f"{args.ckpt_format} --use-checkpoint-args")
 
 
-# The linear layers of a Megatron-Core layer (local spec): each has an `_extra_state` (None; Transformer
-# Engine's FP8 metadata otherwise), stored as one pickled object per layer.
-_EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+def _pad_vocab(full: torch.Tensor, padded: int) -> torch.Tensor:
+    """Megatron's padded vocabulary: zero rows past the true one."""
+    return torch.cat([full, full.new_zeros(padded - full.shape[0], *full.shape[1:])])
 
 
-def _write_torch_dist(path: str, stacked: Dict[str, List[torch.Tensor]], num_layers: int, margs) -> None:
-    """Megatron-Core's torch_dist layout in one process through torch.distributed.checkpoint: full
-    tensors under their sharded keys (a layer's [num_layers, ...]), each layer's linear extra states
-    as ShardedObjects (`KEY/shard_LAYER_NUM_LAYERS`), common.pt (args) and metadata.json."""
+def _write_legacy(release: str, stream, cfg: ModelConfig, margs: dict, tp: int, pp: int, ep: int,
+                  experts: int) -> torch.dtype:
+    """Megatron-LM's per-rank files (mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt): each TP rank's piece,
+    each stage's layers numbered from 0, each EP rank's experts numbered from 0."""
+    from models.megatron_checkpoint import LEGACY_FILE
+    from models.megatron_conversion import ALIASES, split_tp
+
+    per_stage, local_experts = cfg.num_layers // pp, experts // ep if experts else 0
+    states = {(t, p, e): {} for t in range(tp) for p in range(pp) for e in range(ep)}
+    params = None
+    for name, full in stream:
+        params = params or (full.dtype if full.is_floating_point() else None)
+        stages = [pp - 1] if name.startswith(("decoder.final_layernorm", "output_layer")) else [0]
+        ep_ranks = range(ep)
+        m = _EXPERT.match(name)
+        if m:  # one EP rank holds the expert, under its local number
+            e = int(m.group(2))
+            ep_ranks, name = [e // local_experts], f"{m.group(1)}local_experts.{e % local_experts}.{m.group(3)}"
+        if name.startswith("decoder.layers."):
+            layer, rest = name.split(".", 3)[2:]
+            stages, name = [int(layer) // per_stage], f"decoder.layers.{int(layer) % per_stage}.{rest}"
+        elif name == "embedding.word_embeddings.weight" and pp > 1 and not cfg.untie_embeddings_and_output_weights:
+            stages = [0, pp - 1]  # the last stage's copy of the tied embedding is its output layer
+        for canonical, local in ALIASES.items():
+            name = name.replace(canonical, local)
+        for t, piece in enumerate(split_tp(name, full, tp, cfg.swiglu)):
+            for p in stages:
+                key = "output_layer.weight" if p != 0 and name.startswith("embedding.") else name
+                for e in ep_ranks:
+                    states[(t, p, e)][key] = piece.clone()
+    margs.update(params_dtype=params, bf16=params == torch.bfloat16, fp16=params == torch.float16,
+                 ckpt_format="torch", iteration=0)
+    for (t, p, e), state in states.items():
+        rank_dir = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
+        path = os.path.join(release, rank_dir, LEGACY_FILE)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save({"args": argparse.Namespace(**margs), "checkpoint_version": 3.0, "iteration": 0, "model": state},
+                   path)
+    return params
+
+
+# The linear layers of a Megatron-Core layer (local spec) have an `_extra_state` (None; Transformer
+# Engine's FP8 metadata otherwise), stored as one pickled object per layer (per layer and expert).
+_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def _write_torch_dist(path: str, stream, num_layers: int, experts: int, margs: dict, per_layer: bool) -> torch.dtype:
+    """Megatron-Core's torch_dist layout in one process through torch.distributed.checkpoint, as its
+    sharded state dict names it: a layer's tensor is a chunk of `decoder.layers.X` [num_layers, ...],
+    or `decoder.layers.N.X` itself when `per_layer`; an expert's a chunk of `...mlp.experts.experts.X`
+    [(num_layers,) experts, ...]; each linear's extra state a ShardedObject per chunk
+    (`KEY/shard_OFFSETS_SHAPE`); then common.pt (args) and metadata.json."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
 
-    state = {k: torch.stack(v) if k.startswith("decoder.layers.") else v[0] for k, v in stacked.items()}
-    for module in _EXTRA_STATE:
-        for i in range(num_layers):
+    state, chunks = {}, {}  # chunks: sharded key -> (global shape prefix, {offsets: tensor})
+    for name, full in stream:
+        if not name.startswith("decoder.layers."):
+            state[name] = full
+            continue
+        m = _EXPERT.match(name)
+        layer, rest = name.split(".", 3)[2:]
+        index, prefix = ((int(layer), int(m.group(2))), (num_layers, experts)) if m else ((int(layer),), (num_layers,))
+        rest = f"mlp.experts.experts.{m.group(3)}" if m else rest
+        key = f"decoder.layers.{layer}.{rest}" if per_layer else f"decoder.layers.{rest}"
+        if per_layer:
+            index, prefix = index[1:], prefix[1:]
+            if not index:
+                state[key] = full
+        if index:
+            chunks.setdefault(key, (prefix, {}))[1][index] = full
+        module, param = key.rsplit(".", 2)[-2:]
+        if module in _LINEARS and param == "weight":
             # (DCP pickles it; Megatron-Core's object of a key is the list of its ranks' objects)
-            state[f"decoder.layers.{module}._extra_state/shard_{i}_{num_layers}"] = [None]
+            offsets, shape = (index, prefix) if index else ((0,), (1,))
+            state[f"{key[:-len('weight')]}_extra_state/shard_{'.'.join(map(str, offsets))}_"
+                  f"{'.'.join(map(str, shape))}"] = [None]
+    floats = [t for t in state.values() if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    params = floats[0].dtype
+    margs.update(params_dtype=params, bf16=params == torch.bfloat16, fp16=params == torch.float16,
+                 ckpt_format="torch_dist", iteration=0)
+    os.makedirs(path, exist_ok=True)
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...: save in a single process" (we do)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, storage_writer=_NamedWriter(path), planner=_ChunkPlanner(chunks), no_dist=True)
+    torch.save({"args": argparse.Namespace(**margs), "checkpoint_version": 3.0, "iteration": 0},
+               os.path.join(path, "common.pt"))
+    with open(os.path.join(path, "metadata.json"), "w") as f:
+        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                   "common_backend_version": 1}, f)
+    return params
+
+
+def _NamedWriter(path: str):
+    import torch.distributed.checkpoint as dcp
 
     class Writer(dcp.FileSystemWriter):  # .metadata names the checkpoint by a string, as Megatron-Core's does
         @property
         def checkpoint_id(self) -> str:
             return str(self.path)
 
-    os.makedirs(path, exist_ok=True)
-    with warnings.catch_warnings():  # "torch.distributed is disabled ...: save in a single process" (we do)
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, storage_writer=Writer(path), no_dist=True)
-    torch.save({"args": margs, "checkpoint_version": 3.0, "iteration": 0}, os.path.join(path, "common.pt"))
-    with open(os.path.join(path, "metadata.json"), "w") as f:
-        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
-                   "common_backend_version": 1}, f)
+    return Writer(path)
+
+
+def _ChunkPlanner(chunks):
+    """DCP's save planner, plus tensors written as chunks of a larger global tensor that no one
+    holds whole (Megatron-Core's sharded tensors): key -> (global shape prefix, {index: tensor})."""
+    import dataclasses as dc
+
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    class Planner(DefaultSavePlanner):
+        def create_local_plan(self):
+            plan = super().create_local_plan()
+            items = []
+            for key, (prefix, pieces) in chunks.items():
+                for index, t in pieces.items():
+                    offsets = torch.Size(index + (0,) * t.dim())
+                    items.append(WriteItem(index=MetadataIndex(key, offsets), type=WriteItemType.SHARD,
+                                           tensor_data=TensorWriteData(
+                                               chunk=ChunkStorageMetadata(offsets, torch.Size((1,) * len(index)) + t.shape),
+                                               properties=TensorProperties.create_from_tensor(t),
+                                               size=torch.Size(prefix) + t.shape)))
+            self.plan = dc.replace(plan, items=plan.items + items)
+            return self.plan
+
+        def lookup_object(self, index):
+            if index.fqn in chunks:
+                prefix = chunks[index.fqn][0]
+                t = chunks[index.fqn][1][tuple(index.offset[:len(prefix)])]
+                return t.reshape((1,) * len(prefix) + t.shape).contiguous()
+            return super().lookup_object(index)
+
+    return Planner()
 
 
 def _ours_from(args):
@@ -564,36 +660,6 @@ def cmd_ml_to_hf(args) -> None:
     print(f"wrote HF {hf_config.architectures[0]} ({len(weight_map)} tensors in {len(files)} files) to {args.out}"
           + (f" with its {data['tokenizer_type']} as a HF tokenizer (eos id {tokenizer.eos_token_id})" if tokenizer
              else f"; no tokenizer: {why_not} (--tokenizer-model DIR adds a HF one)"))
-
-
-def byte_level_hf_tokenizer():
-    """ByteTokenizer as a HF fast tokenizer with the same ids: the 256 bytes (GPT-2's byte-to-character
-    map, no merges) and <|endoftext|> = 256 as eos."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    extra = iter(range(256, 512))
-    chars = {b: chr(b if b in printable else next(extra)) for b in range(256)}
-    tok = Tokenizer(models.BPE(vocab={c: b for b, c in chars.items()}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", clean_up_tokenization_spaces=False,
-                                   split_special_tokens=True)  # "<|endoftext|>" in a text is bytes, as ours
-
-
-def hf_tokenizer(data: dict):
-    """(a HF tokenizer equal to the run's, None) or (None, why not) from a run's tokenizer settings."""
-    kind, model = data.get("tokenizer_type"), data.get("tokenizer_model")
-    if kind == "ByteTokenizer":
-        return byte_level_hf_tokenizer(), None
-    if kind == "HuggingFaceTokenizer" and model:
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(model, local_files_only=True), None
-    if kind == "GPT2BPETokenizer" and data.get("vocab_file") and data.get("merge_file"):
-        from transformers import GPT2TokenizerFast
-        return GPT2TokenizerFast(data["vocab_file"], data["merge_file"]), None
-    return None, (f"the checkpoint records no tokenizer" if not kind else f"{kind} is not written as a HF tokenizer")
 
 
 def _name_shards(out: str, files: List[str], weight_map: Dict[str, str], total: int) -> None:
@@ -724,6 +790,8 @@ def _add_ml_to_megatron(sub) -> None:
                         "checkpoint (one layout for any TP / PP)")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="layers split evenly over the stages")
+    p.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="legacy format: experts split evenly over EP ranks (files mp_rank_TT[_PPP]_EEE)")
     p.set_defaults(func=cmd_ml_to_megatron)
 
 

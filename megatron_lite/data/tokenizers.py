@@ -315,7 +315,8 @@ def _tiktoken_specials(given: Optional[Sequence[str]], num: int, vocab_size: int
     return specials + [f"<SPECIAL_{i}>" for i in range(len(specials), num)]
 
 
-_ALIASES = {
+# --tokenizer-type values -> the class that implements them
+TOKENIZER_TYPES = {
     "ByteTokenizer": "ByteTokenizer",
     "NullTokenizer": "NullTokenizer",
     "SentencePieceTokenizer": "SentencePieceTokenizer",
@@ -335,9 +336,9 @@ def build_tokenizer(tokenizer_type: str, *, tokenizer_model=None, vocab_file=Non
                     vocab_size=None, tiktoken_pattern=None, tiktoken_num_special_tokens=1000,
                     tiktoken_special_tokens=None, legacy_tokenizer=False):
     """Build the tokenizer Megatron-LM would build for `--tokenizer-type`."""
-    kind = _ALIASES.get(tokenizer_type or "ByteTokenizer")
+    kind = TOKENIZER_TYPES.get(tokenizer_type or "ByteTokenizer")
     if kind is None:
-        raise ConfigError(f"--tokenizer-type {tokenizer_type}: unknown; choose one of {', '.join(_ALIASES)}")
+        raise ConfigError(f"--tokenizer-type {tokenizer_type}: unknown; choose one of {', '.join(TOKENIZER_TYPES)}")
     if kind == "ByteTokenizer":
         return ByteTokenizer()
     if kind == "NullTokenizer":
