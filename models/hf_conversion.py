@@ -76,6 +76,8 @@ CONDITIONS: Dict[str, Callable[[ModelConfig, Optional[int]], bool]] = {
     "moe": lambda c, i: i is not None and c.moe_layers()[i],
     "shared_expert": lambda c, i: c.moe is not None and bool(c.moe.moe_shared_expert_intermediate_size),
     "shared_gate": lambda c, i: c.moe is not None and c.moe.moe_shared_expert_gate,
+    "mla": lambda c, i: c.multi_latent_attention,
+    "mha": lambda c, i: not c.multi_latent_attention,
     "q_lora": lambda c, i: c.q_lora_rank is not None,
     "q_full": lambda c, i: c.q_lora_rank is None,
     "expert_bias": lambda c, i: c.moe is not None and c.moe.moe_router_enable_expert_bias,
