@@ -143,6 +143,9 @@ def build_parser(zoo: Zoo) -> argparse.ArgumentParser:
                    default=argparse.SUPPRESS, help="= --attention-backend flash")
     m.add_argument("--use-rope-scaling", action="store_const", const="llama3", dest="rope_scaling_type",
                    default=argparse.SUPPRESS, help="= --rope-scaling-type llama3 (Llama-3.1)")
+    m.add_argument("--rope-type", choices=["rope", "yarn"], default=None,
+                   help="yarn = --rope-scaling-type yarn (YaRN, with --rotary-scaling-factor, --mscale ...); rope: "
+                        "plain RoPE (the default here, also with --multi-latent-attention)")
     par.add_argument("--use-distributed-optimizer", action="store_true", help="= --zero-stage 1")
     par.add_argument("--use-torch-fsdp2", action="store_true", help="= --zero-stage 3 (parameters sharded over DP)")
     par.add_argument("--use-megatron-fsdp", action="store_true",
@@ -173,6 +176,10 @@ def _given(args: argparse.Namespace, cls) -> Dict[str, object]:
 
 def _model_config(args: argparse.Namespace, preset: dict, notes: List[str]) -> ModelConfig:
     given = _given(args, ModelConfig)
+    if getattr(args, "rope_type", None) == "yarn":
+        given["rope_scaling_type"] = "yarn"
+    elif getattr(args, "rope_type", None) == "rope" and given.get("rope_scaling_type") == "yarn":
+        raise ConfigError("--rope-type rope contradicts --rope-scaling-type yarn: keep one of them")
     preset_moe = preset.pop("moe", None)
     moe = {**(preset_moe or {}), **_given(args, MoEConfig)}
     if moe.get("num_experts"):
@@ -203,7 +210,7 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads")
 # Fields that decide which Hugging Face family can represent a model (see models/hf_families.py).
 ARCHITECTURE_FIELDS = ("normalization", "position_embedding_type", "swiglu", "activation", "add_bias_linear",
                        "add_qkv_bias", "qk_layernorm", "window_size", "moe", "untie_embeddings_and_output_weights",
-                       "rotary_percent", "apply_layernorm_1p")
+                       "rotary_percent", "apply_layernorm_1p", "multi_latent_attention")
 _DEFAULT_MODEL = {f.name: f.default for f in fields(ModelConfig) if f.name in ARCHITECTURE_FIELDS}
 
 

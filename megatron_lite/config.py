@@ -39,12 +39,25 @@ class ModelConfig:
                                        choices=["learned_absolute", "rope", "none"])
     rotary_base: float = arg(10000.0, "RoPE base (theta)")
     rotary_percent: float = arg(1.0, "fraction of each head's channels that RoPE rotates (the first ones)")
-    rope_scaling_type: Optional[str] = arg(None, "RoPE frequency scaling: llama3 (Llama-3.1; --use-rope-scaling)",
-                                           choices=["llama3"])
+    rope_scaling_type: Optional[str] = arg(None, "RoPE frequency scaling: llama3 (Llama-3.1; --use-rope-scaling), "
+                                                 "yarn (--rope-type yarn)", choices=["llama3", "yarn"])
     rope_scaling_factor: float = arg(8.0, "Llama-3.1 scaling factor")
     rope_scaling_low_freq_factor: float = arg(1.0, "Llama-3.1 low-frequency factor", flag=None)
     rope_scaling_high_freq_factor: float = arg(4.0, "Llama-3.1 high-frequency factor", flag=None)
     rope_scaling_original_max_position: int = arg(8192, "Llama-3.1 original context length", flag=None)
+    rotary_scaling_factor: float = arg(1.0, "YaRN: the context-extension factor (--rope-type yarn)")
+    original_max_position_embeddings: int = arg(4096, "YaRN: the context length the model was pretrained at")
+    beta_fast: float = arg(32.0, "YaRN: rotations over the original context above which a frequency is kept")
+    beta_slow: float = arg(1.0, "YaRN: rotations over the original context below which a frequency is interpolated")
+    mscale: float = arg(1.0, "YaRN: attention magnitude scale (DeepSeek's mscale)")
+    mscale_all_dim: float = arg(0.0, "YaRN: DeepSeek's mscale_all_dim (0: none); the softmax scale takes its square")
+    multi_latent_attention: bool = arg(False, "multi-latent attention (DeepSeek-V2/V3): low-rank K/V (and Q) with a "
+                                              "decoupled RoPE key shared by the heads", store="true")
+    q_lora_rank: Optional[int] = arg(None, "MLA: rank of the query's low-rank projection (None: a full Q projection)")
+    kv_lora_rank: int = arg(32, "MLA: rank of the compressed K/V latent (what generation caches)")
+    qk_head_dim: int = arg(128, "MLA: the query / key head size without the RoPE part")
+    qk_pos_emb_head_dim: int = arg(64, "MLA: the RoPE part of each query / key head (the key's is shared by all heads)")
+    v_head_dim: int = arg(128, "MLA: the value head size")
     swiglu: bool = arg(False, "SwiGLU MLP (Llama) instead of GELU", store="true")
     activation: str = arg("gelu", "MLP activation without SwiGLU (--openai-gelu: gelu_tanh)",
                           choices=["gelu", "gelu_tanh"])
@@ -74,6 +87,9 @@ class ModelConfig:
             self.moe = MoEConfig(**self.moe)
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
+        if self.multi_latent_attention:  # one K/V head per query head; kv_channels: the query / key head size
+            self.num_query_groups = self.num_attention_heads
+            self.kv_channels = self.qk_head_dim + self.qk_pos_emb_head_dim
         self._kv_channels_given = self.kv_channels is not None
         if self.kv_channels is None and self.num_attention_heads:
             self.kv_channels = self.hidden_size // self.num_attention_heads
@@ -129,7 +145,7 @@ class ModelConfig:
         _require(self.kv_channels is not None and self.kv_channels > 0,
                  f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
                  f"({self.num_attention_heads}) or --kv-channels must be set")
-        if self.position_embedding_type == "rope":
+        if self.position_embedding_type == "rope" and not self.multi_latent_attention:  # MLA: its RoPE part
             _require(self.kv_channels % 2 == 0, f"rope needs an even head dim, got kv_channels={self.kv_channels}")
         else:
             _require(seq_length <= self.max_position_embeddings,
@@ -142,6 +158,28 @@ class ModelConfig:
         _require(self.window_size is None or self.window_size >= 1,
                  f"window_size ({self.window_size}) must be >= 1 (or unset: full causal attention)")
         _require(self.rope_scaling_factor > 0, f"rope_scaling_factor ({self.rope_scaling_factor}) must be positive")
+        if self.rope_scaling_type == "yarn":
+            _require(self.rotary_scaling_factor >= 1 and self.original_max_position_embeddings >= 1,
+                     f"--rope-type yarn needs --rotary-scaling-factor >= 1 ({self.rotary_scaling_factor}) and "
+                     f"--original-max-position-embeddings >= 1 ({self.original_max_position_embeddings})")
+            _require(self.beta_fast >= self.beta_slow > 0, f"YaRN needs --beta-fast ({self.beta_fast}) >= --beta-slow "
+                                                          f"({self.beta_slow}) > 0")
+        if self.multi_latent_attention:
+            self._validate_mla()
+
+    def _validate_mla(self) -> None:
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            _require(getattr(self, name) > 0, f"--{name.replace('_', '-')} ({getattr(self, name)}) must be positive")
+        _require(self.q_lora_rank is None or self.q_lora_rank > 0,
+                 f"--q-lora-rank ({self.q_lora_rank}) must be positive (or unset: a full Q projection)")
+        _require(self.position_embedding_type == "rope",
+                 f"--multi-latent-attention rotates its decoupled RoPE key: use --position-embedding-type rope, not "
+                 f"{self.position_embedding_type}")
+        _require(self.qk_pos_emb_head_dim % 2 == 0, f"--qk-pos-emb-head-dim ({self.qk_pos_emb_head_dim}) must be even")
+        _require(self.rotary_percent == 1.0, f"--rotary-percent {self.rotary_percent} with --multi-latent-attention: "
+                                             f"MLA rotates exactly its --qk-pos-emb-head-dim channels; drop it")
+        _require(not self.qk_layernorm, "--qk-layernorm with --multi-latent-attention: MLA normalises its Q and K/V "
+                                        "latents itself; drop --qk-layernorm")
 
 
 @dataclass
@@ -661,6 +699,11 @@ class Config:
                                                 "blockwise")
         _require(p.cp == 1, "FP8 with --context-parallel-size > 1 is not implemented yet (the amax is not reduced "
                             "over CP): drop one of them")
+        # MLA's replicated down-projections see partial input gradients on each TP rank (summed after): FP8
+        # would quantize the partial sums, not the single process's whole gradient.
+        _require(not (self.model.multi_latent_attention and p.tp > 1),
+                 "FP8 with --multi-latent-attention at --tensor-model-parallel-size > 1 is not implemented yet (it "
+                 "would not reproduce the single-process run): use TP 1, or drop one of them")
         if moe is not None and moe.num_experts:
             _require(not moe.moe_grouped_gemm, "FP8 with --moe-grouped-gemm is not implemented yet: drop one of them")
             _require(p.tp == 1, "FP8 with MoE at --tensor-model-parallel-size > 1 is not implemented yet")

@@ -27,14 +27,14 @@ from megatron_lite.parallel.state import ParallelDims
 from megatron_lite.parallel.tiled_init import TiledInit, defer_, materialize_, materialize_buffers_
 from megatron_lite.parallel.tensor_parallel import (
     VocabParallelEmbedding, column_parallel_linear, vocab_parallel_cross_entropy, vocab_parallel_weight)
-from megatron_lite.transformer.attention import SelfAttention
 from megatron_lite.transformer.block import TransformerLayer
 from megatron_lite.transformer.core_attention import ContextParallelAttention, PackedSeq, core_attention_class
 from megatron_lite.transformer.fast_paths import compile_layer, cross_entropy_chunk_tokens
+from megatron_lite.transformer.mla import self_attention_class
 from megatron_lite.transformer.mlp import MLP
 from megatron_lite.transformer.moe import MoELayer, MoEStepHooks
 from megatron_lite.transformer.norm import build_norm
-from megatron_lite.transformer.rope import rope_cos_sin, rope_inv_freq
+from megatron_lite.transformer.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq
 from megatron_lite.transformer.spec import BuildContext, TransformerLayerSpec
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
@@ -61,7 +61,7 @@ def gpt_layer_spec(cfg: C.ModelConfig, ctx: BuildContext, layer_number: int) -> 
     configured core-attention backend (wrapped for context parallelism when cp > 1), a dense MLP
     or, where --moe-layer-freq says so, an MoE layer."""
     core = ContextParallelAttention if ctx.dims.cp > 1 else core_attention_class(cfg.attention_backend)
-    attention = SelfAttention  # the self-attention slot: standard attention (its AttentionConfig from cfg)
+    attention = self_attention_class(cfg)  # standard attention or MLA (each builds its own config from cfg)
     mlp = moe_mlp if cfg.moe_layers()[layer_number] else MLP
     return TransformerLayerSpec(input_layernorm=build_norm, self_attention=attention, core_attention=core,
                                 pre_mlp_layernorm=build_norm, mlp=mlp)
@@ -205,7 +205,7 @@ class GPTModel(nn.Module):
         x = self._embed(tokens, position_ids) if self.pre_process else self.input_tensor
         rope = None
         if self.cfg.position_embedding_type == "rope":
-            rope = rope_cos_sin(position_ids, self.inv_freq, x.dtype)
+            rope = rope_cos_sin(position_ids, self.inv_freq, x.dtype, rope_attention_factor(self.cfg))
         with kv_cache.attached(self) if kv_cache is not None else contextlib.nullcontext():
             x = self._run_layers(x, rope, packed)
         if not self.post_process:

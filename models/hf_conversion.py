@@ -12,6 +12,8 @@ templates with {i} for the layer and {e} for the expert) and the transform betwe
   experts  one HF tensor per expert (several: concatenated along dim 0) stacked into ours [E, ...]
   qkv      Megatron-Core's fused linear_qkv (per query group: its query heads, then K, then V) split
            into our linear_q [Q] and linear_kv [K ; V]
+  rope_q   MLA's query projection, per head [nope ; rope] rows, the rope rows' pairs interleaved in HF
+  rope_kv  MLA's KV down-projection [latent ; rope], the same
 
 The same engine maps Megatron-Core's names (models/megatron_conversion.py: its table puts
 Megatron-Core's full-tensor names where an HF table has HF's).
@@ -28,13 +30,14 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from megatron_lite.checkpoint.plan import persistent_buffers
 from megatron_lite.config import ModelConfig
 from megatron_lite.parallel.sharding import gather_full, spec_of, stored_name
 from megatron_lite.parallel.state import ParallelDims
 
 StateDict = Dict[str, torch.Tensor]
 Getter = Callable[[str], torch.Tensor]
-OPS = ("copy", "t", "cat", "t_split", "experts", "qkv")
+OPS = ("copy", "t", "cat", "t_split", "experts", "qkv", "rope_q", "rope_kv")
 
 
 class ConversionError(ValueError):
@@ -73,7 +76,18 @@ CONDITIONS: Dict[str, Callable[[ModelConfig, Optional[int]], bool]] = {
     "moe": lambda c, i: i is not None and c.moe_layers()[i],
     "shared_expert": lambda c, i: c.moe is not None and bool(c.moe.moe_shared_expert_intermediate_size),
     "shared_gate": lambda c, i: c.moe is not None and c.moe.moe_shared_expert_gate,
+    "mla": lambda c, i: c.multi_latent_attention,
+    "mha": lambda c, i: not c.multi_latent_attention,
+    "q_lora": lambda c, i: c.q_lora_rank is not None,
+    "q_full": lambda c, i: c.q_lora_rank is None,
+    "expert_bias": lambda c, i: c.moe is not None and c.moe.moe_router_enable_expert_bias,
 }
+
+
+def _rope_blocks(rule: Rule, cfg: ModelConfig) -> Tuple[int, int]:
+    """(plain rows, rotated rows) of each block of an MLA rope_q / rope_kv tensor."""
+    nope = cfg.qk_head_dim if rule.op == "rope_q" else cfg.kv_lora_rank
+    return nope, cfg.qk_pos_emb_head_dim
 
 
 def _applies(rule: Rule, cfg: ModelConfig, layer: Optional[int]) -> bool:
@@ -129,6 +143,9 @@ def _to_ours(rule: Rule, layer, get: Getter, has: Callable[[str], bool], cfg: Mo
         full = get(_fmt(rule.hf, layer)[0]).t()
         for name, piece in zip(ours, full.split([sizes[n] for n in ours])):
             yield name, piece.contiguous()
+    elif rule.op in ("rope_q", "rope_kv"):
+        from .hf_families import deinterleave_rope_rows
+        yield ours[0], deinterleave_rope_rows(get(_fmt(rule.hf, layer)[0]), *_rope_blocks(rule, cfg))
     elif rule.op == "qkv":
         q, k, v = _qkv_groups(cfg, get(_fmt(rule.hf, layer)[0]))
         yield ours[0], q.contiguous()
@@ -163,6 +180,9 @@ def _to_hf(rule: Rule, layer, get: Getter, cfg: ModelConfig) -> Iterator[Tuple[s
             yield name, piece.contiguous()
     elif rule.op == "t_split":
         yield hf[0], torch.cat([get(n) for n in _fmt(rule.ours, layer)]).t().contiguous()
+    elif rule.op in ("rope_q", "rope_kv"):
+        from .hf_families import interleave_rope_rows
+        yield hf[0], interleave_rope_rows(get(_fmt(rule.ours, layer)[0]), *_rope_blocks(rule, cfg))
     elif rule.op == "qkv":
         yield hf[0], _fuse_qkv(cfg, *(get(n) for n in _fmt(rule.ours, layer)))
     else:  # experts: one HF tensor (or several, split) per expert, as save_pretrained writes them
@@ -277,6 +297,11 @@ def load_full_state_dict_into_model(model: nn.Module, full_state: StateDict, dim
     """Copy this rank's piece of every full tensor into `model` (one chunk), padding vocab rows
     to the layout's padded vocabulary. Extra entries (other pipeline stages' layers) are ignored."""
     missing = []
+    for name, buffer in persistent_buffers([model]):  # whole on every rank (MoE expert biases)
+        if name not in full_state:
+            missing.append(name)
+        else:
+            buffer.copy_(full_state[name])
     for name, p in model.named_parameters():
         key, spec = stored_name(name, p), spec_of(p)
         if key not in full_state:
@@ -303,4 +328,5 @@ def gather_full_state_dict(model: nn.Module, dims: ParallelDims) -> StateDict:
         if tie is not None and not tie.primary:
             continue
         out[name] = gather_full(p.data, p, dims).cpu()
+    out.update((name, buffer.detach().cpu().clone()) for name, buffer in persistent_buffers([model]))
     return out

@@ -10,12 +10,18 @@ save_pretrained writes them, with transformers' in-memory fused expert tensors a
   mixtral    mistral with top-k softmax MoE MLPs
   qwen2_moe  qwen2 with MoE MLPs, a gated shared expert, dense layers (mlp_only_layers)
   qwen3_moe  qwen3 with MoE MLPs
+  deepseek_v3  multi-latent attention (RoPE rows interleaved in HF), YaRN, sigmoid group-limited routing
+             with expert bias and a scaling factor, shared experts, leading dense layers; also Kimi-K2
+             and Moonlight, which HF loads as deepseek_v3
+  deepseek_v2  the same attention; softmax routing over all experts without renormalization (greedy)
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple, Union
+
+import torch
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.transformer.moe import MoEConfig
@@ -58,6 +64,31 @@ _QWEN_MOE = [  # Qwen2-MoE / Qwen3-MoE: experts under mlp.experts.{e}, router ml
     R("layers.{i}.mlp.shared_experts.gate_weight", L + "mlp.shared_expert_gate.weight",
       when=("moe", "shared_expert", "shared_gate")),
 ]
+A = L + "self_attn."
+_MLA = [  # DeepSeek-V2/V3 attention; the rotated rows of Q and of the shared key are interleaved pairs in HF
+    R("layers.{i}.self_attention.linear_q_proj.weight", A + "q_proj.weight", "rope_q", when="q_full"),
+    R("layers.{i}.self_attention.linear_q_down_proj.weight", A + "q_a_proj.weight", when="q_lora"),
+    R("layers.{i}.self_attention.q_layernorm.weight", A + "q_a_layernorm.weight", when="q_lora"),
+    R("layers.{i}.self_attention.linear_q_up_proj.weight", A + "q_b_proj.weight", "rope_q", when="q_lora"),
+    R("layers.{i}.self_attention.linear_kv_down_proj.weight", A + "kv_a_proj_with_mqa.weight", "rope_kv"),
+    R("layers.{i}.self_attention.kv_layernorm.weight", A + "kv_a_layernorm.weight"),
+    R("layers.{i}.self_attention.linear_kv_up_proj.weight", A + "kv_b_proj.weight"),
+    R("layers.{i}.self_attention.linear_proj.weight", A + "o_proj.weight"),
+]
+_DEEPSEEK_MOE = [  # router mlp.gate (+ e_score_correction_bias: our expert-bias buffer), shared_experts
+    R("layers.{i}.mlp.router.weight", L + "mlp.gate.weight", when="moe"),
+    R("layers.{i}.mlp.router.expert_bias", L + "mlp.gate.e_score_correction_bias", when=("moe", "expert_bias")),
+    R("layers.{i}.mlp.experts.weight1", (L + "mlp.experts.{e}.gate_proj.weight", L + "mlp.experts.{e}.up_proj.weight"),
+      "experts", when="moe", fused_hf=L + "mlp.experts.gate_up_proj"),
+    R("layers.{i}.mlp.experts.weight2", L + "mlp.experts.{e}.down_proj.weight", "experts", when="moe",
+      fused_hf=L + "mlp.experts.down_proj"),
+    R("layers.{i}.mlp.shared_experts.linear_fc1.weight",
+      (L + "mlp.shared_experts.gate_proj.weight", L + "mlp.shared_experts.up_proj.weight"), "cat",
+      when=("moe", "shared_expert")),
+    R("layers.{i}.mlp.shared_experts.linear_fc2.weight", L + "mlp.shared_experts.down_proj.weight",
+      when=("moe", "shared_expert")),
+]
+_DEEPSEEK = [r for r in _LLAMA_CORE if ".self_attention." not in r.ours[0]] + _MLA + _DEEPSEEK_MOE
 M = "model.layers.{i}.block_sparse_moe."
 _MIXTRAL_MOE = [  # Mixtral on disk: block_sparse_moe.gate, experts.{e}.w1 (gate) / w3 (up) / w2 (down)
     R("layers.{i}.mlp.router.weight", M + "gate.weight", when="moe"),
@@ -114,6 +145,25 @@ class Family:
         return sd
 
 
+def deinterleave_rope_rows(w, nope: int, rope: int):
+    """DeepSeek's RoPE rows (in each block of `nope` plain rows then `rope` rotated ones, the rotated
+    pairs interleaved: x0 x1, x2 x3, ...) in our half-split order (x0 x2 ... | x1 x3 ...): the same
+    rotation, as transformers' apply_rotary_pos_emb_interleave computes it."""
+    block = nope + rope
+    blocks = w.reshape(-1, block, *w.shape[1:])
+    r = blocks[:, nope:]
+    return torch.cat([blocks[:, :nope], r[:, 0::2], r[:, 1::2]], dim=1).reshape(w.shape)
+
+
+def interleave_rope_rows(w, nope: int, rope: int):
+    """Inverse of deinterleave_rope_rows."""
+    block = nope + rope
+    blocks = w.reshape(-1, block, *w.shape[1:])
+    half = rope // 2
+    r = torch.stack([blocks[:, nope:nope + half], blocks[:, nope + half:]], dim=2).flatten(1, 2)
+    return torch.cat([blocks[:, :nope], r], dim=1).reshape(w.shape)
+
+
 # --- configs: HF -> ours ----------------------------------------------------------------------
 def _rope(c) -> dict:
     params = dict(getattr(c, "rope_parameters", None) or {})
@@ -127,9 +177,29 @@ def _rope(c) -> dict:
                    rope_scaling_low_freq_factor=float(params["low_freq_factor"]),
                    rope_scaling_high_freq_factor=float(params["high_freq_factor"]),
                    rope_scaling_original_max_position=int(params["original_max_position_embeddings"]))
+    elif kind == "yarn":
+        out.update(_yarn(c, params))
     elif kind != "default":
-        raise ConversionError(f"rope_type {kind!r} (RoPE scaling) is not supported; supported: default, llama3")
+        raise ConversionError(f"rope_type {kind!r} (RoPE scaling) is not supported; supported: default, llama3, yarn")
     return out
+
+
+def _yarn(c, p: dict) -> dict:
+    """YaRN's parameters as transformers reads them (_compute_yarn_parameters, DeepSeek's softmax mscale)."""
+    if not p.get("original_max_position_embeddings"):
+        raise ConversionError("YaRN needs original_max_position_embeddings in rope_parameters")
+    original = int(p["original_max_position_embeddings"])
+    factor = float(p.get("factor") or c.max_position_embeddings / original)
+    mscale, mscale_all_dim = p.get("mscale"), p.get("mscale_all_dim")
+    if p.get("attention_factor") is not None or p.get("truncate", True) is not True:
+        raise ConversionError("YaRN attention_factor / truncate=False are not supported (DeepSeek's mscale and "
+                              "mscale_all_dim are)")
+    if mscale_all_dim and not mscale:
+        raise ConversionError("YaRN mscale_all_dim without mscale is not supported")
+    both = bool(mscale and mscale_all_dim)  # else HF's cos/sin factor is mscale(factor, 1)
+    return dict(rope_scaling_type="yarn", rotary_scaling_factor=factor, original_max_position_embeddings=original,
+                beta_fast=float(p.get("beta_fast") or 32), beta_slow=float(p.get("beta_slow") or 1),
+                mscale=float(mscale) if both else 1.0, mscale_all_dim=float(mscale_all_dim) if both else 0.0)
 
 
 def _llama_like(c, **extra) -> ModelConfig:
@@ -222,6 +292,38 @@ def _gpt2_to_ours(c) -> ModelConfig:
         attention_dropout=float(c.attn_pdrop), hidden_dropout=float(c.resid_pdrop), family="gpt2")
 
 
+def _deepseek_to_ours(c, family: str) -> ModelConfig:
+    if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
+        raise ConversionError(f"{family} attention_bias / mlp_bias are not supported (biases on the down- and output "
+                              f"projections only have no megatron-lite equivalent)")
+    if family == "deepseek_v3" and not getattr(c, "rope_interleave", True):
+        raise ConversionError("deepseek_v3 rope_interleave=False is not supported")
+    n, dense = c.num_hidden_layers, c.first_k_dense_replace or 0
+    router = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                  moe_router_norm_topk_prob=bool(c.norm_topk_prob))
+    groups, group_topk = c.n_group or 1, c.topk_group or 1
+    if family == "deepseek_v2":
+        if c.topk_method != "greedy":
+            raise ConversionError(f"deepseek_v2 topk_method {c.topk_method!r} is not supported (greedy is)")
+        groups = group_topk = 1
+        router = dict(moe_router_pre_softmax=True, moe_router_norm_topk_prob=False)
+    elif groups > 1 and c.num_experts_per_tok != 2 * group_topk:
+        raise ConversionError(f"deepseek_v3 ranks expert groups by their top-2 scores: megatron-lite's "
+                              f"group-limited routing needs num_experts_per_tok ({c.num_experts_per_tok}) = 2 x "
+                              f"topk_group ({group_topk})")
+    scaling = float(c.routed_scaling_factor)
+    moe = MoEConfig(num_experts=c.n_routed_experts, moe_router_topk=c.num_experts_per_tok,
+                    moe_ffn_hidden_size=c.moe_intermediate_size,
+                    moe_shared_expert_intermediate_size=c.moe_intermediate_size * c.n_shared_experts or None,
+                    moe_router_num_groups=groups if groups > 1 else None,
+                    moe_router_group_topk=group_topk if groups > 1 else None,
+                    moe_router_topk_scaling_factor=scaling if scaling != 1.0 else None, moe_router_dtype="fp32",
+                    moe_layer_freq=1 if dense == 0 else [0] * dense + [1] * (n - dense), **router)
+    return _llama_like(c, multi_latent_attention=True, q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
+                       qk_head_dim=c.qk_nope_head_dim, qk_pos_emb_head_dim=c.qk_rope_head_dim,
+                       v_head_dim=c.v_head_dim, moe=moe, family=family)
+
+
 # --- configs: ours -> HF ----------------------------------------------------------------------
 def _hf_config(class_name: str, **kw):
     import transformers  # optional dependency: import on use
@@ -235,6 +337,13 @@ def _rope_params(cfg: ModelConfig) -> dict:
         p.update(rope_type="llama3", factor=cfg.rope_scaling_factor, low_freq_factor=cfg.rope_scaling_low_freq_factor,
                  high_freq_factor=cfg.rope_scaling_high_freq_factor,
                  original_max_position_embeddings=cfg.rope_scaling_original_max_position)
+    elif cfg.rope_scaling_type == "yarn":
+        p.update(rope_type="yarn", factor=cfg.rotary_scaling_factor, beta_fast=cfg.beta_fast, beta_slow=cfg.beta_slow,
+                 original_max_position_embeddings=cfg.original_max_position_embeddings)
+        if cfg.mscale_all_dim:
+            p.update(mscale=cfg.mscale, mscale_all_dim=cfg.mscale_all_dim)
+        elif cfg.mscale != 1.0:
+            raise ConversionError(f"YaRN mscale {cfg.mscale} without mscale_all_dim has no Hugging Face equivalent")
     return p
 
 
@@ -305,6 +414,32 @@ def _gpt2_to_hf(cfg):
                       eos_token_id=special, architectures=["GPT2LMHeadModel"])
 
 
+def _deepseek_to_hf(family: str):
+    def to_hf(cfg):
+        m = cfg.moe
+        if not cfg.multi_latent_attention or m is None or not m.num_experts:
+            raise ConversionError(f"{family} needs multi-latent attention and MoE layers")
+        kinds = cfg.moe_layers()
+        dense = kinds.index(True)
+        shared = m.moe_shared_expert_intermediate_size or 0
+        if any(not k for k in kinds[dense:]) or shared % m.moe_ffn_hidden_size or m.moe_shared_expert_gate:
+            raise ConversionError(f"{family} needs its dense layers first, then MoE layers, and ungated shared experts "
+                                  f"of a multiple of the expert size")
+        kw = dict(_llama_kw(cfg, "DeepseekV3ForCausalLM" if family == "deepseek_v3" else "DeepseekV2ForCausalLM"),
+                  num_key_value_heads=cfg.num_attention_heads, head_dim=cfg.qk_pos_emb_head_dim,
+                  moe_intermediate_size=m.moe_ffn_hidden_size, n_routed_experts=m.num_experts,
+                  n_shared_experts=shared // m.moe_ffn_hidden_size, num_experts_per_tok=m.moe_router_topk,
+                  routed_scaling_factor=m.moe_router_topk_scaling_factor or 1.0, first_k_dense_replace=dense,
+                  q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_head_dim,
+                  qk_rope_head_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim, attention_bias=False)
+        if family == "deepseek_v2":
+            return _hf_config("DeepseekV2Config", topk_method="greedy", norm_topk_prob=False, mlp_bias=False, **kw)
+        return _hf_config("DeepseekV3Config", n_group=m.moe_router_num_groups or 1,
+                          topk_group=m.moe_router_group_topk or 1, norm_topk_prob=m.normalizes_topk,
+                          rope_interleave=True, **kw)
+    return to_hf
+
+
 FAMILIES: Dict[str, Family] = {f.name: f for f in [
     Family("gpt2", "gpt2", "GPT2LMHeadModel", _GPT2, _gpt2_to_ours, _gpt2_to_hf,
            ignored=(".attn.bias", ".attn.masked_bias")),
@@ -320,6 +455,10 @@ FAMILIES: Dict[str, Family] = {f.name: f for f in [
     Family("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", _LLAMA_CORE + _QWEN_MOE,
            lambda c: _qwen_moe(c, "qwen3_moe", qk_layernorm=True),
            _qwen_moe_to_hf("Qwen3MoeConfig", "Qwen3MoeForCausalLM", attention_bias=False)),
+    Family("deepseek_v3", "deepseek_v3", "DeepseekV3ForCausalLM", _DEEPSEEK, lambda c: _deepseek_to_ours(c, "deepseek_v3"),
+           _deepseek_to_hf("deepseek_v3")),
+    Family("deepseek_v2", "deepseek_v2", "DeepseekV2ForCausalLM", _DEEPSEEK, lambda c: _deepseek_to_ours(c, "deepseek_v2"),
+           _deepseek_to_hf("deepseek_v2")),
 ]}
 
 
@@ -338,6 +477,8 @@ def _infer(cfg: ModelConfig) -> str:
                 or cfg.kv_channels * cfg.num_attention_heads != cfg.hidden_size:
             raise ConversionError("GPT-2 needs biases, plain multi-head attention and head_dim = hidden / heads")
         return "gpt2"
+    if cfg.multi_latent_attention:
+        return "deepseek_v2" if cfg.moe is not None and cfg.moe.moe_router_score_function == "softmax" else "deepseek_v3"
     if not (cfg.normalization == "RMSNorm" and cfg.position_embedding_type == "rope" and cfg.swiglu):
         raise ConversionError("model is neither GPT-2-like (LayerNorm, learned positions, GELU) nor Llama-like "
                               "(RMSNorm, RoPE, SwiGLU)")

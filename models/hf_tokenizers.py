@@ -34,7 +34,7 @@ def hf_tokenizer(data: dict) -> Tuple[Optional[object], Optional[str]]:
     if kind == "TikTokenizer" and model:
         ours = build_tokenizer(**{k: data[k] for k in TOKENIZER_FIELDS if data.get(k) is not None})
         return tiktoken_hf_tokenizer(ours), None
-    return None, (f"the checkpoint records no tokenizer" if not kind else f"{kind} is not written as a HF tokenizer")
+    return None, ("the checkpoint records no tokenizer" if not kind else f"{kind} is not written as a HF tokenizer")
 
 
 def _fast(tokenizer, **tokens):

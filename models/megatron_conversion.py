@@ -30,10 +30,17 @@ MEGATRON_RULES = [
     R("layers.{i}.input_layernorm.weight", D + "self_attention.linear_qkv.layer_norm_weight"),
     R("layers.{i}.input_layernorm.bias", D + "self_attention.linear_qkv.layer_norm_bias", when="layernorm"),
     R(("layers.{i}.self_attention.linear_q.weight", "layers.{i}.self_attention.linear_kv.weight"),
-      D + "self_attention.linear_qkv.weight", "qkv"),
+      D + "self_attention.linear_qkv.weight", "qkv", when="mha"),
     R(("layers.{i}.self_attention.linear_q.bias", "layers.{i}.self_attention.linear_kv.bias"),
-      D + "self_attention.linear_qkv.bias", "qkv", when="qkv_bias"),
+      D + "self_attention.linear_qkv.bias", "qkv", when=("mha", "qkv_bias")),
     R("layers.{i}.self_attention.linear_proj.weight", D + "self_attention.linear_proj.weight"),
+    # multi-latent attention: Megatron-Core's names are ours; its RoPE rows are interleaved pairs, as
+    # DeepSeek's (its MLA de-interleaves them before rotating), ours in half-split order
+    *[R(f"layers.{{i}}.self_attention.{n}.weight", D + f"self_attention.{n}.weight", op, when=("mla",) + extra)
+      for n, op, extra in (("linear_q_proj", "rope_q", ("q_full",)), ("linear_q_down_proj", "copy", ("q_lora",)),
+                           ("q_layernorm", "copy", ("q_lora",)), ("linear_q_up_proj", "rope_q", ("q_lora",)),
+                           ("linear_kv_down_proj", "rope_kv", ()), ("kv_layernorm", "copy", ()),
+                           ("linear_kv_up_proj", "copy", ()))],
     R("layers.{i}.self_attention.linear_proj.bias", D + "self_attention.linear_proj.bias", when="bias"),
     R("layers.{i}.self_attention.q_layernorm.weight", D + "self_attention.q_layernorm.weight", when="qk_norm"),
     R("layers.{i}.self_attention.q_layernorm.bias", D + "self_attention.q_layernorm.bias", when=("qk_norm", "layernorm")),
@@ -68,7 +75,10 @@ IGNORED = ("_extra_state",)  # Transformer Engine's FP8 metadata (None in the lo
 
 
 # --- tensor parallelism of Megatron-LM's per-rank tensors ---------------------------------------
-_COLUMN = ("linear_qkv", "linear_fc1", "word_embeddings", "output_layer")  # split along dim 0 (weight and bias)
+# split along dim 0 (weight and bias); MLA's down-projections too (Megatron-Core's local spec makes them
+# column-parallel and gathers their output)
+_COLUMN = ("linear_qkv", "linear_fc1", "word_embeddings", "output_layer", "linear_q_proj", "linear_q_down_proj",
+           "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
 _ROW = ("linear_proj", "linear_fc2")  # weight split along dim 1, bias whole
 
 
@@ -113,7 +123,7 @@ def megatron_args_of_config(cfg: ModelConfig, tp: int, pp: int, ep: int = 1) -> 
     inverse); a ConversionError naming what Megatron-Core's GPT cannot express."""
     if cfg.window_size:
         raise ConversionError(f"window_size={cfg.window_size} (sliding-window attention) has no Megatron-LM flag")
-    if cfg.rope_scaling_type and (cfg.rope_scaling_low_freq_factor, cfg.rope_scaling_high_freq_factor,
+    if cfg.rope_scaling_type == "llama3" and (cfg.rope_scaling_low_freq_factor, cfg.rope_scaling_high_freq_factor,
                                   cfg.rope_scaling_original_max_position) != (1.0, 4.0, 8192):
         raise ConversionError("Llama-3.1 RoPE scaling other than factors 1 / 4 at 8192 positions has no "
                               "Megatron-LM flag")
@@ -135,9 +145,37 @@ def megatron_args_of_config(cfg: ModelConfig, tp: int, pp: int, ep: int = 1) -> 
                 hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
                 init_method_std=cfg.init_method_std, make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
                 padded_vocab_size=cfg.padded_vocab_size(tp), tensor_model_parallel_size=tp,
-                pipeline_model_parallel_size=pp, expert_model_parallel_size=ep, multi_latent_attention=False,
-                use_legacy_models=False,
+                pipeline_model_parallel_size=pp, expert_model_parallel_size=ep, use_legacy_models=False,
+                **mla_args_of_config(cfg),
                 transformer_impl="local", **(moe_args_of_config(cfg, ep) or {"num_experts": None}))
+
+
+# Multi-latent attention and its YaRN RoPE: Megatron-LM's args of the same names as our config's fields
+_MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+_YARN_FIELDS = ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                "mscale_all_dim")
+
+
+def mla_args_of_config(cfg: ModelConfig) -> Dict[str, Any]:
+    if not cfg.multi_latent_attention:
+        if cfg.rope_scaling_type == "yarn":
+            raise ConversionError("YaRN RoPE without multi-latent attention has no Megatron-LM GPT flag")
+        return {"multi_latent_attention": False}
+    yarn = cfg.rope_scaling_type == "yarn"
+    return dict({k: getattr(cfg, k) for k in _MLA_FIELDS + (_YARN_FIELDS if yarn else ())},
+                multi_latent_attention=True, rope_type="yarn" if yarn else "rope")
+
+
+def mla_config_from_megatron_args(a: Mapping[str, Any]) -> Dict[str, Any]:
+    """Our config fields of a Megatron-LM MLA run's args (Megatron-LM's MLA takes YaRN unless
+    --rope-type rope)."""
+    if not a.get("multi_latent_attention"):
+        return {}
+    kw = {k: a[k] for k in _MLA_FIELDS if a.get(k) is not None}
+    if (a.get("rope_type") or "yarn") == "yarn":
+        kw.update({k: float(a[k]) if k != "original_max_position_embeddings" else int(a[k])
+                   for k in _YARN_FIELDS if a.get(k) is not None}, rope_scaling_type="yarn")
+    return dict(kw, multi_latent_attention=True)
 
 
 # Our MoEConfig fields that are Megatron-LM args of the same name and meaning (the others: ours only)
@@ -171,7 +209,6 @@ def moe_args_of_config(cfg: ModelConfig, ep: int) -> Dict[str, Any]:
 _OFF = (None, False, 0)
 _UNSUPPORTED = {
     "use_legacy_models": ("legacy (pre-Megatron-Core) models", _OFF),
-    "multi_latent_attention": ("multi-latent attention", _OFF),
     "mtp_num_layers": ("multi-token prediction layers", _OFF),
     "rotary_interleaved": ("interleaved RoPE", _OFF),
     "rotary_seq_len_interpolation_factor": ("RoPE position interpolation", _OFF + (1, 1.0)),
@@ -243,6 +280,7 @@ def model_config_from_megatron_args(a: Mapping[str, Any], vocab_size: int) -> Mo
         kw.update(rope_scaling_type="llama3", rope_scaling_factor=float(a.get("rope_scaling_factor", 8.0)))
     if a.get("num_experts"):
         kw["moe"] = moe_config_from_megatron_args(a)
+    kw.update(mla_config_from_megatron_args(a))
     return ModelConfig(**{k: v for k, v in kw.items() if v is not None})
 
 

@@ -39,6 +39,26 @@ def _shape(layers, hidden, heads, **kw):
     return dict(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, **kw)
 
 
+_YARN = dict(rope_scaling_type="yarn", rotary_base=10000.0, original_max_position_embeddings=4096, beta_fast=32.0,
+             beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+
+
+def _deepseek(layers, hidden, heads, ffn, *, rope, moe_layer_freq, experts, topk, shared=1, scaling=None,
+              groups=None, router=None, family="deepseek_v3", q_lora_rank=None, norm_epsilon=1e-6, **kw):
+    """A DeepSeek-V2/V3-architecture model as its HF config converts: MLA (512-rank latent, 128 + 64
+    channel query/key heads, 128-channel values), 2048-wide experts, the dense MLP first."""
+    expert = 1408 if hidden == 2048 else 2048
+    router = router or dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                            moe_router_norm_topk_prob=True)
+    moe = dict(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=expert,
+               moe_shared_expert_intermediate_size=shared * expert, moe_router_topk_scaling_factor=scaling,
+               moe_router_num_groups=groups and groups[0], moe_router_group_topk=groups and groups[1],
+               moe_router_dtype="fp32", moe_layer_freq=moe_layer_freq, **router)
+    return dict(_LLAMA, family=family, **_shape(layers, hidden, heads), ffn_hidden_size=ffn, seq_length=4096,
+                norm_epsilon=norm_epsilon, multi_latent_attention=True, q_lora_rank=q_lora_rank, kv_lora_rank=512,
+                qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128, moe=moe, **rope, **kw)
+
+
 MODELS: Dict[str, dict] = {
     # Tiny sizes: unit tests, the built-in default, laptops.
     "gpt2-tiny": dict(_GPT2, **_shape(2, 64, 4), vocab_size=257, max_position_embeddings=256, seq_length=128),
@@ -110,18 +130,24 @@ MODELS: Dict[str, dict] = {
                         vocab_size=50304, max_position_embeddings=4096, seq_length=4096, rotary_base=10000.0,
                         moe=dict(num_experts=64, moe_router_topk=8, moe_router_pre_softmax=True,
                                  moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)),
-    # DeepSeek-V3's MoE (671B total, 37B active with MLA) on standard multi-head attention with
-    # 128-channel heads: 3 dense layers, then 256 routed experts (top-8 of 8 groups, 4 groups per
-    # token, sigmoid scores, expert bias) and one shared expert per layer.
-    "deepseek-v3-shaped": dict(_LLAMA, family=None, **_shape(61, 7168, 128), kv_channels=128, ffn_hidden_size=18432,
-                               vocab_size=129280, max_position_embeddings=163840, seq_length=4096, norm_epsilon=1e-6,
-                               moe=dict(num_experts=256, moe_router_topk=8, moe_ffn_hidden_size=2048,
-                                        moe_router_score_function="sigmoid", moe_router_num_groups=8,
-                                        moe_router_group_topk=4, moe_router_topk_scaling_factor=2.5,
-                                        moe_router_enable_expert_bias=True, moe_router_dtype="fp32",
-                                        moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-4,
-                                        moe_shared_expert_intermediate_size=2048,
-                                        moe_layer_freq=[0] * 3 + [1] * 58)),
+    # DeepSeek-V3 (671B, 37B active; its MTP module not included): MLA with YaRN, 3 dense layers, then
+    # 256 routed experts (top-8 of 8 groups, 4 groups per token, sigmoid scores, expert bias) and one
+    # shared expert per layer. Kimi-K2 (1.04T, 32B active) and Moonlight-16B-A3B are the same
+    # architecture (HF loads them as deepseek_v3); DeepSeek-V2-Lite (15.7B, 2.4B active) routes by softmax.
+    "deepseek-v3": _deepseek(61, 7168, 128, 18432, vocab_size=129280, q_lora_rank=1536, max_position_embeddings=163840,
+                             rope=dict(_YARN, rotary_scaling_factor=40.0), moe_layer_freq=[0] * 3 + [1] * 58,
+                             experts=256, topk=8, groups=(8, 4), scaling=2.5),
+    "kimi-k2": _deepseek(61, 7168, 64, 18432, vocab_size=163840, q_lora_rank=1536, max_position_embeddings=131072,
+                         rope=dict(_YARN, rotary_scaling_factor=32.0, rotary_base=50000.0, beta_fast=1.0),
+                         moe_layer_freq=[0] + [1] * 60, experts=384, topk=8, scaling=2.827),
+    "moonlight-16b-a3b": _deepseek(27, 2048, 16, 11264, vocab_size=163840, max_position_embeddings=8192,
+                                   rope=dict(rotary_base=50000.0), norm_epsilon=1e-5, moe_layer_freq=[0] + [1] * 26,
+                                   experts=64, topk=6, shared=2, scaling=2.446),
+    "deepseek-v2-lite": _deepseek(27, 2048, 16, 10944, family="deepseek_v2", vocab_size=102400,
+                                  max_position_embeddings=163840,
+                                  rope=dict(_YARN, rotary_scaling_factor=40.0, mscale=0.707, mscale_all_dim=0.707),
+                                  moe_layer_freq=[0] + [1] * 26, experts=64, topk=6, shared=2,
+                                  router=dict(moe_router_pre_softmax=True, moe_router_norm_topk_prob=False)),
     "mixtral-8x7b": dict(_MIXTRAL, **_shape(32, 4096, 32), ffn_hidden_size=14336,
                          moe=dict(num_experts=8, moe_router_topk=2, moe_aux_loss_coeff=0.02)),
     "mixtral-8x22b": dict(_MIXTRAL, **_shape(56, 6144, 48), ffn_hidden_size=16384, vocab_size=32768,
@@ -141,6 +167,7 @@ MODELS: Dict[str, dict] = {
                             moe=dict(num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=1536,
                                      moe_aux_loss_coeff=0.001)),
 }
+MODELS["deepseek-v3-shaped"] = MODELS["deepseek-v3"]  # its former name (standard attention then; MLA now)
 
 
 # The built-in default run (`torchrun pretrain_gpt.py` with no --model): the model above, and its

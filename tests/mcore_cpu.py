@@ -104,9 +104,12 @@ def cpu_shims() -> None:
 def transformer_config(shape: dict, tp: int, pp: int, vpp: int = 1):
     """Megatron-Core's config of the shape (`first_stage_layers` / `last_stage_layers`: an uneven
     pipeline split), dropout off and no fused kernels but the bias-GELU one when asked."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    return TransformerConfig(
+    mla = {k: shape[k] for k in MLA_KEYS if k in shape} if shape.get("multi_latent_attention") else {}
+    if mla:
+        mla.update(multi_latent_attention=True, rope_type=shape.get("rope_type", "rope"))
+    return (MLATransformerConfig if mla else TransformerConfig)(**mla,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         num_layers_in_first_pipeline_stage=shape.get("first_stage_layers"),
         num_layers_in_last_pipeline_stage=shape.get("last_stage_layers"),
@@ -122,6 +125,11 @@ def transformer_config(shape: dict, tp: int, pp: int, vpp: int = 1):
         bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
         layernorm_zero_centered_gamma=shape.get("apply_layernorm_1p", False),
         qk_layernorm=shape.get("qk_layernorm", False), **_moe_config(shape))
+
+
+# An MLA shape's keys (Megatron-LM's args and Megatron-Core's config fields of the same names)
+MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rotary_scaling_factor",
+            "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
 # An MoE shape's keys (Megatron-LM's args of the same names); the experts run as SequentialMLP
@@ -169,7 +177,8 @@ def megatron_args(shape: dict, tp: int, pp: int, padded_vocab: int, ckpt_format:
         decoder_first_pipeline_num_layers=shape.get("first_stage_layers"),
         decoder_last_pipeline_num_layers=shape.get("last_stage_layers"),
         **{k: shape.get(k) for k in MOE_KEYS}, moe_grouped_gemm=False, expert_model_parallel_size=shape.get("ep", 1),
-        multi_latent_attention=False, use_legacy_models=False, transformer_impl="local", ckpt_format=ckpt_format,
+        multi_latent_attention=bool(shape.get("multi_latent_attention")), rope_type=shape.get("rope_type"),
+        **{k: shape[k] for k in MLA_KEYS if k in shape}, use_legacy_models=False, transformer_impl="local", ckpt_format=ckpt_format,
         attention_backend=AttnBackend.auto, params_dtype=torch.float32, data_path=["a", "b"], iteration=5,
         **_newer_args())
 
@@ -251,7 +260,9 @@ def build_gpt(shape: dict, tp: int, pp: int, padded_vocab: int, vpp: int = 1):
     if one_p:
         apex_layer_norm()
     config = transformer_config(shape, tp, pp, vpp)
-    if shape.get("num_experts"):  # dense and MoE layers as --moe-layer-freq says
+    if shape.get("multi_latent_attention"):
+        spec = mla_local_spec(shape)
+    elif shape.get("num_experts"):  # dense and MoE layers as --moe-layer-freq says
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=shape["normalization"],
                                           qk_l2_norm=False)
@@ -270,6 +281,39 @@ def build_gpt(shape: dict, tp: int, pp: int, padded_vocab: int, vpp: int = 1):
         randomize(model, tp_rank, pp_rank * vpp + v, tied, last, zero_centered=one_p)
         chunks.append(model.eval())
     return chunks
+
+
+class _SDPA:
+    """Megatron-Core's core attention for MLA as its local DotProductAttention cannot be (it takes no
+    separate key / value head sizes; 0.16 wants Transformer Engine's there): causal softmax attention
+    with MLA's softmax scale, [s, b, heads, d] in, [s, b, heads * dv] out."""
+
+    def __new__(cls, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                softmax_scale=None, **kwargs):
+        from megatron.core.transformer.module import MegatronModule
+
+        class SDPA(MegatronModule):
+            def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                        packed_seq_params=None, **kw):
+                q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale)
+                return o.permute(2, 0, 1, 3).reshape(o.shape[2], o.shape[0], -1)
+
+        return SDPA(config)
+
+
+def mla_local_spec(shape: dict):
+    """Megatron-Core's local layer spec with multi-latent attention, runnable without Transformer Engine."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    for name in ("TELinear", "TEColumnParallelLinear"):  # (stand-ins: MagicMocks without TE)
+        if not isinstance(getattr(mla, name, None), type):
+            setattr(mla, name, type(name, (), {}))
+    spec = get_gpt_layer_local_spec(multi_latent_attention=True, normalization=shape["normalization"],
+                                    qk_layernorm=True)
+    spec.submodules.self_attention.submodules.core_attention = _SDPA
+    return spec
 
 
 @torch.no_grad()

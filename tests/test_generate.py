@@ -41,7 +41,7 @@ sys.path.pop(0)
 
 PROMPTS = [[3, 17, 42, 5, 8, 60, 1], [99, 0, 12], [7, 7, 31, 64, 2]]  # unequal lengths: left padding
 NEW = 32
-FAMILIES = NAMES  # every family test_hf_parity builds: GPT-2, Llama (3 kinds), Mistral, Qwen2/3, 3 MoE
+FAMILIES = NAMES  # every family test_hf_parity builds: GPT-2, Llama (3 kinds), Mistral, Qwen2/3, 5 MoE (2 with MLA)
 DENSE = [n for n in NAMES if n not in MOE]  # MoE models generate at TP 1 only
 
 
@@ -366,7 +366,9 @@ def test_a_prompt_longer_than_the_trained_length_is_warned_about(checkpoint):
                                                      "--max-new-tokens", "1"])
     assert code == 0 and out.startswith("y" * (trained + 3))
     assert err == (f"> warning: a prompt of {trained + 3} tokens is longer than the {trained} tokens the model was "
-                   f"trained on (its --seq-length): expect worse text\n"), err
+                   f"trained on (its --seq-length): expect worse text\n"
+                   f"> KV cache: {2 * 2 * 2 * 16 * 4} bytes per token per sequence on each TP rank\n"), err  # 2 layers,
+    # K and V of 2 groups of 16 channels in fp32
 
 
 def test_generate_tool_prompt_file(checkpoint, tmp_path):

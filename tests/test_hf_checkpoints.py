@@ -179,7 +179,7 @@ def test_bad_inputs_are_one_line_errors(saved, tmp_path, capsys):
     transformers.BertConfig().save_pretrained(tmp_path / "bert")
     assert _convert("hf-to-ml", "--hf-dir", tmp_path / "bert", "--out", tmp_path / "o") == 2
     yarn = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32,
-                                    vocab_size=10, rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4})
+                                    vocab_size=10, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
     transformers.LlamaForCausalLM(yarn).save_pretrained(tmp_path / "yarn")
     assert _convert("hf-to-ml", "--hf-dir", tmp_path / "yarn", "--out", tmp_path / "o") == 2
     sharded = tmp_path / "sharded"
@@ -195,7 +195,7 @@ def test_bad_inputs_are_one_line_errors(saved, tmp_path, capsys):
     # (transformers' save_pretrained writes progress bars to stderr too)
     err = [line for line in capsys.readouterr().err.splitlines() if "Writing model shards" not in line and line.strip()]
     assert len(err) == 5, err
-    for line, fragment in zip(err, ["not a directory", "model_type 'bert'", "rope_type 'yarn'", "missing",
+    for line, fragment in zip(err, ["not a directory", "model_type 'bert'", "rope_type 'dynamic'", "missing",
                                     "weights_only"]):
         assert line.startswith("convert_checkpoint.py hf-to-ml: error: ") and fragment in line, line
 

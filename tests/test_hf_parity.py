@@ -34,6 +34,13 @@ _LLAMA = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_ke
 _MOE = dict(_LLAMA, num_experts_per_tok=2)
 
 
+_DEEPSEEK = dict(_LLAMA, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+                 first_k_dense_replace=1, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=20,
+                 max_position_embeddings=64, tie_word_embeddings=False)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}
+
+
 def _hf_config(name: str):
     t = transformers
     rope = {"rope_type": "default", "rope_theta": 5000.0}
@@ -48,6 +55,8 @@ def _hf_config(name: str):
                                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                           "original_max_position_embeddings": 16},
                                          max_position_embeddings=64, tie_word_embeddings=False, **_LLAMA),
+        "llama_yarn": lambda: t.LlamaConfig(rope_parameters={k: v for k, v in YARN.items() if "mscale" not in k},
+                                            max_position_embeddings=64, tie_word_embeddings=False, **_LLAMA),
         "mistral": lambda: t.MistralConfig(sliding_window=5, tie_word_embeddings=False, **_LLAMA),
         "qwen2": lambda: t.Qwen2Config(tie_word_embeddings=True, **_LLAMA),
         "qwen3": lambda: t.Qwen3Config(head_dim=24, tie_word_embeddings=False, **_LLAMA),
@@ -56,14 +65,23 @@ def _hf_config(name: str):
                                               mlp_only_layers=[0], norm_topk_prob=False, **_MOE),
         "qwen3_moe": lambda: t.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=48, head_dim=24,
                                               norm_topk_prob=True, **_MOE),
+        # MLA with YaRN; 4 layers: one dense, then sigmoid group-limited routing with expert bias, one shared expert
+        "deepseek_v3": lambda: t.DeepseekV3Config(**dict(_DEEPSEEK, num_hidden_layers=4), n_group=4, topk_group=2,
+                                                  num_experts_per_tok=4, routed_scaling_factor=2.5, norm_topk_prob=True,
+                                                  q_lora_rank=24, rope_parameters=dict(YARN)),
+        # V2-Lite's kind: no query compression, softmax routing without renormalization, two shared experts
+        "deepseek_v2": lambda: t.DeepseekV2Config(**dict(_DEEPSEEK, n_shared_experts=2), num_experts_per_tok=2,
+                                                  topk_method="greedy", q_lora_rank=None, rope_parameters=rope),
     }[name]()
 
 
 CLASSES = {"gpt2": "GPT2LMHeadModel", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
            "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-           "qwen3_moe": "Qwen3MoeForCausalLM"}
-NAMES = ["gpt2", "llama_gqa", "llama_tied", "llama31", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
-MOE = {"mixtral", "qwen2_moe", "qwen3_moe"}
+           "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+           "deepseek_v2": "DeepseekV2ForCausalLM"}
+NAMES = ["gpt2", "llama_gqa", "llama_tied", "llama31", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
+         "deepseek_v3", "deepseek_v2", "llama_yarn"]
+MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,6 +91,9 @@ def hf_model(name: str):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):  # DeepSeek-V3's expert bias: changes which experts are chosen
+                b.add_(torch.randn_like(b) * 0.1)
     return model
 
 
@@ -160,8 +181,8 @@ def test_zoo_config_round_trip(zoo_name):
 def test_unsupported_inputs_are_clear_errors():
     with pytest.raises(ConversionError, match="unsupported model_type 'bert'"):
         hf_config_to_model_config(transformers.BertConfig())
-    with pytest.raises(ConversionError, match="rope_type 'yarn'"):
-        hf_config_to_model_config(transformers.LlamaConfig(rope_parameters={"rope_type": "yarn", "factor": 2.0,
+    with pytest.raises(ConversionError, match="rope_type 'dynamic'"):
+        hf_config_to_model_config(transformers.LlamaConfig(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                                                             "rope_theta": 1e4}))
     _, _, cfg, state = oracle("llama_gqa")
     broken = dict(hf_model("llama_gqa").state_dict())
@@ -174,3 +195,48 @@ def test_unsupported_inputs_are_clear_errors():
     with pytest.raises(ConversionError, match="unexpected"):
         hf_to_megatron_lite(extra, cfg)
 
+
+
+def _pipeline_worker(rank, world, cfg, state, tokens):
+    """Logits of a TP2 x PP2 x EP2 layout (8 ranks): stage 0's hidden states sent to stage 1."""
+    dims = ParallelDims.from_world(tp=2, pp=2, ep=2)
+    model = build_model(cfg, dims, seed=7, first_stage_layers=1)[0].eval()  # the dense layer, then the MoE ones
+    load_full_state_dict_into_model(model, state, dims)
+    tp_rank, cp_rank, dp_rank, pp_rank = dims.coords(rank)
+    with torch.no_grad():
+        if pp_rank == 0:
+            hidden = model(tokens)
+            torch.distributed.send(hidden.contiguous(), dims.global_rank(tp_rank, cp_rank, dp_rank, 1))
+            return None
+        hidden = torch.empty(tokens.shape[1], tokens.shape[0], cfg.hidden_size)
+        torch.distributed.recv(hidden, dims.global_rank(tp_rank, cp_rank, dp_rank, 0))
+        model.set_input_tensor(hidden)
+        return model(tokens)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", pytest.param("deepseek_v2", marks=pytest.mark.slow)])
+def test_deepseek_logits_match_hf_at_tp2_pp2_ep2(name):
+    tokens, expected, cfg, state = oracle(name)
+    results = [r for r in run_distributed(_pipeline_worker, 8, cfg, state, tokens) if r is not None]
+    assert len(results) == 4
+    for logits in results:
+        assert _max_diff(logits, expected) < TOL
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2"])
+def test_deepseek_round_trips_are_exact(name, tmp_path):
+    """HF (as save_pretrained writes it, expert bias included) -> ours -> HF identical, and loadable
+    strictly; ours -> HF -> ours identical from our own initialization."""
+    from safetensors.torch import load_file
+    hf = hf_model(name)
+    cfg = hf_config_to_model_config(hf.config)
+    hf.save_pretrained(tmp_path)
+    on_disk = load_file(str(tmp_path / "model.safetensors"))
+    again = megatron_lite_to_hf(hf_to_megatron_lite(on_disk, cfg), cfg)
+    assert again.keys() == on_disk.keys()
+    assert all(torch.equal(again[k], v) for k, v in on_disk.items())
+    assert type(hf).from_pretrained(tmp_path) is not None
+    dims = ParallelDims().build_groups()
+    ours = gather_full_state_dict(build_model(cfg, dims, seed=11)[0], dims)
+    back = hf_to_megatron_lite(megatron_lite_to_hf(ours, cfg), cfg)
+    assert back.keys() == ours.keys() and all(torch.equal(back[k], v) for k, v in ours.items())

@@ -39,17 +39,9 @@ torch.save({"logits": logits, "version": __import__("megatron.core.package_info"
 
 def _ml_checkpoint(tmp_path, shape):
     """A random model of `shape` as a full (ml-dir) checkpoint, and our logits on the batch."""
-    import convert_checkpoint as tool
-    from megatron_lite.config import ModelConfig
-    from megatron_lite.parallel.state import ParallelDims
-    from models.gpt import build_model
+    from test_megatron_moe_checkpoints import random_ml_checkpoint
 
-    keys = set(ModelConfig.__dataclass_fields__)
-    moe = {k: v for k, v in shape.items() if k.startswith("moe_") or k == "num_experts"}
-    cfg = ModelConfig(**{k: v for k, v in shape.items() if k in keys}, vocab_size=PADDED, moe=moe or None)
-    torch.manual_seed(0)
-    model = build_model(cfg, ParallelDims())[0].eval()
-    tool.write_ml_checkpoint(str(tmp_path / "ml"), cfg, {n: p.detach() for n, p in model.named_parameters()})
+    model = random_ml_checkpoint(tmp_path / "ml", shape)
     with torch.no_grad():
         return tmp_path / "ml", model(_batch(PADDED)[0])
 

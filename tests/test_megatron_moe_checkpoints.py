@@ -9,7 +9,6 @@ GPTModel loads them strictly with our logits.
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
@@ -118,6 +117,12 @@ def test_ml_to_megatron_moe_loads_into_megatron_core(megatron_moe, tmp_path, fmt
     load_tp, load_ep = (tp, ep) if fmt == "torch" else (TP, EP)
     theirs = next(r for r in run_distributed(_megatron_loads, load_tp * pp * load_ep, str(out),
                                              dict(SHAPE, ep=load_ep), load_tp, pp, fmt, daemon=False) if r is not None)
+    assert_ours_and_back(theirs, ml, out, back)
+
+
+def assert_ours_and_back(theirs, ml, out, back):
+    """Megatron-Core's logits `theirs` (of what ml-to-megatron wrote from `ml` to `out`) are ours, and
+    megatron-to-ml of `out` gives our checkpoint back bit for bit (into `back`)."""
     ours, _ = _our_logits(ml, _batch(PADDED)[0])
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
     assert _convert("megatron-to-ml", "--load", out, "--out", back) == 0
@@ -126,24 +131,31 @@ def test_ml_to_megatron_moe_loads_into_megatron_core(megatron_moe, tmp_path, fmt
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_ml_to_megatron_torch_dist_stacks_uniform_moe_layers(tmp_path):
-    """Every layer MoE (--moe-layer-freq 1): Megatron-Core stacks a layer's tensors over the layers
-    ([layers, ...]; the experts' [layers, experts, ...]); it loads ours strictly with our logits."""
+def random_ml_checkpoint(directory, shape: dict, **config):
+    """A randomly initialised model of `shape` (its ModelConfig and MoE keys, `config` over them)
+    written as a full (--ml-dir) checkpoint; the model, in eval mode."""
     import convert_checkpoint as tool
     from megatron_lite.config import ModelConfig
     from megatron_lite.parallel.state import ParallelDims
     from models.gpt import build_model
 
-    shape = dict(SHAPE, num_layers=2, moe_layer_freq=1, moe_shared_expert_intermediate_size=None,
-                 moe_shared_expert_gate=False)
-    model_keys = set(ModelConfig.__dataclass_fields__)
-    cfg = ModelConfig(**{k: v for k, v in shape.items() if k in model_keys}, vocab_size=PADDED, moe={
-        k: v for k, v in shape.items() if k.startswith("moe_") or k == "num_experts"})
+    moe = {k: v for k, v in shape.items() if k.startswith("moe_") or k == "num_experts"}
+    keys = set(ModelConfig.__dataclass_fields__)
+    cfg = ModelConfig(**{**{k: v for k, v in shape.items() if k in keys}, "vocab_size": PADDED, "moe": moe or None,
+                         **config})
     torch.manual_seed(0)
     model = build_model(cfg, ParallelDims())[0].eval()
-    state = {n: p.detach() for n, p in model.named_parameters()}
+    tool.write_ml_checkpoint(str(directory), cfg, {n: p.detach() for n, p in model.named_parameters()})
+    return model
+
+
+def test_ml_to_megatron_torch_dist_stacks_uniform_moe_layers(tmp_path):
+    """Every layer MoE (--moe-layer-freq 1): Megatron-Core stacks a layer's tensors over the layers
+    ([layers, ...]; the experts' [layers, experts, ...]); it loads ours strictly with our logits."""
+    shape = dict(SHAPE, num_layers=2, moe_layer_freq=1, moe_shared_expert_intermediate_size=None,
+                 moe_shared_expert_gate=False)
     ml, out = tmp_path / "ml", tmp_path / "megatron"
-    tool.write_ml_checkpoint(str(ml), cfg, state)
+    model = random_ml_checkpoint(ml, shape)
     assert _convert("ml-to-megatron", "--ml-dir", ml, "--out", out, "--ckpt-format", "torch_dist") == 0
     from models.megatron_checkpoint import read_dcp_metadata
     stored = read_dcp_metadata(str(out / "release" / ".metadata")).state_dict_metadata

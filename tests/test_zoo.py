@@ -78,8 +78,22 @@ def test_shapes_without_a_hf_family():
     # OLMoE-1B-7B: 6.9B total, 1.3B active (AllenAI's card), up to the q/k norm widths.
     olmoe = _cfg("olmoe-1b-7b")
     assert round(olmoe.num_parameters() / 1e9, 1) == 6.9 and round(olmoe.num_parameters(active=True) / 1e9, 1) == 1.3
-    # DeepSeek-V3 with standard attention instead of MLA: the MoE layers hold most of the 671B.
-    ds = _cfg("deepseek-v3-shaped")
-    assert ds.moe_layers() == [False] * 3 + [True] * 58
-    # Active: 37B in DeepSeek-V3, plus the ~18B more that 128 full heads cost over MLA.
-    assert 650e9 < ds.num_parameters() < 700e9 and 50e9 < ds.num_parameters(active=True) < 60e9
+
+
+
+# Safetensors totals of the published checkpoints without DeepSeek-V3's MTP module: the parameters
+# plus one expert-bias buffer (e_score_correction_bias) per MoE layer of the sigmoid-routed ones.
+DEEPSEEK_PUBLISHED = {"deepseek-v3": (671_026_419_200, 37), "kimi-k2": (1_026_408_232_448, 32),
+                      "deepseek-v2-lite": (15_706_484_224, 2.4)}
+
+
+@pytest.mark.parametrize("name", sorted(DEEPSEEK_PUBLISHED))
+def test_deepseek_architecture_totals(name):
+    """Totals equal the published checkpoints'; active parameters (without the input embedding) the
+    cards' rounded figure within 3%."""
+    cfg = _cfg(name)
+    total, active = DEEPSEEK_PUBLISHED[name]
+    biases = sum(cfg.moe_layers()) * cfg.moe.num_experts if cfg.moe.moe_router_enable_expert_bias else 0
+    assert cfg.num_parameters() + biases == total
+    assert abs(cfg.num_parameters(active=True, include_embedding=False) / 1e9 - active) < 0.03 * active
+    assert zoo.MODELS["deepseek-v3-shaped"] == zoo.MODELS["deepseek-v3"]  # the former name still works

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import math
 import os
@@ -372,7 +371,7 @@ _EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(\d
 
 
 def cmd_ml_to_megatron(args) -> None:
-    from models.megatron_checkpoint import LEGACY_FILE, TRACKER
+    from models.megatron_checkpoint import TRACKER
     from models.megatron_conversion import MEGATRON_RULES, VOCAB_TENSORS, megatron_args_of_config
 
     cfg, get, _, close, ckpt_meta = _ours_from(args)
@@ -397,6 +396,8 @@ def cmd_ml_to_megatron(args) -> None:
         if args.ckpt_format == "torch_dist":
             # Megatron-Core names a layer's tensors per layer when dense and MoE layers may mix
             per_layer = experts and (isinstance(cfg.moe.moe_layer_freq, (list, str)) or cfg.moe.moe_layer_freq > 1)
+            if cfg.multi_latent_attention:  # MLA's layer spec keeps the norms' own names in its sharded keys
+                stream = ((_local_names(n), t) for n, t in stream)
             params = _write_torch_dist(release, stream, cfg.num_layers, experts, margs, per_layer)
         else:
             params = _write_legacy(release, stream, cfg, margs, tp, pp, ep, experts)
@@ -412,6 +413,15 @@ def cmd_ml_to_megatron(args) -> None:
           f"{args.ckpt_format} --use-checkpoint-args")
 
 
+def _local_names(name: str) -> str:
+    """The local spec's names of the norms that Megatron-Core's sharded keys fold into the next linear."""
+    from models.megatron_conversion import ALIASES
+
+    for canonical, local in ALIASES.items():
+        name = name.replace(canonical, local)
+    return name
+
+
 def _pad_vocab(full: torch.Tensor, padded: int) -> torch.Tensor:
     """Megatron's padded vocabulary: zero rows past the true one."""
     return torch.cat([full, full.new_zeros(padded - full.shape[0], *full.shape[1:])])
@@ -422,7 +432,7 @@ def _write_legacy(release: str, stream, cfg: ModelConfig, margs: dict, tp: int, 
     """Megatron-LM's per-rank files (mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt): each TP rank's piece,
     each stage's layers numbered from 0, each EP rank's experts numbered from 0."""
     from models.megatron_checkpoint import LEGACY_FILE
-    from models.megatron_conversion import ALIASES, split_tp
+    from models.megatron_conversion import split_tp
 
     per_stage, local_experts = cfg.num_layers // pp, experts // ep if experts else 0
     states = {(t, p, e): {} for t in range(tp) for p in range(pp) for e in range(ep)}
@@ -440,8 +450,7 @@ def _write_legacy(release: str, stream, cfg: ModelConfig, margs: dict, tp: int, 
             stages, name = [int(layer) // per_stage], f"decoder.layers.{int(layer) % per_stage}.{rest}"
         elif name == "embedding.word_embeddings.weight" and pp > 1 and not cfg.untie_embeddings_and_output_weights:
             stages = [0, pp - 1]  # the last stage's copy of the tied embedding is its output layer
-        for canonical, local in ALIASES.items():
-            name = name.replace(canonical, local)
+        name = _local_names(name)
         for t, piece in enumerate(split_tp(name, full, tp, cfg.swiglu)):
             for p in stages:
                 key = "output_layer.weight" if p != 0 and name.startswith("embedding.") else name
@@ -458,9 +467,8 @@ def _write_legacy(release: str, stream, cfg: ModelConfig, margs: dict, tp: int, 
     return params
 
 
-# The linear layers of a Megatron-Core layer (local spec) have an `_extra_state` (None; Transformer
-# Engine's FP8 metadata otherwise), stored as one pickled object per layer (per layer and expert).
-_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+# The linear layers of a Megatron-Core layer (local spec: `linear_*`) have an `_extra_state` (None;
+# Transformer Engine's FP8 metadata otherwise), stored as one pickled object per layer (per layer and expert).
 
 
 def _write_torch_dist(path: str, stream, num_layers: int, experts: int, margs: dict, per_layer: bool) -> torch.dtype:
@@ -490,7 +498,7 @@ def _write_torch_dist(path: str, stream, num_layers: int, experts: int, margs: d
         if index:
             chunks.setdefault(key, (prefix, {}))[1][index] = full
         module, param = key.rsplit(".", 2)[-2:]
-        if module in _LINEARS and param == "weight":
+        if module.startswith("linear_") and param == "weight":
             # (DCP pickles it; Megatron-Core's object of a key is the list of its ranks' objects)
             offsets, shape = (index, prefix) if index else ((0,), (1,))
             state[f"{key[:-len('weight')]}_extra_state/shard_{'.'.join(map(str, offsets))}_"
@@ -563,13 +571,16 @@ def _ours_from(args):
         cfg, state = read_ml_checkpoint(args.ml_dir)
         return cfg, state.__getitem__, lambda name: torch.empty_like(state[name], device="meta"), lambda: None, {}
     from megatron_lite.checkpoint.offline import open_checkpoint
+    from megatron_lite.checkpoint.plan import buffer_key
 
     reader = open_checkpoint(args.load, args.iteration, args.verify_checkpoint)
     cfg = ModelConfig(**reader.meta["model_config"])
 
-    def key_of(name: str) -> str:  # fp32 main params where bf16/fp16 training kept them
-        main = f"optim/{name}/main"
-        return main if reader.has(main) else f"model/{name}"
+    def key_of(name: str) -> str:  # fp32 main params where bf16/fp16 training kept them; buffers (expert biases)
+        for key in (f"optim/{name}/main", buffer_key(name)):
+            if reader.has(key):
+                return key
+        return f"model/{name}"
 
     def meta(name: str) -> torch.Tensor:
         key = key_of(name)

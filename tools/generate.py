@@ -272,6 +272,10 @@ def work(setup: Setup, device) -> None:
 
     with torch.no_grad():
         model = build_and_load(setup, device)
+        if is_printing_rank():
+            from megatron_lite.inference import kv_cache_bytes_per_token
+            print(f"> KV cache: {kv_cache_bytes_per_token(model)} bytes per token per sequence on each TP rank",
+                  file=sys.stderr)
         run(setup, model, sys.stdout if is_printing_rank() else None)
 
 

@@ -17,8 +17,8 @@ from ..parallel.sharding import counts_in_norm, spec_of, stored_name
 from ..parallel.state import ParallelDims
 from . import directory
 from .files import PieceSet, StreamingPieceFile, describe_files
-from .geometry import flat_range_to_full
-from .plan import MODEL, even_part, model_key, optim_key
+from .geometry import flat_range_to_full, whole_box
+from .plan import MODEL, buffer_key, even_part, model_key, optim_key, persistent_buffers
 from .reader import CheckpointReader
 
 
@@ -98,18 +98,21 @@ def write_weights_checkpoint(out_root: str, meta: dict, ranks: Iterable[Tuple[Pa
     files, wanted = [], {}
     for dims, chunks in ranks:
         out = StreamingPieceFile(os.path.join(staging, directory.shard_file(dims.rank)))
-        parts = sorted(((position[n], n, spec, run) for n, spec, runs in _writes(dims, chunks) for run in runs),
-                       key=lambda x: x[0])
-        for _, name, spec, run in parts:
-            wanted.setdefault(name, []).append((out, out.declare(model_key(name), run.full, spec.stored_shape, dtype),
-                                                run.full))
+        parts = [(position[n], model_key(n), n, run.full, spec.stored_shape, dtype)
+                 for n, spec, runs in _writes(dims, chunks) for run in runs]
+        if dims.tp_rank == dims.cp_rank == dims.dp_rank == 0:  # persistent buffers (MoE expert biases): whole, in
+            parts += [(position[n], buffer_key(n), n, whole_box(b.shape), tuple(b.shape), b.dtype)  # their own dtype,
+                      for n, b in persistent_buffers(chunks) if n in position]  # once per pipeline stage (the saver's)
+        for _, key, name, box, shape, kind in sorted(parts, key=lambda x: x[0]):
+            wanted.setdefault(name, []).append((out, out.declare(key, box, shape, kind), box, kind))
         files.append(out)
     for out in files:
         out.open()
     for name, full in tensors:
-        full = full.to(dtype)
-        for out, piece, box in wanted.pop(name, []):
-            out.write(piece, full[tuple(slice(s, s + n) for s, n in box)])
+        converted = {}
+        for out, piece, box, kind in wanted.pop(name, []):
+            data = converted.setdefault(kind, full.to(kind))
+            out.write(piece, data[tuple(slice(s, s + n) for s, n in box)])
     if wanted:
         raise ValueError(f"the stream lacked {len(wanted)} tensors, e.g. {sorted(wanted)[:3]}")
     names = [os.path.basename(f.path) for f in files]

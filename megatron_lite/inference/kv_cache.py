@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -27,6 +28,14 @@ from ..errors import ConfigError
 def _cache_owners(model: nn.Module) -> List[nn.Module]:
     """The attention modules of `model` that keep a cache entry."""
     return [m for m in model.modules() if hasattr(m, "cache_entry")]
+
+
+def kv_cache_bytes_per_token(model: nn.Module) -> int:
+    """Bytes this rank caches per token of one sequence over every attention layer of `model` (in
+    its parameter dtype): K and V per head group for standard attention, the latent and RoPE key
+    for MLA."""
+    size = next(model.parameters()).element_size()
+    return sum(math.prod(shape) * size for m in _cache_owners(model) for shape in m.cache_entry())
 
 
 class KVCache:

@@ -93,10 +93,12 @@ class Float8GemmPath(GemmPath):
         if first_last_bf16:
             self.bf16_layers = (first_last_bf16[0], first_last_bf16[1], num_layers)
 
-    def describe(self, params_dtype, moe_layers=()) -> str:
-        """The start-up line; `moe_layers`: per layer, whether its MLP is an MoE layer."""
+    def describe(self, params_dtype, moe_layers=(), mla: bool = False) -> str:
+        """The start-up line; `moe_layers`: per layer, whether its MLP is an MoE layer; `mla`: multi-latent
+        attention's projections instead of QKV."""
         fmt = "e4m3" if self.grad_dtype == FORMATS["e4m3"] else "hybrid: e4m3 forward, e5m2 gradients"
-        gemms = "QKV, projection" + (", fc1, fc2" if not all(moe_layers) else "") + (", experts" if any(moe_layers) else "")
+        gemms = ("Q, KV down- and up-projections" if mla else "QKV") + ", projection"
+        gemms += (", fc1, fc2" if not all(moe_layers) else "") + (", experts" if any(moe_layers) else "")
         dtype = str(params_dtype).replace('torch.', '')
         recipe = {"tensorwise": "tensorwise current scaling", "rowwise": "rowwise current scaling",
                   "blockwise": "blockwise scaling in 1x128 activation / gradient tiles and 128x128 weight blocks"}.get(

@@ -228,7 +228,8 @@ class Trainer:
             chunk_setting=t.cross_entropy_chunk_size, vocab_per_rank=self.cfg.model.padded_vocab_size(dims.tp) // dims.tp,
             normalization=self.cfg.model.normalization, fused_adamw=fused_adamw_available(self.device.type)))
         if isinstance(self.gemm, Float8GemmPath):
-            self.logger.info("> fp8: " + self.gemm.describe(params_dtype(self.cfg), self.cfg.model.moe_layers()))
+            self.logger.info("> fp8: " + self.gemm.describe(params_dtype(self.cfg), self.cfg.model.moe_layers(),
+                                                                self.cfg.model.multi_latent_attention))
         self.logger.info("> memory on this rank: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in mem.items()))
         printed = len(self.profiler.notes)
         for note in self.profiler.notes:

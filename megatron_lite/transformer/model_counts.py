@@ -6,9 +6,9 @@ from typing import List, NamedTuple
 
 import torch
 
-from .attention import SelfAttention
 from .counts import Counts, MicroBatch
 from .fast_paths import cross_entropy_chunk_tokens
+from .mla import self_attention_class
 from .mlp import MLP
 from .moe import MoELayer
 from .norm import norm_counts
@@ -37,7 +37,7 @@ def layer_counts(cfg, mb: MicroBatch, moe: bool) -> Counts:
     and with hidden dropout their masks, a byte per element."""
     h, norm, mlp = cfg.hidden_size, norm_counts(cfg, mb), MoELayer if moe else MLP
     residual = Counts(act_bytes=(2 * mb.a * h + (2 * h if cfg.hidden_dropout > 0 else 0)) * mb.residual_tokens)
-    return norm + SelfAttention.counts(cfg, mb) + norm + mlp.counts(cfg, mb) + residual
+    return norm + self_attention_class(cfg).counts(cfg, mb) + norm + mlp.counts(cfg, mb) + residual
 
 
 def embedding_counts(cfg, mb: MicroBatch) -> Counts:
