@@ -68,6 +68,10 @@ class ModelConfig:
                                       "qwen3, mixtral, qwen2_moe, qwen3_moe); None: infer when converting", flag=None)
     moe: Optional[MoEConfig] = arg(None, "mixture of experts (the --num-experts / --moe-* flags); None: dense",
                                    flag=None)
+    mtp_num_layers: Optional[int] = arg(None, "multi-token prediction: this many sequential modules after the decoder, "
+                                              "module k predicting token t+k+1 (DeepSeek-V3); None: off")
+    mtp_loss_scaling_factor: float = arg(0.1, "weight of the multi-token prediction loss: the mean over its depths "
+                                              "is multiplied by this and added to the LM loss")
 
     def __post_init__(self):
         if isinstance(self.moe, dict):  # from a checkpoint's metadata or a zoo preset
@@ -142,6 +146,18 @@ class ModelConfig:
         _require(self.window_size is None or self.window_size >= 1,
                  f"window_size ({self.window_size}) must be >= 1 (or unset: full causal attention)")
         _require(self.rope_scaling_factor > 0, f"rope_scaling_factor ({self.rope_scaling_factor}) must be positive")
+        _require(self.mtp_num_layers is None or self.mtp_num_layers >= 1,
+                 f"--mtp-num-layers ({self.mtp_num_layers}) must be >= 1 (or unset: no multi-token prediction)")
+        _require(self.mtp_loss_scaling_factor >= 0,
+                 f"--mtp-loss-scaling-factor ({self.mtp_loss_scaling_factor}) must be >= 0")
+        _require(not self.mtp_num_layers or self.mtp_num_layers < seq_length,
+                 f"--mtp-num-layers ({self.mtp_num_layers}) must be below seq_length ({seq_length}): depth k predicts "
+                 f"the token k+1 positions ahead")
+
+    @property
+    def mtp_depth(self) -> int:
+        """Multi-token prediction modules (0: none)."""
+        return self.mtp_num_layers or 0
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """The decoder's counts: what its layer types report (counts.py), laid out as models/gpt.py builds
-them (each layer two norms, self-attention and an MLP slot, MoE where --moe-layer-freq says so)."""
+them (each layer two norms, self-attention and an MLP slot, MoE where --moe-layer-freq says so), and
+the multi-token prediction modules on the last stage."""
 from __future__ import annotations
 
 from typing import List, NamedTuple
@@ -7,7 +8,7 @@ from typing import List, NamedTuple
 import torch
 
 from .attention import SelfAttention
-from .counts import Counts, MicroBatch
+from .counts import Counts, MicroBatch, weights
 from .fast_paths import cross_entropy_chunk_tokens
 from .mlp import MLP
 from .moe import MoELayer
@@ -19,17 +20,30 @@ class ModelCounts(NamedTuple):
     layers: List[Counts]
     final_norm: Counts
     output: Counts  # the output layer and the loss
+    mtp: Counts = Counts()  # the multi-token prediction modules (--mtp-num-layers), with their output GEMMs
 
     @property
     def total(self) -> Counts:
-        return sum(self.layers, self.embedding + self.final_norm + self.output)
+        return sum(self.layers, self.embedding + self.final_norm + self.output + self.mtp)
 
 
 def model_counts(cfg, mb: MicroBatch = MicroBatch()) -> ModelCounts:
     kinds = cfg.moe_layers()
     layer = {moe: layer_counts(cfg, mb, moe) for moe in set(kinds)}
     return ModelCounts(embedding_counts(cfg, mb), [layer[moe] for moe in kinds], norm_counts(cfg, mb),
-                       output_counts(cfg, mb))
+                       output_counts(cfg, mb), mtp_counts(cfg, mb, layer[kinds[-1]]))
+
+
+def mtp_counts(cfg, mb: MicroBatch, layer: Counts) -> Counts:
+    """Each depth: its enorm, hnorm and final norm, the 2h -> h projection, a layer of the last decoder
+    layer's kind, and an output GEMM and loss over the shared output weight (FLOPs, no parameters)."""
+    if not cfg.mtp_depth:
+        return Counts()
+    norm, h = norm_counts(cfg, mb), cfg.hidden_size
+    output = output_counts(cfg, mb)
+    depth = norm + norm + norm + weights(2 * h * h, act_bytes=2 * mb.a * h * mb.tokens) + layer + Counts(
+        flops=output.flops, act_bytes=output.act_bytes)
+    return Counts(*(cfg.mtp_depth * x for x in depth))
 
 
 def layer_counts(cfg, mb: MicroBatch, moe: bool) -> Counts:
