@@ -103,6 +103,9 @@ def megatron_args_of_config(cfg: ModelConfig, tp: int, pp: int) -> Dict[str, Any
         raise ConversionError(f"MoE models (num_experts={cfg.moe.num_experts}) are not written to Megatron-LM yet")
     if cfg.window_size:
         raise ConversionError(f"window_size={cfg.window_size} (sliding-window attention) has no Megatron-LM flag")
+    if cfg.mtp_depth:
+        raise ConversionError(f"multi-token prediction layers (mtp_num_layers={cfg.mtp_num_layers}) are not written "
+                              f"to Megatron-LM yet")
     if cfg.rope_scaling_type and (cfg.rope_scaling_low_freq_factor, cfg.rope_scaling_high_freq_factor,
                                   cfg.rope_scaling_original_max_position) != (1.0, 4.0, 8192):
         raise ConversionError("Llama-3.1 RoPE scaling other than factors 1 / 4 at 8192 positions has no "

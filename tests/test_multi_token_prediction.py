@@ -148,7 +148,10 @@ def _assert_like_single_process(base, world, extra):
     assert all(r["mtp_loss"] > 0 for r in out)
     assert_same_run(ref, out, grad_norm_rtol=1e-6, what=what)
     assert_same_run([r["mtp_loss"] for r in ref], [r["mtp_loss"] for r in out], what=f"mtp_loss {what}")
-    assert_state_close(merged_params(results), ref_params, rtol=1e-4, what=f"{what} parameters")
+    params = merged_params(results)
+    if "--expert-model-parallel-size" in extra:  # experts split over EP are not gathered here: the rest
+        params, ref_params = ({k: v for k, v in d.items() if ".experts." not in k} for d in (params, ref_params))
+    assert_state_close(params, ref_params, rtol=1e-4, what=f"{what} parameters")
     assert any(k.startswith("mtp.layers.1.eh_proj") for k in ref_params)
 
 
@@ -162,13 +165,15 @@ LAYOUTS = [
     (LLAMA, 2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
     (LLAMA, 2, ["--zero-stage", "1"]),
     (LLAMA, 2, ["--recompute-granularity", "full", "--recompute-method", "uniform"]),
-    (LLAMA, 4, PP2 + ["--pipeline-schedule", "zb-h1", "--global-batch-size", "8"]),
+    (LLAMA + ["--global-batch-size", "8"], 4, PP2 + ["--pipeline-schedule", "zb-h1"]),
+    (TIED + ["--global-batch-size", "8"], 4, PP2 + ["--pipeline-schedule", "zb-h1"]),
+    (LLAMA + ["--num-layers", "4"], 2, PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"]),
     (LLAMA + MOE, 2, ["--expert-model-parallel-size", "2"]),
     (LLAMA + MOE, 4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
                       "--sequence-parallel"]),
 ]
 IDS = ["pp2-untied", "cp2-tp2-sp", "pp2-tied", "pp2-learned-positions", "cp2-p2p", "cp2-a2a", "dp2-zero1",
-       "recompute-full", "pp2-dp2-zb-h1", "moe-ep2", "moe-ep2-tp2-sp"]
+       "recompute-full", "pp2-dp2-zb-h1", "pp2-dp2-zb-h1-tied", "pp2-interleaved", "moe-ep2", "moe-ep2-tp2-sp"]
 FAST = {"pp2-untied", "cp2-tp2-sp"}  # the rest: --runslow
 
 
@@ -176,3 +181,42 @@ FAST = {"pp2-untied", "cp2-tp2-sp"}  # the rest: --runslow
     pytest.param(*cell, id=i, marks=() if i in FAST else pytest.mark.slow) for cell, i in zip(LAYOUTS, IDS)])
 def test_mtp_trains_like_single_process(base, world, extra):
     _assert_like_single_process(base, world, extra)
+
+
+@pytest.mark.parametrize("first,second", [
+    pytest.param(PP2, [], id="pp2-to-1"),
+    pytest.param([], PP2 + ["--context-parallel-size", "2"], id="1-to-pp2-cp2", marks=pytest.mark.slow)])
+def test_mtp_checkpoint_resumes_at_another_layout(tmp_path, first, second):
+    """The MTP modules and the last stage's embedding copy (stored under the embedding's own name)
+    are saved and loaded: the resumed run continues the uninterrupted one."""
+    argv = LLAMA + ["--train-iters", "6", "--lr-decay-iters", "6", "--use-distributed-optimizer"]
+    straight = records_of(run_distributed(train_in_process, 1, argv))
+    flags = argv + ["--save", str(tmp_path / "ckpt")]
+    head = records_of(run_distributed(train_in_process, 2 if first else 1, flags + first + ["--exit-interval", "3"]))
+    tail = records_of(run_distributed(train_in_process, 4 if second else 1, flags + second))
+    assert [r["iteration"] for r in head + tail] == list(range(1, 7))
+    assert_same_run(straight, head + tail, rtol=1e-5)
+    assert_same_run([r["mtp_loss"] for r in straight], [r["mtp_loss"] for r in head + tail], rtol=1e-5)
+
+
+def test_mtp_configurations_that_cannot_work_fail_with_one_line():
+    for kw, match in (({"mtp_num_layers": 0}, "--mtp-num-layers \\(0\\) must be >= 1"),
+                      ({"mtp_num_layers": 64}, "must be below seq_length"),
+                      ({"mtp_num_layers": 1, "mtp_loss_scaling_factor": -1.0}, "--mtp-loss-scaling-factor")):
+        with pytest.raises(ConfigError, match=match):
+            ModelConfig(**kw).validate(64)
+    # V placement: the embedding and its copy for MTP on the last stage would be two chunks of rank 0
+    cfg = ModelConfig(num_layers=4, untie_embeddings_and_output_weights=True, mtp_num_layers=1)
+    with pytest.raises(ConfigError, match="mtp-num-layers .* V-shaped"):
+        build_model(cfg, ParallelDims(pp=2, vpp=2, pp_placement="V", rank=0), seed=3, materialize=False)
+    build_model(cfg, ParallelDims(pp=2, vpp=2, rank=0), seed=3, materialize=False)  # loop: ends apart
+    # no format outside this project knows the MTP weights yet: conversion refuses, not drops them
+    from models.hf_conversion import ConversionError
+    from models.hf_families import family_of
+    from models.megatron_conversion import megatron_args_of_config
+    llama = ModelConfig(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", add_bias_linear=False,
+                        untie_embeddings_and_output_weights=True, mtp_num_layers=1)
+    with pytest.raises(ConversionError, match="mtp_num_layers"):
+        family_of(llama)
+    with pytest.raises(ConversionError, match="multi-token prediction"):
+        megatron_args_of_config(llama, 1, 1)
