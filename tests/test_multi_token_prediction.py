@@ -168,12 +168,14 @@ LAYOUTS = [
     (LLAMA + ["--global-batch-size", "8"], 4, PP2 + ["--pipeline-schedule", "zb-h1"]),
     (TIED + ["--global-batch-size", "8"], 4, PP2 + ["--pipeline-schedule", "zb-h1"]),
     (LLAMA + ["--num-layers", "4"], 2, PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"]),
+    (LLAMA, 2, ["--zero-stage", "3"]),
+    (LLAMA + ["--reset-attention-mask", "--reset-position-ids"], 2, ["--context-parallel-size", "2"]),
     (LLAMA + MOE, 2, ["--expert-model-parallel-size", "2"]),
     (LLAMA + MOE, 4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
                       "--sequence-parallel"]),
 ]
 IDS = ["pp2-untied", "cp2-tp2-sp", "pp2-tied", "pp2-learned-positions", "cp2-p2p", "cp2-a2a", "dp2-zero1",
-       "recompute-full", "pp2-dp2-zb-h1", "pp2-dp2-zb-h1-tied", "pp2-interleaved", "moe-ep2", "moe-ep2-tp2-sp"]
+       "recompute-full", "pp2-dp2-zb-h1", "pp2-dp2-zb-h1-tied", "pp2-interleaved", "dp2-zero3", "cp2-packed-documents", "moe-ep2", "moe-ep2-tp2-sp"]
 FAST = {"pp2-untied", "cp2-tp2-sp"}  # the rest: --runslow
 
 
