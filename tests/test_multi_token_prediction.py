@@ -6,8 +6,7 @@ single process (LM loss, logged mtp_loss, grad norms, final weights); a checkpoi
 combinations that cannot work fail with one line.
 
 Hugging Face's DeepSeek-V3 drops the MTP layers when it loads a checkpoint (its forward has none),
-so there is no outside oracle for the MTP loss: the reference below is the oracle."""
-import json
+so Hugging Face cannot check the MTP loss; Megatron-Core's own MTP does: tests/test_mtp_megatron_core.py."""
 
 import pytest
 import torch
