@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.errors import ConfigError
+from megatron_lite.inference.generation import generate
 from megatron_lite.parallel.state import ParallelDims
 from megatron_lite.testing import assert_close, assert_same_run, assert_state_close, run_distributed
 from megatron_lite.transformer.core_attention import PackedSeq
@@ -116,14 +117,19 @@ def test_mtp_loss_and_grads_equal_a_plain_reference(per_token, docs):
 
 
 def test_mtp_is_skipped_in_evaluation_and_generation():
-    _, model = _model()
+    """Evaluation logs no MTP loss, and greedy generation equals that of the same model without MTP."""
+    cfg, model = _model()
+    _, plain = _model(depth=None)
+    plain.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("mtp.")})
     batch = _batch()
     model.eval()
     with torch.no_grad():
         out, loss_func = gpt_forward_step(batch, model)
         assert loss_func(out)[2] == {}
-        logits = model(batch["tokens"])
-    assert logits.shape == (B, S, VOCAB)
+        assert_close(model(batch["tokens"]), plain.eval()(batch["tokens"]), rtol=0)
+    prompts = [[1, 2, 3], [5, 8]]
+    with_mtp, without = (generate(m, prompts, 8) for m in (model, plain))
+    assert [c.tokens for c in with_mtp] == [c.tokens for c in without] and len(with_mtp[0].tokens) == 8
 
 
 # --- every layout trains like the single process -------------------------------------------------
@@ -168,13 +174,14 @@ LAYOUTS = [
     (TIED + ["--global-batch-size", "8"], 4, PP2 + ["--pipeline-schedule", "zb-h1"]),
     (LLAMA + ["--num-layers", "4"], 2, PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"]),
     (LLAMA, 2, ["--zero-stage", "3"]),
+    (LLAMA + ["--calculate-per-token-loss"], 2, ["--context-parallel-size", "2"]),
     (LLAMA + ["--reset-attention-mask", "--reset-position-ids"], 2, ["--context-parallel-size", "2"]),
     (LLAMA + MOE, 2, ["--expert-model-parallel-size", "2"]),
     (LLAMA + MOE, 4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
                       "--sequence-parallel"]),
 ]
 IDS = ["pp2-untied", "cp2-tp2-sp", "pp2-tied", "pp2-learned-positions", "cp2-p2p", "cp2-a2a", "dp2-zero1",
-       "recompute-full", "pp2-dp2-zb-h1", "pp2-dp2-zb-h1-tied", "pp2-interleaved", "dp2-zero3", "cp2-packed-documents", "moe-ep2", "moe-ep2-tp2-sp"]
+       "recompute-full", "pp2-dp2-zb-h1", "pp2-dp2-zb-h1-tied", "pp2-interleaved", "dp2-zero3", "cp2-per-token-loss", "cp2-packed-documents", "moe-ep2", "moe-ep2-tp2-sp"]
 FAST = {"pp2-untied", "cp2-tp2-sp"}  # the rest: --runslow
 
 
