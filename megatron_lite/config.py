@@ -64,6 +64,9 @@ class ModelConfig:
                                  choices=["auto", "sdpa", "local", "flash", "fused", "unfused"])
     window_size: Optional[int] = arg(None, "sliding-window attention: a query sees the keys less than this many "
                                            "tokens back (Mistral)")
+    window_attn_skip_freq: Optional[int] = arg(None, "with --window-size: every N-th layer (counting from 1) attends "
+                                                     "to the whole context, the others through the window (gpt-oss: "
+                                                     "2); None: every layer windowed")
     family: Optional[str] = arg(None, "the Hugging Face family this config belongs to (gpt2, llama, mistral, qwen2, "
                                       "qwen3, mixtral, qwen2_moe, qwen3_moe); None: infer when converting", flag=None)
     moe: Optional[MoEConfig] = arg(None, "mixture of experts (the --num-experts / --moe-* flags); None: dense",
@@ -145,6 +148,8 @@ class ModelConfig:
         _require(0 < self.rotary_percent <= 1, f"rotary_percent ({self.rotary_percent}) must lie in (0, 1]")
         _require(self.window_size is None or self.window_size >= 1,
                  f"window_size ({self.window_size}) must be >= 1 (or unset: full causal attention)")
+        _require(self.window_attn_skip_freq is None or (self.window_size and self.window_attn_skip_freq >= 1),
+                 f"--window-attn-skip-freq ({self.window_attn_skip_freq}) must be >= 1 and needs --window-size")
         _require(self.rope_scaling_factor > 0, f"rope_scaling_factor ({self.rope_scaling_factor}) must be positive")
         _require(self.mtp_num_layers is None or self.mtp_num_layers >= 1,
                  f"--mtp-num-layers ({self.mtp_num_layers}) must be >= 1 (or unset: no multi-token prediction)")
@@ -153,6 +158,13 @@ class ModelConfig:
         _require(not self.mtp_num_layers or self.mtp_num_layers < seq_length,
                  f"--mtp-num-layers ({self.mtp_num_layers}) must be below seq_length ({seq_length}): depth k predicts "
                  f"the token k+1 positions ahead")
+
+    def layer_window(self, layer_number: int):
+        """The sliding window of layer `layer_number` (0-based; multi-token prediction's layers follow
+        the decoder's), None for full attention: Megatron-Core's rule, every window_attn_skip_freq-th
+        layer counting from 1 is full."""
+        freq = self.window_attn_skip_freq
+        return None if freq and (layer_number + 1) % freq == 0 else self.window_size
 
     @property
     def mtp_depth(self) -> int:

@@ -181,8 +181,9 @@ LAYOUTS = [
                       "--sequence-parallel"]),
 ]
 IDS = ["pp2-untied", "cp2-tp2-sp", "pp2-tied", "pp2-learned-positions", "cp2-p2p", "cp2-a2a", "dp2-zero1",
-       "recompute-full", "pp2-dp2-zb-h1", "pp2-dp2-zb-h1-tied", "pp2-interleaved", "dp2-zero3", "cp2-per-token-loss", "cp2-packed-documents", "moe-ep2", "moe-ep2-tp2-sp"]
-FAST = {"pp2-untied", "cp2-tp2-sp"}  # the rest: --runslow
+       "recompute-full", "pp2-dp2-zb-h1", "pp2-dp2-zb-h1-tied", "pp2-interleaved", "dp2-zero3", "cp2-per-token-loss",
+       "cp2-packed-documents", "moe-ep2", "moe-ep2-tp2-sp"]
+FAST = {"pp2-untied", "cp2-tp2-sp"}  # the rest: pytest -m slow
 
 
 @pytest.mark.parametrize("base,world,extra", [

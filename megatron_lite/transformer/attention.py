@@ -111,7 +111,7 @@ class SelfAttention(nn.Module):
         return self.linear_proj(out)
 
     @classmethod
-    def counts(cls, cfg, mb: MicroBatch) -> Counts:
+    def counts(cls, cfg, mb: MicroBatch, window: Optional[int] = None) -> Counts:
         """Q, K, V and output projections, their biases and q/k norms; the core's 2 H (d + dv) T FLOPs
         per token (4 H Q T). Kept per token (heads per TP rank): q and k after RoPE and [k | v]; the
         core's output and its log-sum-exp, 4 per head (fused kernels keep no [s, s] scores; under
@@ -121,7 +121,7 @@ class SelfAttention(nn.Module):
         qkv = heads * d + groups * (d + dv)
         n = h * qkv + heads * dv * h + (qkv if c.qkv_bias else 0) + (h if c.proj_bias else 0)
         n += 2 * norm_weights(cfg, d) if c.qk_layernorm else 0
-        keys = min(mb.seq_length, cfg.window_size) if cfg.window_size else mb.seq_length
+        keys = min(mb.seq_length, window) if window else mb.seq_length  # `window`: this layer's sliding window
         core = 2 * heads * (d + dv) * keys
         heads, groups = heads // mb.tp, max(1, groups // mb.tp)
         kept = heads * (d + dv) + groups * ((2 if cfg.position_embedding_type == "rope" else 1) * d + dv)

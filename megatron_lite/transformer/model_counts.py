@@ -28,30 +28,30 @@ class ModelCounts(NamedTuple):
 
 
 def model_counts(cfg, mb: MicroBatch = MicroBatch()) -> ModelCounts:
-    kinds = cfg.moe_layers()
-    layer = {moe: layer_counts(cfg, mb, moe) for moe in set(kinds)}
-    return ModelCounts(embedding_counts(cfg, mb), [layer[moe] for moe in kinds], norm_counts(cfg, mb),
-                       output_counts(cfg, mb), mtp_counts(cfg, mb, layer[kinds[-1]]))
+    kinds = [(moe, cfg.layer_window(i)) for i, moe in enumerate(cfg.moe_layers())]
+    layer = {kind: layer_counts(cfg, mb, *kind) for kind in set(kinds)}
+    mtp_layers = [layer_counts(cfg, mb, kinds[-1][0], cfg.layer_window(cfg.num_layers + k))
+                  for k in range(cfg.mtp_depth)]
+    return ModelCounts(embedding_counts(cfg, mb), [layer[kind] for kind in kinds], norm_counts(cfg, mb),
+                       output_counts(cfg, mb), mtp_counts(cfg, mb, mtp_layers))
 
 
-def mtp_counts(cfg, mb: MicroBatch, layer: Counts) -> Counts:
-    """Each depth: its enorm, hnorm and final norm, the 2h -> h projection, a layer of the last decoder
-    layer's kind, and an output GEMM and loss over the shared output weight (FLOPs, no parameters)."""
-    if not cfg.mtp_depth:
-        return Counts()
-    norm, h = norm_counts(cfg, mb), cfg.hidden_size
-    output = output_counts(cfg, mb)
-    depth = norm + norm + norm + weights(2 * h * h, act_bytes=2 * mb.a * h * mb.tokens) + layer + Counts(
+def mtp_counts(cfg, mb: MicroBatch, layers: List[Counts]) -> Counts:
+    """Each depth: its enorm, hnorm and final norm, the 2h -> h projection, its layer (`layers`, of the
+    last decoder layer's kind), and an output GEMM and loss over the shared output weight (FLOPs, no
+    parameters)."""
+    norm, h, output = norm_counts(cfg, mb), cfg.hidden_size, output_counts(cfg, mb)
+    depth = norm + norm + norm + weights(2 * h * h, act_bytes=2 * mb.a * h * mb.tokens) + Counts(
         flops=output.flops, act_bytes=output.act_bytes)
-    return Counts(*(cfg.mtp_depth * x for x in depth))
+    return sum(layers, Counts(*(len(layers) * x for x in depth)))
 
 
-def layer_counts(cfg, mb: MicroBatch, moe: bool) -> Counts:
+def layer_counts(cfg, mb: MicroBatch, moe: bool, window=None) -> Counts:
     """One pre-norm layer. It keeps the residual stream's two sums, 2 a h per residual-stream token,
     and with hidden dropout their masks, a byte per element."""
     h, norm, mlp = cfg.hidden_size, norm_counts(cfg, mb), MoELayer if moe else MLP
     residual = Counts(act_bytes=(2 * mb.a * h + (2 * h if cfg.hidden_dropout > 0 else 0)) * mb.residual_tokens)
-    return norm + SelfAttention.counts(cfg, mb) + norm + mlp.counts(cfg, mb) + residual
+    return norm + SelfAttention.counts(cfg, mb, window) + norm + mlp.counts(cfg, mb) + residual
 
 
 def embedding_counts(cfg, mb: MicroBatch) -> Counts:
