@@ -64,6 +64,9 @@ class ModelConfig:
                                  choices=["auto", "sdpa", "local", "flash", "fused", "unfused"])
     window_size: Optional[int] = arg(None, "sliding-window attention: a query sees the keys less than this many "
                                            "tokens back (Mistral)")
+    softmax_type: str = arg("vanilla", "attention softmax: vanilla; off-by-one (a zero logit joins each softmax's "
+                                       "denominator); learnable (a learned logit per head: gpt-oss's attention sinks)",
+                            choices=["vanilla", "off-by-one", "learnable"])
     window_attn_skip_freq: Optional[int] = arg(None, "with --window-size: every N-th layer (counting from 1) attends "
                                                      "to the whole context, the others through the window (gpt-oss: "
                                                      "2); None: every layer windowed")
@@ -148,6 +151,8 @@ class ModelConfig:
         _require(0 < self.rotary_percent <= 1, f"rotary_percent ({self.rotary_percent}) must lie in (0, 1]")
         _require(self.window_size is None or self.window_size >= 1,
                  f"window_size ({self.window_size}) must be >= 1 (or unset: full causal attention)")
+        _require(self.softmax_type in ("vanilla", "off-by-one", "learnable"),
+                 f"softmax_type ({self.softmax_type}) must be vanilla, off-by-one or learnable")
         _require(self.window_attn_skip_freq is None or (self.window_size and self.window_attn_skip_freq >= 1),
                  f"--window-attn-skip-freq ({self.window_attn_skip_freq}) must be >= 1 and needs --window-size")
         _require(self.rope_scaling_factor > 0, f"rope_scaling_factor ({self.rope_scaling_factor}) must be positive")
@@ -225,6 +230,9 @@ class ParallelConfig:
                  f"each CP rank holds two of 2 x cp equal chunks (load balance)")
         _require(model.attention_dropout == 0,
                  f"--attention-dropout {model.attention_dropout} with context parallelism is not supported; use 0")
+        _require(model.softmax_type == "vanilla",
+                 f"--softmax-type {model.softmax_type} with context parallelism is not implemented yet (the merged "
+                 f"log-sum-exp of the CP exchange has no gradient path): use --context-parallel-size 1")
         heads, groups = model.num_attention_heads // tp, max(1, model.num_query_groups // tp)
         sizes = self.hierarchical_context_parallel_sizes
         if "a2a+p2p" in types:
