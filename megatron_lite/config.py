@@ -46,6 +46,11 @@ class ModelConfig:
     rope_scaling_high_freq_factor: float = arg(4.0, "Llama-3.1 high-frequency factor", flag=None)
     rope_scaling_original_max_position: int = arg(8192, "Llama-3.1 original context length", flag=None)
     swiglu: bool = arg(False, "SwiGLU MLP (Llama) instead of GELU", store="true")
+    quick_geglu: bool = arg(False, "a gated MLP (as --swiglu) whose gate's activation is quick-GELU, x sigmoid(1.702 "
+                                   "x), not silu (gpt-oss)", store="true")
+    glu_linear_offset: float = arg(0.0, "gated MLP: added to the linear half before the product (gpt-oss: 1)")
+    activation_func_clamp_value: Optional[float] = arg(None, "gated MLP: the gate clamped from above and the linear "
+                                                             "half to [-v, v] (gpt-oss: 7)")
     activation: str = arg("gelu", "MLP activation without SwiGLU (--openai-gelu: gelu_tanh)",
                           choices=["gelu", "gelu_tanh"])
     add_bias_linear: bool = arg(True, "biases in every linear layer (--disable-bias-linear: none)",
@@ -85,6 +90,7 @@ class ModelConfig:
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         self._kv_channels_given = self.kv_channels is not None
+        self.swiglu = self.swiglu or self.quick_geglu  # the gated unit; its gate activation differs
         if self.kv_channels is None and self.num_attention_heads:
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.ffn_hidden_size is None:
@@ -151,6 +157,11 @@ class ModelConfig:
         _require(0 < self.rotary_percent <= 1, f"rotary_percent ({self.rotary_percent}) must lie in (0, 1]")
         _require(self.window_size is None or self.window_size >= 1,
                  f"window_size ({self.window_size}) must be >= 1 (or unset: full causal attention)")
+        gated = ("quick_geglu", "glu_linear_offset", "activation_func_clamp_value")
+        _require(self.swiglu or not (self.quick_geglu or self.glu_linear_offset or self.activation_func_clamp_value),
+                 f"--{'/--'.join(g.replace('_', '-') for g in gated)} shape a gated MLP: add --swiglu")
+        _require(self.activation_func_clamp_value is None or self.activation_func_clamp_value > 0,
+                 f"--activation-func-clamp-value ({self.activation_func_clamp_value}) must be positive")
         _require(self.softmax_type in ("vanilla", "off-by-one", "learnable"),
                  f"softmax_type ({self.softmax_type}) must be vanilla, off-by-one or learnable")
         _require(self.window_attn_skip_freq is None or (self.window_size and self.window_attn_skip_freq >= 1),

@@ -33,7 +33,7 @@ from megatron_lite.transformer.block import TransformerLayer
 from megatron_lite.transformer.core_attention import ContextParallelAttention, PackedSeq, core_attention_class
 from megatron_lite.transformer.fast_paths import compile_layer, cross_entropy_chunk_tokens
 from megatron_lite.transformer.loss_normalization import attach_loss
-from megatron_lite.transformer.mlp import MLP
+from megatron_lite.transformer.mlp import MLP, GatedUnit
 from megatron_lite.transformer.moe import MoELayer, MoEStepHooks
 from megatron_lite.transformer.multi_token_prediction import MultiTokenPrediction, shifted_inputs
 from megatron_lite.transformer.norm import build_norm
@@ -55,6 +55,7 @@ def moe_mlp(cfg: C.ModelConfig, ctx: BuildContext, layer_number: int) -> MoELaye
     layer = MoELayer(cfg.moe, cfg.hidden_size, ctx.dims, layer_number=layer_number,
                      loss_normalization=ctx.loss_normalization, tracker=hooks.tracker,
                      sequence_parallel=ctx.sequence_parallel, swiglu=cfg.swiglu, activation=cfg.activation,
+                     glu=GatedUnit.of(cfg),
                      dtype=ctx.params_dtype, recompute_tracker=ctx.tracker, gemm=ctx.gemm)
     hooks.routers.append(layer.router)
     return layer

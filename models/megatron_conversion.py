@@ -103,6 +103,9 @@ def megatron_args_of_config(cfg: ModelConfig, tp: int, pp: int) -> Dict[str, Any
         raise ConversionError(f"MoE models (num_experts={cfg.moe.num_experts}) are not written to Megatron-LM yet")
     if cfg.window_size:
         raise ConversionError(f"window_size={cfg.window_size} (sliding-window attention) has no Megatron-LM flag")
+    if cfg.quick_geglu or cfg.glu_linear_offset or cfg.activation_func_clamp_value is not None:
+        raise ConversionError("quick-GeGLU / a GLU linear offset / a clamped activation are not written to "
+                              "Megatron-LM yet")
     if cfg.mtp_depth:
         raise ConversionError(f"multi-token prediction layers (mtp_num_layers={cfg.mtp_num_layers}) are not written "
                               f"to Megatron-LM yet")

@@ -88,3 +88,16 @@ def records_of(histories):
         if h and h[0]["lm_loss"] is not None:
             return h
     raise AssertionError("no rank reported lm_loss")
+
+
+def assert_conversions_refuse(cfg, hf_match, megatron_match):
+    """Hugging Face and Megatron-LM conversion of a model config refuse it with one line each
+    (messages matching the patterns), rather than drop what they cannot carry."""
+    import pytest
+    from models.hf_conversion import ConversionError
+    from models.hf_families import family_of
+    from models.megatron_conversion import megatron_args_of_config
+    with pytest.raises(ConversionError, match=hf_match):
+        family_of(cfg)
+    with pytest.raises(ConversionError, match=megatron_match):
+        megatron_args_of_config(cfg, 1, 1)
