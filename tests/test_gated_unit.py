@@ -38,7 +38,8 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-shared-expert-inte
 
 @pytest.mark.parametrize("base,extra", [
     (TINY + LLAMA_SWITCHES + GPT_OSS, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-    (TINY + LLAMA_SWITCHES + GPT_OSS + MOE, ["--expert-model-parallel-size", "2"])], ids=["dense-tp2-sp", "moe-ep2"])
+    pytest.param(TINY + LLAMA_SWITCHES + GPT_OSS + MOE, ["--expert-model-parallel-size", "2"], marks=pytest.mark.slow)],
+    ids=["dense-tp2-sp", "moe-ep2"])
 def test_gpt_oss_mlp_trains_like_single_process(base, extra):
     ref = records_of(run_distributed(train_in_process, 1, base))
     plain = records_of(run_distributed(train_in_process, 1, [a for a in base if a not in GPT_OSS[1:]]))

@@ -66,7 +66,7 @@ def test_alternating_windows_equal_hf_layer_types(tp):
 ARGV = TINY + LLAMA_SWITCHES + ["--num-layers", "4", "--window-size", "8", "--window-attn-skip-freq", "2"]
 
 
-@pytest.mark.parametrize("comm", ["p2p", "a2a"])
+@pytest.mark.parametrize("comm", ["p2p", pytest.param("a2a", marks=pytest.mark.slow)])
 def test_alternating_windows_train_like_single_process_under_cp(comm):
     ref = records_of(run_distributed(train_in_process, 1, ARGV))
     out = records_of(run_distributed(train_in_process, 2, ARGV + ["--context-parallel-size", "2",
