@@ -224,3 +224,9 @@ def test_mtp_configurations_that_cannot_work_fail_with_one_line():
     llama = ModelConfig(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", add_bias_linear=False,
                         untie_embeddings_and_output_weights=True, mtp_num_layers=1)
     assert_conversions_refuse(llama, "mtp_num_layers", "multi-token prediction")
+
+
+def test_mtp_loss_is_on_the_console_line():
+    from megatron_lite.training.metrics import _console_line
+    line = _console_line({"iteration": 3, "lm_loss": 2.5, "mtp_loss": 2.75}, 10)
+    assert "lm loss: 2.500000E+00 | mtp loss: 2.750000E+00" in line
