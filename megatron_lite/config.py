@@ -59,6 +59,11 @@ class ModelConfig:
     qk_pos_emb_head_dim: int = arg(64, "MLA: the RoPE part of each query / key head (the key's is shared by all heads)")
     v_head_dim: int = arg(128, "MLA: the value head size")
     swiglu: bool = arg(False, "SwiGLU MLP (Llama) instead of GELU", store="true")
+    quick_geglu: bool = arg(False, "a gated MLP (as --swiglu) whose gate's activation is quick-GELU, x sigmoid(1.702 "
+                                   "x), not silu (gpt-oss)", store="true")
+    glu_linear_offset: float = arg(0.0, "gated MLP: added to the linear half before the product (gpt-oss: 1)")
+    activation_func_clamp_value: Optional[float] = arg(None, "gated MLP: the gate clamped from above and the linear "
+                                                             "half to [-v, v] (gpt-oss: 7)")
     activation: str = arg("gelu", "MLP activation without SwiGLU (--openai-gelu: gelu_tanh)",
                           choices=["gelu", "gelu_tanh"])
     add_bias_linear: bool = arg(True, "biases in every linear layer (--disable-bias-linear: none)",
@@ -77,10 +82,20 @@ class ModelConfig:
                                  choices=["auto", "sdpa", "local", "flash", "fused", "unfused"])
     window_size: Optional[int] = arg(None, "sliding-window attention: a query sees the keys less than this many "
                                            "tokens back (Mistral)")
+    softmax_type: str = arg("vanilla", "attention softmax: vanilla; off-by-one (a zero logit joins each softmax's "
+                                       "denominator); learnable (a learned logit per head: gpt-oss's attention sinks)",
+                            choices=["vanilla", "off-by-one", "learnable"])
+    window_attn_skip_freq: Optional[int] = arg(None, "with --window-size: every N-th layer (counting from 1) attends "
+                                                     "to the whole context, the others through the window (gpt-oss: "
+                                                     "2); None: every layer windowed")
     family: Optional[str] = arg(None, "the Hugging Face family this config belongs to (gpt2, llama, mistral, qwen2, "
                                       "qwen3, mixtral, qwen2_moe, qwen3_moe); None: infer when converting", flag=None)
     moe: Optional[MoEConfig] = arg(None, "mixture of experts (the --num-experts / --moe-* flags); None: dense",
                                    flag=None)
+    mtp_num_layers: Optional[int] = arg(None, "multi-token prediction: this many sequential modules after the decoder, "
+                                              "module k predicting token t+k+1 (DeepSeek-V3); None: off")
+    mtp_loss_scaling_factor: float = arg(0.1, "weight of the multi-token prediction loss: the mean over its depths "
+                                              "is multiplied by this and added to the LM loss")
 
     def __post_init__(self):
         if isinstance(self.moe, dict):  # from a checkpoint's metadata or a zoo preset
@@ -91,6 +106,7 @@ class ModelConfig:
             self.num_query_groups = self.num_attention_heads
             self.kv_channels = self.qk_head_dim + self.qk_pos_emb_head_dim
         self._kv_channels_given = self.kv_channels is not None
+        self.swiglu = self.swiglu or self.quick_geglu  # the gated unit; its gate activation differs
         if self.kv_channels is None and self.num_attention_heads:
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.ffn_hidden_size is None:
@@ -157,6 +173,15 @@ class ModelConfig:
         _require(0 < self.rotary_percent <= 1, f"rotary_percent ({self.rotary_percent}) must lie in (0, 1]")
         _require(self.window_size is None or self.window_size >= 1,
                  f"window_size ({self.window_size}) must be >= 1 (or unset: full causal attention)")
+        gated = ("quick_geglu", "glu_linear_offset", "activation_func_clamp_value")
+        _require(self.swiglu or not (self.quick_geglu or self.glu_linear_offset or self.activation_func_clamp_value),
+                 f"--{'/--'.join(g.replace('_', '-') for g in gated)} shape a gated MLP: add --swiglu")
+        _require(self.activation_func_clamp_value is None or self.activation_func_clamp_value > 0,
+                 f"--activation-func-clamp-value ({self.activation_func_clamp_value}) must be positive")
+        _require(self.softmax_type in ("vanilla", "off-by-one", "learnable"),
+                 f"softmax_type ({self.softmax_type}) must be vanilla, off-by-one or learnable")
+        _require(self.window_attn_skip_freq is None or (self.window_size and self.window_attn_skip_freq >= 1),
+                 f"--window-attn-skip-freq ({self.window_attn_skip_freq}) must be >= 1 and needs --window-size")
         _require(self.rope_scaling_factor > 0, f"rope_scaling_factor ({self.rope_scaling_factor}) must be positive")
         if self.rope_scaling_type == "yarn":
             _require(self.rotary_scaling_factor >= 1 and self.original_max_position_embeddings >= 1,
@@ -166,6 +191,13 @@ class ModelConfig:
                                                           f"({self.beta_slow}) > 0")
         if self.multi_latent_attention:
             self._validate_mla()
+        _require(self.mtp_num_layers is None or self.mtp_num_layers >= 1,
+                 f"--mtp-num-layers ({self.mtp_num_layers}) must be >= 1 (or unset: no multi-token prediction)")
+        _require(self.mtp_loss_scaling_factor >= 0,
+                 f"--mtp-loss-scaling-factor ({self.mtp_loss_scaling_factor}) must be >= 0")
+        _require(not self.mtp_num_layers or self.mtp_num_layers < seq_length,
+                 f"--mtp-num-layers ({self.mtp_num_layers}) must be below seq_length ({seq_length}): depth k predicts "
+                 f"the token k+1 positions ahead")
 
     def _validate_mla(self) -> None:
         for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
@@ -180,6 +212,18 @@ class ModelConfig:
                                              f"MLA rotates exactly its --qk-pos-emb-head-dim channels; drop it")
         _require(not self.qk_layernorm, "--qk-layernorm with --multi-latent-attention: MLA normalises its Q and K/V "
                                         "latents itself; drop --qk-layernorm")
+
+    def layer_window(self, layer_number: int):
+        """The sliding window of layer `layer_number` (0-based; multi-token prediction's layers follow
+        the decoder's), None for full attention: Megatron-Core's rule, every window_attn_skip_freq-th
+        layer counting from 1 is full."""
+        freq = self.window_attn_skip_freq
+        return None if freq and (layer_number + 1) % freq == 0 else self.window_size
+
+    @property
+    def mtp_depth(self) -> int:
+        """Multi-token prediction modules (0: none)."""
+        return self.mtp_num_layers or 0
 
 
 @dataclass
@@ -235,6 +279,9 @@ class ParallelConfig:
                  f"each CP rank holds two of 2 x cp equal chunks (load balance)")
         _require(model.attention_dropout == 0,
                  f"--attention-dropout {model.attention_dropout} with context parallelism is not supported; use 0")
+        _require(model.softmax_type == "vanilla",
+                 f"--softmax-type {model.softmax_type} with context parallelism is not implemented yet (the merged "
+                 f"log-sum-exp of the CP exchange has no gradient path): use --context-parallel-size 1")
         heads, groups = model.num_attention_heads // tp, max(1, model.num_query_groups // tp)
         sizes = self.hierarchical_context_parallel_sizes
         if "a2a+p2p" in types:

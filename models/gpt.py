@@ -4,7 +4,8 @@ embeddings) and Llama (RMSNorm, RoPE, SwiGLU, GQA, no biases, untied output) by 
 A GPTModel instance is one pipeline chunk: it holds layers [start, end) (named by their global
 index, so parameter names do not depend on the layout), each built from `gpt_layer_spec`, plus
 the embedding on the first stage (`pre_process`) and the final norm, output layer and loss on the
-last (`post_process`). Activations flow as [s, b, h], split along s across TP under sequence
+last (`post_process`), with the multi-token prediction modules when --mtp-num-layers is set
+(transformer/multi_token_prediction.py). Activations flow as [s, b, h], split along s across TP under sequence
 parallelism. `gpt_forward_step` is the forward-step protocol of megatron_lite.training.step.
 """
 from __future__ import annotations
@@ -30,19 +31,22 @@ from megatron_lite.parallel.tensor_parallel import (
 from megatron_lite.transformer.block import TransformerLayer
 from megatron_lite.transformer.core_attention import ContextParallelAttention, PackedSeq, core_attention_class
 from megatron_lite.transformer.fast_paths import compile_layer, cross_entropy_chunk_tokens
+from megatron_lite.transformer.loss_normalization import attach_loss
 from megatron_lite.transformer.mla import self_attention_class
-from megatron_lite.transformer.mlp import MLP
+from megatron_lite.transformer.mlp import MLP, GatedUnit
 from megatron_lite.transformer.moe import MoELayer, MoEStepHooks
+from megatron_lite.transformer.multi_token_prediction import MultiTokenPrediction, shifted_inputs
 from megatron_lite.transformer.norm import build_norm
 from megatron_lite.transformer.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq
 from megatron_lite.transformer.spec import BuildContext, TransformerLayerSpec
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
 
 
 def moe_hooks(cfg: C.ModelConfig, ctx: BuildContext) -> MoEStepHooks:
     """The model's one MoEStepHooks (statistics, expert-bias updates), registered in ctx.hooks."""
-    return ctx.hooks.shared(MoEStepHooks, cfg.num_layers, cfg.moe.num_experts, ctx.dims, ctx.device)
+    return ctx.hooks.shared(MoEStepHooks, cfg.num_layers + cfg.mtp_depth, cfg.moe.num_experts, ctx.dims, ctx.device)
 
 
 def moe_mlp(cfg: C.ModelConfig, ctx: BuildContext, layer_number: int) -> MoELayer:
@@ -51,6 +55,7 @@ def moe_mlp(cfg: C.ModelConfig, ctx: BuildContext, layer_number: int) -> MoELaye
     layer = MoELayer(cfg.moe, cfg.hidden_size, ctx.dims, layer_number=layer_number,
                      loss_normalization=ctx.loss_normalization, tracker=hooks.tracker,
                      sequence_parallel=ctx.sequence_parallel, swiglu=cfg.swiglu, activation=cfg.activation,
+                     glu=GatedUnit.of(cfg),
                      dtype=ctx.params_dtype, recompute_tracker=ctx.tracker, gemm=ctx.gemm)
     hooks.routers.append(layer.router)
     return layer
@@ -81,12 +86,13 @@ class GPTModel(nn.Module):
         self.padded_vocab = cfg.padded_vocab_size(dims.tp)
         start, end = layer_range or (0, cfg.num_layers)
         dt, tied = ctx.params_dtype, not cfg.untie_embeddings_and_output_weights
-        if pre_process:
+        # Multi-token prediction embeds the shifted tokens on the last stage: with a pipeline, that
+        # stage holds a copy of the embedding, tied to the first stage's (as Megatron-Core does).
+        self.mtp_process = post_process and cfg.mtp_depth > 0
+        if pre_process or self.mtp_process:
             self.embedding = nn.Module()
             self.embedding.word_embeddings = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, dims, dt,
                                                                     cfg.vocab_size)
-            if tied and not post_process:  # the output layer's copy lives on the last pipeline stage
-                with_tie(self.embedding.word_embeddings.weight, WORD_EMBEDDINGS, primary=True)
             if cfg.position_embedding_type == "learned_absolute":
                 # _weight: no default init (on meta it would pull in the decompositions, seconds)
                 self.embedding.position_embeddings = nn.Embedding(
@@ -94,14 +100,24 @@ class GPTModel(nn.Module):
                     _weight=torch.empty(cfg.max_position_embeddings, cfg.hidden_size, dtype=dt))
                 set_spec(self.embedding.position_embeddings.weight,
                          replicated((cfg.max_position_embeddings, cfg.hidden_size)))
+            # Copies on the first and the last stage (the tied output layer, or MTP's embedding):
+            # stored under one name, their gradients summed over the embedding group.
+            copies = {WORD_EMBEDDINGS: tied or cfg.mtp_depth > 0, POSITION_EMBEDDINGS: cfg.mtp_depth > 0}
+            if pre_process != post_process:
+                for name, p in self.embedding.named_parameters(prefix="embedding"):
+                    if copies[name]:
+                        with_tie(p, name, primary=pre_process)
         self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, ctx, i, layer_spec(cfg, ctx, i))
                                      for i in range(start, end)})
         if ctx.compile:
             for layer in self.layers.values():
                 compile_layer(layer)
+        if self.mtp_process:  # the last decoder layer's spec (dense or MoE), as Megatron-Core
+            self.mtp = MultiTokenPrediction(cfg, ctx, layer_spec(cfg, ctx, cfg.num_layers - 1))
+        self.mtp_logs: dict = {}  # the last training forward's MTP losses (the loss function logs them)
         if post_process:
             self.final_norm = build_norm(cfg, ctx)
-            if not tied or not pre_process:
+            if not tied or not hasattr(self, "embedding"):
                 # Untied output, or the last pipeline stage's copy of the tied embedding (kept equal
                 # to the first stage's by summing their gradients over the embedding group).
                 self.output_layer = nn.Module()
@@ -125,7 +141,7 @@ class GPTModel(nn.Module):
 
     def sharding_units(self) -> List[nn.Module]:
         """ZeRO-3 gathers and frees the parameters of each of these modules together."""
-        return list(self.layers.values())
+        return list(self.layers.values()) + (list(self.mtp.layers) if self.mtp_process else [])
 
     # --- forward -------------------------------------------------------------------------------
     def output_weight(self) -> torch.Tensor:
@@ -186,13 +202,34 @@ class GPTModel(nn.Module):
                                          self.ctx.gemm)
         return logits  # [s, b, padded_vocab / tp]
 
+    def _token_loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token loss [b, s] (fp32) of hidden states h [s, b, h] through the output layer."""
+        logits = self._logits(h)
+        # The logits feed only the loss (the output GEMM saved its input and weight, not them):
+        # the cross entropy may overwrite them.
+        chunk = cross_entropy_chunk_tokens(self.ctx.cross_entropy_chunk_size, logits.dtype, logits.shape[-1])
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.dims, self.cfg.vocab_size, inplace=True,
+                                            chunk_tokens=chunk)
+        return loss.t()
+
+    def _with_mtp_loss(self, loss: torch.Tensor, h: torch.Tensor, tokens, position_ids, labels, loss_mask, rope,
+                       packed) -> torch.Tensor:
+        """The main token losses carrying the weighted MTP losses into backward; logs them."""
+        mask = loss_mask if loss_mask is not None else torch.ones_like(labels, dtype=torch.float32)
+        inputs = shifted_inputs(self.cfg.mtp_depth, tokens, labels, mask, position_ids,
+                                packed.document_ids if packed is not None else None, self.dims)
+        mtp_loss, self.mtp_logs = self.mtp(h, self._embed, inputs, rope, packed, self._token_loss)
+        return attach_loss(loss, mtp_loss)
+
     def forward(self, tokens: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, packed: Optional[PackedSeq] = None,
-                kv_cache=None) -> torch.Tensor:
+                kv_cache=None, loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """tokens/position_ids/labels [b, s]; `packed`: document ids (tokens attend only within
         their document). A later pipeline stage reads its input from set_input_tensor.
         `kv_cache` (megatron_lite.inference.KVCache): generation (in eval mode); `tokens` follow those
         already cached, and only the last position's logits [b, 1, vocab] are computed.
+
+        `loss_mask` [b, s]: which labels count, for multi-token prediction's shifted losses (None: all).
 
         Returns per-token loss [b, s] (fp32) on the last stage when labels are given, full logits
         [b, s, vocab] when they are not, else the hidden states [s, b, h] for the next stage."""
@@ -212,29 +249,29 @@ class GPTModel(nn.Module):
             return x
         if kv_cache is not None:
             x = x[-1:]  # the next token's logits are all generation needs
-        logits = self._logits(self.final_norm(x))
+        h = self.final_norm(x)
         if labels is None:
-            full = self.dims.comm.gather_from_tp(logits, self.dims.tp_group)
+            full = self.dims.comm.gather_from_tp(self._logits(h), self.dims.tp_group)
             return full[..., : self.cfg.vocab_size].transpose(0, 1).float()
-        # The logits feed only the loss (the output GEMM saved its input and weight, not them):
-        # the cross entropy may overwrite them.
-        chunk = cross_entropy_chunk_tokens(self.ctx.cross_entropy_chunk_size, logits.dtype, logits.shape[-1])
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.dims, self.cfg.vocab_size, inplace=True,
-                                            chunk_tokens=chunk)
-        return loss.t()
+        loss = self._token_loss(h, labels)
+        self.mtp_logs = {}
+        if self.mtp_process and self.training and kv_cache is None:  # evaluation: the LM loss alone
+            loss = self._with_mtp_loss(loss, h, tokens, position_ids, labels, loss_mask, rope, packed)
+        return loss
 
 
 # --- the forward-step protocol ---------------------------------------------------------------
-def gpt_loss_func(loss_mask: torch.Tensor, token_loss: torch.Tensor):
-    """(sum of the masked token losses, number of loss-bearing tokens, logs) of a micro-batch."""
-    return (token_loss * loss_mask).sum(), loss_mask.sum(), {}
+def gpt_loss_func(loss_mask: torch.Tensor, token_loss: torch.Tensor, logs: Optional[dict] = None):
+    """(sum of the masked token losses, number of loss-bearing tokens, logs) of a micro-batch;
+    `logs`: name -> (sum, count) from the forward (multi-token prediction's losses)."""
+    return (token_loss * loss_mask).sum(), loss_mask.sum(), logs or {}
 
 
 def gpt_forward_step(batch: dict, model: GPTModel):
     """One micro-batch through one model chunk: (output, loss function over that output)."""
     packed = PackedSeq(batch["document_ids"]) if "document_ids" in batch else None
-    output = model(batch["tokens"], batch.get("position_ids"), batch["labels"], packed)
-    return output, functools.partial(gpt_loss_func, batch["loss_mask"])
+    output = model(batch["tokens"], batch.get("position_ids"), batch["labels"], packed, loss_mask=batch["loss_mask"])
+    return output, functools.partial(gpt_loss_func, batch["loss_mask"], logs=getattr(model, "mtp_logs", None))
 
 
 # --- initialization --------------------------------------------------------------------------
@@ -263,12 +300,15 @@ def build_model(cfg: C.ModelConfig, ctx, *, seed: int = 1234, device=None, first
         ctx = BuildContext(ctx, **context)
     dims = ctx.dims
     first_rank, last_rank = dims.placement.end_ranks()
-    if not cfg.untie_embeddings_and_output_weights and dims.placement.num_stages > 1 and first_rank == last_rank:
-        # Two chunks of one rank would hold the embedding and its tied output copy, and nothing sums
-        # their gradients there (the embedding group is one rank): the copies would drift apart.
-        raise ConfigError(f"tied embeddings need the first and last pipeline stages on different ranks; the "
-                          f"{dims.placement.kind} placement puts both on rank {first_rank}: pass "
-                          f"--untie-embeddings-and-output-weights")
+    tied = not cfg.untie_embeddings_and_output_weights
+    if (tied or cfg.mtp_depth) and dims.placement.num_stages > 1 and first_rank == last_rank:
+        # Two chunks of one rank would hold the embedding and its copy on the last stage (the tied
+        # output layer, or MTP's embedding), and nothing sums their gradients there (the embedding
+        # group is one rank): the copies would drift apart.
+        what = "tied embeddings need" if tied else "--mtp-num-layers (the embedding on the last stage) needs"
+        fix = "pass --untie-embeddings-and-output-weights" if tied else "use a placement that is not V-shaped"
+        raise ConfigError(f"{what} the first and last pipeline stages on different ranks; the {dims.placement.kind} "
+                          f"placement puts both on rank {first_rank}: {fix}")
     if any(cfg.moe_layers()):  # on every rank, MoE layers on its stages or not: the metrics are collective
         moe_hooks(cfg, ctx)
     device = torch.device(device if device is not None else ctx.device if ctx.device is not None else "cpu")

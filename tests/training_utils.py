@@ -102,3 +102,16 @@ def single_process_reference(argv):
         results = run_distributed(train_and_gather, 1, argv)
         _REFERENCES[key] = records_of([r[0] for r in results]), merged_params(results)
     return _REFERENCES[key]
+
+
+def assert_conversions_refuse(cfg, hf_match, megatron_match):
+    """Hugging Face and Megatron-LM conversion of a model config refuse it with one line each
+    (messages matching the patterns), rather than drop what they cannot carry."""
+    import pytest
+    from models.hf_conversion import ConversionError
+    from models.hf_families import family_of
+    from models.megatron_conversion import megatron_args_of_config
+    with pytest.raises(ConversionError, match=hf_match):
+        family_of(cfg)
+    with pytest.raises(ConversionError, match=megatron_match):
+        megatron_args_of_config(cfg, 1, 1)

@@ -15,6 +15,7 @@ recomputation autograd saves detached copies, and a gradient put on one is lost)
 """
 from __future__ import annotations
 
+import collections
 from typing import Callable, Sequence
 
 import torch
@@ -95,10 +96,19 @@ class GemmPath:
 
     @torch.no_grad()
     def run(self, queue: list) -> None:
+        # A weight of several GEMMs in one pass (the output layer shared by multi-token prediction)
+        # gets their sum at once: the grad-sync machinery counts one gradient per micro-batch.
+        left = collections.Counter(id(p) for params, _ in queue for p in params if p is not None)
+        partial = {}
         for params, compute in queue:
             for param, grad in zip(params, compute()):
+                if param is None:
+                    continue
                 if grad is not None:
-                    accumulate_grad(param, grad)
+                    partial[id(param)] = grad if id(param) not in partial else partial[id(param)].add_(grad)
+                left[id(param)] -= 1
+                if not left[id(param)] and id(param) in partial:
+                    accumulate_grad(param, partial.pop(id(param)))
 
     def flush(self) -> None:
         """Run every queued weight-gradient pass now."""

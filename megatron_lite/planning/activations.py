@@ -123,7 +123,7 @@ def chunk_costs(cfg: ModelConfig, lay: Layout, pp_rank: int, tp_rank: int = 0) -
     # the last stage's loss part is freed by the time the layers' backward (and recomputation) starts.
     chunk_input = w.a * w.h * w.residual_tokens
     chunk_input += 2 * w.a * w.d * w.tokens if cfg.position_embedding_type == "rope" else 0
-    loss = counts.final_norm.act_bytes + counts.output.act_bytes
+    loss = counts.final_norm.act_bytes + counts.output.act_bytes + counts.mtp.act_bytes  # MTP: on the last stage
     out = []
     for (lo, hi), pre, post in stage_chunks(cfg.num_layers, lay, pp_rank):
         layers = [layer.act_bytes for layer in counts.layers[lo:hi]]

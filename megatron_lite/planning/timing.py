@@ -80,7 +80,7 @@ def step_time(cfg: ModelConfig, lay: Layout, hw: Hardware, inventory, pp_rank: i
     model_flops = per_token * tokens / lay.world_size
     counts = model_counts(cfg, MicroBatch(seq_length=lay.seq_length))  # forward FLOPs per token
     attention = 3 * sum(layer.core_flops for layer in counts.layers)  # the core's, forward and backward
-    logits = 3 * counts.output.flops  # the output layer's GEMM, forward and backward
+    logits = 3 * (counts.output.flops + counts.mtp.flops)  # the output GEMM and MTP's modules (last stage)
     per_layer = (per_token - logits) / cfg.num_layers
     redo = 0.0  # recomputed forward FLOPs per token and layer (a forward is a third of forward + backward)
     if lay.recompute == "full":
@@ -90,7 +90,7 @@ def step_time(cfg: ModelConfig, lay: Layout, hw: Hardware, inventory, pp_rank: i
     elif lay.recompute == "selective":
         redo = attention / cfg.num_layers / 3
     # The pipeline runs at the pace of its busiest rank: the one with the output layer (and the
-    # loss) does that GEMM on top of its layers.
+    # loss) does that GEMM, and the multi-token prediction modules, on top of its layers.
     work = []
     for r in range(p):
         chunks = stage_chunks(cfg.num_layers, lay, r)

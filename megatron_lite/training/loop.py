@@ -362,6 +362,7 @@ class Trainer:
                "tokens_per_sec": tokens_per_sec, "step_time_s": step_time, "tflops_per_gpu": tflops,
                "consumed_samples": self.consumed_samples, "global_batch_size": global_batch_size,
                "skipped": not out["update_successful"]}
+        rec.update(out["logs"])  # the loss function's own losses (multi-token prediction's mtp_loss)
         if self.cfg.training.fp16:
             rec["loss_scale"] = out["loss_scale"]
         if self.peak_tflops:

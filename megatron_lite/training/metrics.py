@@ -15,7 +15,7 @@ def _console_line(rec: dict, train_iters: int) -> str:
     parts = [f"iteration {rec['iteration']:>6}/{train_iters}"]
     fmt = [("consumed_samples", "consumed samples", "{:d}"), ("step_time_s", "elapsed time per iteration (ms)", None),
            ("lr", "learning rate", "{:.3E}"), ("global_batch_size", "global batch size", "{:d}"),
-           ("lm_loss", "lm loss", "{:.6E}"), ("loss_scale", "loss scale", "{:.1f}"),
+           ("lm_loss", "lm loss", "{:.6E}"), ("mtp_loss", "mtp loss", "{:.6E}"), ("loss_scale", "loss scale", "{:.1f}"),
            ("grad_norm", "grad norm", "{:.3f}"), ("moe_aux_loss", "moe aux loss", "{:.4E}"),
            ("moe_z_loss", "moe z loss", "{:.4E}"), ("moe_load_imbalance", "moe max load", "{:.2f}"),
            ("tokens_per_sec", "tokens/s", "{:.0f}"), ("tflops_per_gpu", "TFLOP/s/GPU", "{:.2f}"),

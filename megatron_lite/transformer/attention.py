@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from ..parallel.random import recompute
+from ..parallel.sharding import ShardSpec, set_spec, tp_split
 from ..parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from .core_attention import PackedSeq
 from .counts import Counts, MicroBatch, weights
@@ -70,6 +71,12 @@ class SelfAttention(nn.Module):
         self.linear_proj = RowParallelLinear(heads * dv, cfg.hidden_size, dims, bias=config.proj_bias,
                                              sequence_parallel=sp, dtype=dt, gemm=gemm)
         self.core_attention = core_attention(cfg, ctx, layer_number)
+        # --softmax-type: a logit per head that joins every softmax's denominator (attention sinks);
+        # off-by-one fixes it at 0, learnable trains it (Megatron-Core's softmax_offset; heads split over TP)
+        self.softmax_type = cfg.softmax_type
+        if self.softmax_type == "learnable":
+            self.softmax_offset = nn.Parameter(torch.empty(heads // tp, dtype=dt))
+            set_spec(self.softmax_offset, ShardSpec((heads,), (tp_split(dims, 0, heads),)))
         if config.qk_layernorm:  # over each head's channels; the heads are split over TP: grads partial there
             self.q_layernorm = head_norm(cfg, ctx, d)
             self.k_layernorm = head_norm(cfg, ctx, d)
@@ -81,8 +88,16 @@ class SelfAttention(nn.Module):
     def _core(self, q, k, v, packed, q_offset=0):
         if self.core_attention.dropout > 0 and self.training and self.tp > 1:
             with self.tracker.fork():  # each TP rank drops in its own heads: its own stream
-                return self.core_attention(q, k, v, packed, q_offset=q_offset)
-        return self.core_attention(q, k, v, packed, q_offset=q_offset)
+                return self._attend(q, k, v, packed, q_offset)
+        return self._attend(q, k, v, packed, q_offset)
+
+    def _attend(self, q, k, v, packed, q_offset):
+        if self.softmax_type == "vanilla":
+            return self.core_attention(q, k, v, packed, q_offset=q_offset)
+        # With the sink logit o in the denominator: softmax' = softmax * Z / (Z + e^o) = softmax * sigmoid(lse - o)
+        out, lse = self.core_attention(q, k, v, packed, q_offset=q_offset, return_lse=True)  # lse [b, heads, s]
+        offset = self.softmax_offset if self.softmax_type == "learnable" else lse.new_zeros(lse.shape[1])
+        return out * torch.sigmoid(lse - offset.float()[:, None]).transpose(1, 2).unsqueeze(-1).to(out.dtype)
 
     def forward(self, x: torch.Tensor, rope=None, packed: Optional[PackedSeq] = None) -> torch.Tensor:
         """While generating (`cache_update` set), x holds the tokens after those already cached;
@@ -111,7 +126,7 @@ class SelfAttention(nn.Module):
         return self.linear_proj(out)
 
     @classmethod
-    def counts(cls, cfg, mb: MicroBatch) -> Counts:
+    def counts(cls, cfg, mb: MicroBatch, window: Optional[int] = None) -> Counts:
         """Q, K, V and output projections, their biases and q/k norms; the core's 2 H (d + dv) T FLOPs
         per token (4 H Q T). Kept per token (heads per TP rank): q and k after RoPE and [k | v]; the
         core's output and its log-sum-exp, 4 per head (fused kernels keep no [s, s] scores; under
@@ -121,7 +136,8 @@ class SelfAttention(nn.Module):
         qkv = heads * d + groups * (d + dv)
         n = h * qkv + heads * dv * h + (qkv if c.qkv_bias else 0) + (h if c.proj_bias else 0)
         n += 2 * norm_weights(cfg, d) if c.qk_layernorm else 0
-        keys = min(mb.seq_length, cfg.window_size) if cfg.window_size else mb.seq_length
+        n += heads if cfg.softmax_type == "learnable" else 0
+        keys = min(mb.seq_length, window) if window else mb.seq_length  # `window`: this layer's sliding window
         core = 2 * heads * (d + dv) * keys
         heads, groups = heads // mb.tp, max(1, groups // mb.tp)
         kept = heads * (d + dv) + groups * ((2 if cfg.position_embedding_type == "rope" else 1) * d + dv)

@@ -67,7 +67,7 @@ class CoreAttention(nn.Module):
     def __init__(self, cfg, ctx=None, layer_number: int = 0):
         super().__init__()
         self.dropout = cfg.attention_dropout
-        self.window = getattr(cfg, "window_size", None)
+        self.window = cfg.layer_window(layer_number)
 
     def _indices(self, sq, sk, q_offset, k_offset, device):
         return (torch.arange(q_offset, q_offset + sq, device=device),
@@ -170,8 +170,9 @@ class ContextParallelAttention(nn.Module):
     def __init__(self, cfg, ctx, layer_number: int):
         super().__init__()
         types = ctx.cp_comm_type if isinstance(ctx.cp_comm_type, (list, tuple)) else [ctx.cp_comm_type]
-        self.comm_type = types[layer_number] if len(types) > 1 else types[0]
-        self.dims, self.window = ctx.dims, getattr(cfg, "window_size", None)
+        # one per layer; multi-token prediction's layers, numbered after the decoder's, take the last one's
+        self.comm_type = types[min(layer_number, len(types) - 1)]
+        self.dims, self.window = ctx.dims, cfg.layer_window(layer_number)
         self.inner = core_attention_class(cfg.attention_backend)(cfg, ctx, layer_number)
         self.dropout = self.inner.dropout
 

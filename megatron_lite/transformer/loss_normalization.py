@@ -9,6 +9,9 @@ data-parallel replicas, N loss-bearing tokens in the global batch, `loss_scale` 
   Backward runs on loss_sum x loss_scale / (M x the micro-batch's tokens, counted over its CP
   ranks, so CP does not change the mean, unlike Megatron-LM); the gradients summed over DP are
   divided by D.
+Multi-token prediction's losses are token losses like the main one: each depth's masked sum goes
+through `__call__` with its own token count (its labels are shifted, so it has fewer) and its factor,
+and `attach_loss` adds that weighted loss's gradient where it is computed.
 An auxiliary loss computed once per micro-batch (MoE's) adds its gradient where it is computed,
 weighted like its micro-batch in the main loss: 1 / M, or per token by its nominal tokens,
 normalizer / (M x D) (the trainer's normalizer is global batch x sequence length); that gradient
@@ -51,8 +54,29 @@ class LossNormalization:
         return self.normalizer / global_tokens if self.per_token else 1.0 / self.dims.dp
 
 
+class _AttachLoss(torch.autograd.Function):
+    """Identity on `activation`; in backward also gives `loss` the gradient `scale`."""
+
+    @staticmethod
+    def forward(ctx, activation, loss, scale: float):
+        ctx.scale = scale  # a plain float on ctx: recomputation does not replace it
+        ctx.loss_meta = (loss.shape, loss.dtype, loss.device)
+        return activation
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.loss_meta
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
+def attach_loss(activation: torch.Tensor, loss: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """`activation`, unchanged, carrying `loss` into backward: when backward reaches `activation`,
+    `loss` gets the gradient `scale` (no schedule needs to know about that loss)."""
+    return _AttachLoss.apply(activation, loss, scale)
+
+
 @dataclass
 class LossNormalizationSlot:
     """The current step's LossNormalization (put in by the trainer before each step), for modules
-    with losses of their own (MoE's auxiliary losses; next, multi-token prediction)."""
+    with losses of their own (MoE's auxiliary losses, multi-token prediction)."""
     current: LossNormalization = field(default_factory=LossNormalization)

@@ -154,7 +154,7 @@ class MLASelfAttention(nn.Module):
         return out
 
     @classmethod
-    def counts(cls, cfg, mb: MicroBatch) -> Counts:
+    def counts(cls, cfg, mb: MicroBatch, window=None) -> Counts:  # (MLA attends causally: no window)
         """The projections, their biases and the two latent norms; the core's 2 H (d + dv) T FLOPs per
         token with d = qk_head_dim + qk_pos_emb_head_dim. Kept per token (heads per TP rank): the
         latents (with the RoPE key) and their norms' inputs, q, k after RoPE and v; the core's

@@ -1,5 +1,9 @@
-"""The feed-forward block: GELU MLP (GPT-2) or SwiGLU (Llama), column- then row-parallel."""
+"""The feed-forward block: GELU MLP (GPT-2) or a gated linear unit (SwiGLU: Llama; quick-GeGLU with
+a clamp and a linear offset: gpt-oss), column- then row-parallel."""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -9,12 +13,34 @@ from ..parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from .counts import Counts, MicroBatch, weights
 
 
+@dataclass(frozen=True)
+class GatedUnit:
+    """Megatron-Core's gated linear unit over [gate | up]: act(gate) * (up + linear_offset), with
+    gate clamped from above and up to [-clamp, clamp] when `clamp` is set; act is silu (--swiglu) or
+    quick-GELU, x sigmoid(1.702 x) (--quick-geglu). gpt-oss: quick-GELU, offset 1, clamp 7."""
+    quick_gelu: bool = False
+    linear_offset: float = 0.0
+    clamp: Optional[float] = None
+
+    @classmethod
+    def of(cls, cfg) -> "GatedUnit":
+        return cls(cfg.quick_geglu, cfg.glu_linear_offset, cfg.activation_func_clamp_value)
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = h.chunk(2, dim=-1)
+        if self.clamp is not None:
+            gate, up = gate.clamp(max=self.clamp), up.clamp(-self.clamp, self.clamp)
+        act = gate * torch.sigmoid(1.702 * gate) if self.quick_gelu else F.silu(gate)
+        return act * (up + self.linear_offset) if self.linear_offset else act * up
+
+
 class MLP(nn.Module):
     def __init__(self, cfg, ctx, layer_number: int = 0):
         super().__init__()
         f, dims, sp, dt = cfg.ffn_hidden_size, ctx.dims, ctx.sequence_parallel, ctx.params_dtype
         self.swiglu = cfg.swiglu
         self.activation = cfg.activation
+        self.glu = GatedUnit.of(cfg)
         # SwiGLU keeps [gate | up] in one GEMM; each TP rank holds its slice of both halves.
         self.linear_fc1 = ColumnParallelLinear(
             cfg.hidden_size, 2 * f if cfg.swiglu else f, dims, bias=cfg.add_bias_linear, sequence_parallel=sp,
@@ -25,8 +51,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear_fc1(x)
         if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = self.glu(h)
         else:
             h = F.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
         return self.linear_fc2(h)

@@ -1,12 +1,13 @@
 """The decoder's counts: what its layer types report (counts.py), laid out as models/gpt.py builds
-them (each layer two norms, self-attention and an MLP slot, MoE where --moe-layer-freq says so)."""
+them (each layer two norms, self-attention and an MLP slot, MoE where --moe-layer-freq says so), and
+the multi-token prediction modules on the last stage."""
 from __future__ import annotations
 
 from typing import List, NamedTuple
 
 import torch
 
-from .counts import Counts, MicroBatch
+from .counts import Counts, MicroBatch, weights
 from .fast_paths import cross_entropy_chunk_tokens
 from .mla import self_attention_class
 from .mlp import MLP
@@ -19,25 +20,38 @@ class ModelCounts(NamedTuple):
     layers: List[Counts]
     final_norm: Counts
     output: Counts  # the output layer and the loss
+    mtp: Counts = Counts()  # the multi-token prediction modules (--mtp-num-layers), with their output GEMMs
 
     @property
     def total(self) -> Counts:
-        return sum(self.layers, self.embedding + self.final_norm + self.output)
+        return sum(self.layers, self.embedding + self.final_norm + self.output + self.mtp)
 
 
 def model_counts(cfg, mb: MicroBatch = MicroBatch()) -> ModelCounts:
-    kinds = cfg.moe_layers()
-    layer = {moe: layer_counts(cfg, mb, moe) for moe in set(kinds)}
-    return ModelCounts(embedding_counts(cfg, mb), [layer[moe] for moe in kinds], norm_counts(cfg, mb),
-                       output_counts(cfg, mb))
+    kinds = [(moe, cfg.layer_window(i)) for i, moe in enumerate(cfg.moe_layers())]
+    layer = {kind: layer_counts(cfg, mb, *kind) for kind in set(kinds)}
+    mtp_layers = [layer_counts(cfg, mb, kinds[-1][0], cfg.layer_window(cfg.num_layers + k))
+                  for k in range(cfg.mtp_depth)]
+    return ModelCounts(embedding_counts(cfg, mb), [layer[kind] for kind in kinds], norm_counts(cfg, mb),
+                       output_counts(cfg, mb), mtp_counts(cfg, mb, mtp_layers))
 
 
-def layer_counts(cfg, mb: MicroBatch, moe: bool) -> Counts:
+def mtp_counts(cfg, mb: MicroBatch, layers: List[Counts]) -> Counts:
+    """Each depth: its enorm, hnorm and final norm, the 2h -> h projection, its layer (`layers`, of the
+    last decoder layer's kind), and an output GEMM and loss over the shared output weight (FLOPs, no
+    parameters)."""
+    norm, h, output = norm_counts(cfg, mb), cfg.hidden_size, output_counts(cfg, mb)
+    depth = norm + norm + norm + weights(2 * h * h, act_bytes=2 * mb.a * h * mb.tokens) + Counts(
+        flops=output.flops, act_bytes=output.act_bytes)
+    return sum(layers, Counts(*(len(layers) * x for x in depth)))
+
+
+def layer_counts(cfg, mb: MicroBatch, moe: bool, window=None) -> Counts:
     """One pre-norm layer. It keeps the residual stream's two sums, 2 a h per residual-stream token,
     and with hidden dropout their masks, a byte per element."""
     h, norm, mlp = cfg.hidden_size, norm_counts(cfg, mb), MoELayer if moe else MLP
     residual = Counts(act_bytes=(2 * mb.a * h + (2 * h if cfg.hidden_dropout > 0 else 0)) * mb.residual_tokens)
-    return norm + self_attention_class(cfg).counts(cfg, mb) + norm + mlp.counts(cfg, mb) + residual
+    return norm + self_attention_class(cfg).counts(cfg, mb, window) + norm + mlp.counts(cfg, mb) + residual
 
 
 def embedding_counts(cfg, mb: MicroBatch) -> Counts:

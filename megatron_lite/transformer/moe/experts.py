@@ -30,14 +30,15 @@ from ...parallel.gemm import GemmPath, apply as gemm_apply
 from ...parallel.sharding import ShardSpec, Split, replicated, set_spec, spec_of, tp_split
 from ...parallel.state import ParallelDims
 from ...parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from ..mlp import GatedUnit
 
 ACTIVATIONS = ("gelu", "gelu_tanh")
 
 
-def activation_fn(h: torch.Tensor, swiglu: bool, activation: str) -> torch.Tensor:
+def activation_fn(h: torch.Tensor, swiglu: bool, activation: str, glu: Optional[GatedUnit] = None) -> torch.Tensor:
+    """`swiglu`: a gated unit, `glu` (None: SwiGLU); else `activation`."""
     if swiglu:
-        gate, up = h.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return (glu or GatedUnit())(h)
     return F.gelu(h, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
@@ -91,12 +92,12 @@ def experts_linear(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: List[int
 class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, dims: ParallelDims,
                  swiglu: bool = True, activation: str = "gelu", grouped_gemm: bool = False, dtype=torch.float32,
-                 gemm: Optional[GemmPath] = None):
+                 gemm: Optional[GemmPath] = None, glu: Optional[GatedUnit] = None):
         super().__init__()
         if not swiglu and activation not in ACTIVATIONS:
             raise ConfigError(f"expert activation {activation!r} is not one of {', '.join(ACTIVATIONS)}: "
                               f"pick one of those or use SwiGLU experts")
-        self.swiglu, self.activation, self.grouped_gemm = swiglu, activation, grouped_gemm
+        self.swiglu, self.activation, self.grouped_gemm, self.glu = swiglu, activation, grouped_gemm, glu
         self.gemm = gemm if gemm is not None else GemmPath()
         self.num_local_experts = num_experts // dims.ep
         self.local_expert_start = dims.ep_rank * self.num_local_experts
@@ -128,7 +129,7 @@ class GroupedExperts(nn.Module):
         """x [N, H] sorted by local expert, tokens_per_expert [E_local] -> [N, H]."""
         def linear(inp, w):
             return experts_linear(inp, w, tokens_per_expert, self.gemm, self.grouped_gemm)
-        return linear(activation_fn(linear(x, self.weight1), self.swiglu, self.activation), self.weight2)
+        return linear(activation_fn(linear(x, self.weight1), self.swiglu, self.activation, self.glu), self.weight2)
 
 
 class SharedExpertMLP(nn.Module):
@@ -139,10 +140,10 @@ class SharedExpertMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, dims: ParallelDims, sequence_parallel: bool,
                  swiglu: bool = True, activation: str = "gelu", gate: bool = False, dtype=torch.float32,
-                 gemm: Optional[GemmPath] = None):
+                 gemm: Optional[GemmPath] = None, glu: Optional[GatedUnit] = None):
         super().__init__()
         self.dims, self.sequence_parallel = dims, sequence_parallel
-        self.swiglu, self.activation = swiglu, activation
+        self.swiglu, self.activation, self.glu = swiglu, activation, glu
         i = intermediate_size
         self.linear_fc1 = ColumnParallelLinear(hidden_size, 2 * i if swiglu else i, dims, bias=False,
                                                sequence_parallel=sequence_parallel,
@@ -156,7 +157,7 @@ class SharedExpertMLP(nn.Module):
             self.register_parameter("gate_weight", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear_fc2(activation_fn(self.linear_fc1(x), self.swiglu, self.activation))
+        y = self.linear_fc2(activation_fn(self.linear_fc1(x), self.swiglu, self.activation, self.glu))
         if self.gate_weight is not None:  # a [1, H] GEMV: not worth a recipe or a deferral
             y = y * torch.sigmoid(F.linear(x, self.gate_weight))
         return y

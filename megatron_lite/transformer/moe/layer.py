@@ -51,20 +51,21 @@ class MoELayer(nn.Module):
                  loss_normalization: Optional[LossNormalizationSlot] = None,
                  tracker: Optional[MoEMetricsTracker] = None, sequence_parallel: bool = False, swiglu: bool = True,
                  activation: str = "gelu", dtype=torch.float32, recompute_tracker: Optional[RNGStatesTracker] = None,
-                 gemm: Optional[GemmPath] = None):
+                 gemm: Optional[GemmPath] = None, glu=None):
         """`recompute_tracker`: the RNG streams a --moe-layer-recompute replay restores; `gemm`: the
-        GemmPath of the experts' and the shared expert's weights (the router's stays plain)."""
+        GemmPath of the experts' and the shared expert's weights (the router's stays plain); `glu`:
+        the gated unit (mlp.GatedUnit) when `swiglu` (None: SwiGLU)."""
         super().__init__()
         cfg.validate(ep=dims.ep, etp=dims.etp)
         self.cfg, self.dims, self.sequence_parallel = cfg, dims, sequence_parallel
         self.router = TopKRouter(cfg, hidden_size, dims, layer_number, loss_normalization, tracker, dtype)
         self.experts = GroupedExperts(cfg.num_experts, hidden_size, cfg.moe_ffn_hidden_size, dims, swiglu,
-                                      activation, cfg.moe_grouped_gemm, dtype, gemm)
+                                      activation, cfg.moe_grouped_gemm, dtype, gemm, glu)
         self.shared_experts = None
         if cfg.moe_shared_expert_intermediate_size:
             self.shared_experts = SharedExpertMLP(hidden_size, cfg.moe_shared_expert_intermediate_size, dims,
                                                   sequence_parallel, swiglu, activation, cfg.moe_shared_expert_gate,
-                                                  dtype, gemm)
+                                                  dtype, gemm, glu)
         self.dispatcher = build_dispatcher(cfg.moe_token_dispatcher_type, cfg.num_experts, dims)
         self.recompute_tracker = recompute_tracker if cfg.moe_layer_recompute else None
 

@@ -25,27 +25,12 @@ from __future__ import annotations
 import torch
 
 from ...parallel.comm import Communicator
-from ..loss_normalization import LossNormalizationSlot
-
-
-class _AttachAuxLoss(torch.autograd.Function):
-    """Identity on `activation`; in backward also gives `loss` the gradient `scale`."""
-
-    @staticmethod
-    def forward(ctx, activation, loss, scale: float):
-        ctx.scale = scale  # a plain float on ctx: recomputation does not replace it
-        ctx.loss_meta = (loss.shape, loss.dtype, loss.device)
-        return activation
-
-    @staticmethod
-    def backward(ctx, grad):
-        shape, dtype, device = ctx.loss_meta
-        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+from ..loss_normalization import LossNormalizationSlot, attach_loss
 
 
 def attach_aux_loss(activation: torch.Tensor, loss: torch.Tensor, weights: LossNormalizationSlot) -> torch.Tensor:
     """`activation`, unchanged, carrying `loss` into backward with the current step's aux weight."""
-    return _AttachAuxLoss.apply(activation, loss, weights.current.aux_weight)
+    return attach_loss(activation, loss, weights.current.aux_weight)
 
 
 def recording() -> bool:
