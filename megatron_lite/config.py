@@ -163,6 +163,11 @@ class ParallelConfig:
                              "the parameters (--use-distributed-optimizer: 1)", choices=[0, 1, 2, 3])
     ddp_bucket_size: Optional[int] = arg(None, "elements per gradient bucket; None: max(40M, 1M x DP)")
     overlap_grad_reduce: bool = arg(False, "reduce gradient buckets while backward goes on", store="true")
+    grad_reduce_once_per_step: bool = arg(
+        False, "ZeRO-2/3: keep full gradient buckets across the micro-batches and reduce-scatter them once per "
+               "step (1/m of the traffic, but no gradient memory sharded during the step) instead of each "
+               "micro-batch's buckets as soon as they are complete (the default, as DeepSpeed and FSDP: only "
+               "the buckets being filled are full); ZeRO-0/1 always reduce once per step", store="true")
     overlap_param_gather: bool = arg(False, "all-gather updated parameters during the next forward", store="true")
     grad_reduce_in_bf16: bool = arg(False, "reduce gradients in bf16", store="true")
     num_distributed_optimizer_instances: int = arg(1, "shard the distributed optimizer inside this many groups of "

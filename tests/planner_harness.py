@@ -79,6 +79,7 @@ MODEL_B = _COMMON + ["--hidden-size", "128", "--num-attention-heads", "8", "--ff
                      "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
                      "--disable-bias-linear", "--group-query-attention", "--num-query-groups", "4"]
 GBS8 = ["--global-batch-size", "8"]
+GBS32 = ["--global-batch-size", "32"]  # 8 micro-batches of 2 per rank at DP2
 # (name, world size, flags)
 LAYOUTS = [
     ("A  DP2 ZeRO-0", 2, MODEL_A + ["--zero-stage", "0"]),
@@ -86,6 +87,11 @@ LAYOUTS = [
     ("A  DP2 ZeRO-1", 2, MODEL_A + ["--zero-stage", "1"]),
     ("A  DP2 ZeRO-2, 2 micro-batches", 2, MODEL_A + ["--zero-stage", "2"] + GBS8),
     ("A  DP2 ZeRO-3, 2 micro-batches", 2, MODEL_A + ["--zero-stage", "3"] + GBS8),
+    ("A  DP2 ZeRO-2, 8 micro-batches, buckets of 40k", 2, MODEL_A + ["--zero-stage", "2", "--ddp-bucket-size", "40000"]
+     + GBS32),
+    ("A  DP2 ZeRO-2, 8 micro-batches, once per step", 2, MODEL_A + ["--zero-stage", "2", "--ddp-bucket-size", "40000",
+                                                                   "--grad-reduce-once-per-step"] + GBS32),
+    ("A  DP2 ZeRO-3, 8 micro-batches, overlap", 2, MODEL_A + ["--zero-stage", "3", "--overlap-grad-reduce"] + GBS32),
     ("A  PP2 gpipe", 2, MODEL_A + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "gpipe"] + GBS8),
     ("A  TP2 SP", 2, MODEL_A + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     ("B  DP1 recompute selective", 1, MODEL_B + ["--recompute-granularity", "selective"]),

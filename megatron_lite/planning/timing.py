@@ -6,7 +6,8 @@ pipeline adds the idle time the schedule simulator finds for the layout's own ac
 What overlaps (and so counts only where it sticks out):
   - the gradient reduce-scatter / all-reduce with --overlap-grad-reduce: with the backward of the
     last micro-batch (buckets are reduced once every micro-batch's gradients are in), at least
-    the last bucket exposed; the updated-parameter all-gather with --overlap-param-gather: with
+    the last bucket exposed; ZeRO-2/3 by default reduce-scatter every micro-batch's gradients,
+    each with that micro-batch's backward (m times the bytes); the updated-parameter all-gather with --overlap-param-gather: with
     the next forward of the first micro-batch; ZeRO-3's per-micro-batch gathers: with compute;
   - the context-parallel ring: with the attention it feeds.
 TP collectives, Ulysses and expert all-to-alls are on the critical path (no TP comm overlap here).
@@ -155,6 +156,8 @@ def step_time(cfg: ModelConfig, lay: Layout, hw: Hardware, inventory, pp_rank: i
             reduce, gather = frac * grad_full / bw, frac * param_full / bw
         last = reduce / len(group)
         exposed_reduce = max(reduce - backward_last, last) if lay.overlap_grad_reduce else reduce
+        rounds = m if lay.grad_reduce_per_microbatch else 1
+        reduce, exposed_reduce = rounds * reduce, rounds * exposed_reduce
         if lay.zero_stage == 3:
             per_mb = 2 * gather  # forward and backward gathers of every unit, prefetched under compute
             exposed_gather = max(0.0, per_mb * m - compute)
