@@ -8,10 +8,12 @@ the state held across steps, seen by megatron_lite.planning.measure.StepMemory (
 operator creates while alive). The optimizer update's own temporaries are not part of it.
 """
 import os
+import time
 from typing import Dict, List
 
 import torch
 
+from megatron_lite.parallel.comm import CommCounter
 from megatron_lite.planning.activations import step_memory
 from megatron_lite.planning.layout import from_config
 from megatron_lite.planning.measure import StepMemory
@@ -37,10 +39,14 @@ def _measure_one(world: int, argv: List[str]) -> Dict:
     for step in range(2):  # the first step warms up what is built once; measure the second
         batches = trainer._next_batches(trainer.train_iter, trainer.num_microbatches)
         fb = measured if step == 1 else inner
+        dims.comm_counter = CommCounter()
+        start = time.perf_counter()
         train_step(trainer.chunks, batches, dims, trainer.optimizer, trainer.grad_sync, t.lr, trainer.forward_step,
                    fb, loss_normalizer=float(t.global_batch_size * t.seq_length))
+        step_s = time.perf_counter() - start
     return {"pp_rank": dims.pp_rank, "tp_rank": dims.tp_rank, "accounted": trainer.optimizer.memory_bytes(),
-            "held": trainer.optimizer.held_bytes(), "peak": meter.peak_bytes}
+            "held": trainer.optimizer.held_bytes(), "peak": meter.peak_bytes, "comm": dims.comm_counter.reset(),
+            "step_s": step_s}
 
 
 def measure_layouts(rank: int, world: int, argvs: List[List[str]]) -> List[Dict]:
