@@ -156,6 +156,16 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage: Optional[int] = arg(None, "layers per model chunk (sets the virtual size)")
     decoder_first_pipeline_num_layers: Optional[int] = arg(None, "layers of the first pipeline stage (uneven split)")
     decoder_last_pipeline_num_layers: Optional[int] = arg(None, "layers of the last pipeline stage (uneven split)")
+    pipeline_model_parallel_layout: Optional[str] = arg(
+        None, "every virtual pipeline stage's layers, e.g. 'Et*3|(tt|)*29,m|L': | between the pp x vpp stages, "
+              "E embedding, t transformer layer, L loss (m, MTP, is not implemented), (...)*n and x*n repeat; "
+              "sets the virtual pipeline size")
+    account_for_embedding_in_pipeline_split: bool = arg(
+        False, "count the embedding as a layer of the even pipeline split (the first stage gets one layer fewer)",
+        store="true")
+    account_for_loss_in_pipeline_split: bool = arg(
+        False, "count the loss as a layer of the even pipeline split (the last stage gets one layer fewer)",
+        store="true")
     pipeline_schedule: Optional[str] = arg(None, "pipeline schedule; None: 1f1b, or interleaved with virtual stages",
                                            choices=["gpipe", "1f1b", "interleaved", "zb-h1"])
     sequence_parallel: bool = arg(False, "split norms and dropout along the sequence over TP", store="true")
@@ -634,14 +644,16 @@ class Config:
             _require(p.tp == 1, "FP8 with MoE at --tensor-model-parallel-size > 1 is not implemented yet")
 
     def _validate_pipeline(self, num_microbatches: int) -> None:
-        from .parallel.pipeline.partition import stage_layer_ranges
+        from .parallel.pipeline.partition import LayerSplit, stage_layer_ranges
         from .parallel.pipeline.schedules import default_schedule, validate_schedule_args
 
         p = self.parallel
         vpp = p.virtual_pipeline_model_parallel_size or 1
         _require(vpp == 1 or p.pp > 1, f"virtual pipeline stages ({vpp}) need --pipeline-model-parallel-size > 1")
-        ranges = stage_layer_ranges(self.model.num_layers, p.pp, vpp, p.decoder_first_pipeline_num_layers,
-                                    p.decoder_last_pipeline_num_layers)
+        split = LayerSplit.of(p)
+        _require(split.even or p.pp > 1, "--pipeline-model-parallel-layout, --decoder-first/last-pipeline-num-layers "
+                                         "and --account-for-*-in-pipeline-split need --pipeline-model-parallel-size > 1")
+        ranges = stage_layer_ranges(self.model.num_layers, p.pp, vpp, split)
         t = self.training
         if t.recompute_granularity == "full":
             most = max(end - start for start, end in ranges)
@@ -650,7 +662,7 @@ class Config:
                      f"({self.model.num_layers} layers over {p.pp * vpp} pipeline stages); use at most {most}")
         if p.pp > 1 or p.pipeline_schedule is not None:
             validate_schedule_args(p.pipeline_schedule or default_schedule(vpp), p.pp, num_microbatches, vpp,
-                                   self.model.num_layers)
+                                   self.model.num_layers if split.even else None)  # the split checked its own
 
     def to_dict(self) -> dict:
         return {f.name: asdict(getattr(self, f.name)) for f in fields(self)}

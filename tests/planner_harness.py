@@ -105,6 +105,8 @@ LAYOUTS = [
     ("B  PP2 zb-h1", 2, MODEL_B + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"] + GBS8),
     ("B  PP2 VPP2 interleaved", 2, MODEL_B + ["--pipeline-model-parallel-size", "2",
                                               "--num-layers-per-virtual-pipeline-stage", "1"] + GBS8),
+    ("B  PP2 layout E|tt|tt|L", 2, MODEL_B + ["--pipeline-model-parallel-size", "2",
+                                               "--pipeline-model-parallel-layout", "E|tt|tt|L"] + GBS8),
     ("B  CP2 ring", 2, MODEL_B + ["--context-parallel-size", "2"]),
     ("B  MoE EP2 ZeRO-1", 2, MODEL_B + ["--num-experts", "4", "--moe-router-topk", "2",
                                         "--expert-model-parallel-size", "2", "--zero-stage", "1"]),

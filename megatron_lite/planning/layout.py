@@ -10,6 +10,7 @@ import torch
 
 from ..config import Config
 from ..parallel.data_parallel import default_bucket_size
+from ..parallel.pipeline.partition import LayerSplit
 from ..parallel.pipeline.schedules import default_schedule
 
 
@@ -40,8 +41,7 @@ class Layout:
     overlap_param_gather: bool = False
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0
-    first_stage_layers: Optional[int] = None
-    last_stage_layers: Optional[int] = None
+    split: LayerSplit = LayerSplit()  # layers per virtual stage when not even
 
     @property
     def world_size(self) -> int:
@@ -116,5 +116,4 @@ def from_config(cfg: Config, world_size: int) -> Layout:
                   grad_dtype=torch.bfloat16 if p.grad_reduce_in_bf16 else torch.float32, bucket_size=p.ddp_bucket_size,
                   overlap_grad_reduce=p.overlap_grad_reduce, overlap_param_gather=p.overlap_param_gather,
                   grad_reduce_once_per_step=p.grad_reduce_once_per_step, optimizer_cpu_offload=t.optimizer_cpu_offload, optimizer_offload_fraction=t.optimizer_offload_fraction,
-                  first_stage_layers=p.decoder_first_pipeline_num_layers,
-                  last_stage_layers=p.decoder_last_pipeline_num_layers)
+                  split=LayerSplit.of(p))
