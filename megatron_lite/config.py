@@ -179,6 +179,11 @@ class ParallelConfig:
                "micro-batch's buckets as soon as they are complete (the default, as DeepSpeed and FSDP: only "
                "the buckets being filled are full); ZeRO-0/1 always reduce once per step", store="true")
     overlap_param_gather: bool = arg(False, "all-gather updated parameters during the next forward", store="true")
+    reshard_after_forward: bool = arg(
+        True, "ZeRO-3: keep each unit's gathered parameters from its first use to the end of the step (one "
+              "all-gather per step instead of two per micro-batch, but the full parameters held through the "
+              "step), instead of freeing them after each forward and backward", flag="--no-reshard-after-forward",
+        store="false")
     grad_reduce_in_bf16: bool = arg(False, "reduce gradients in bf16", store="true")
     num_distributed_optimizer_instances: int = arg(1, "shard the distributed optimizer inside this many groups of "
                                                       "DP ranks (gradients summed across them)")
@@ -268,9 +273,8 @@ class ParallelConfig:
                      + (f" x context_parallel_size ({cp})" if cp > 1 else "")
                      + " when --sequence-parallel is on")
         _require(self.zero_stage in (0, 1, 2, 3), f"zero_stage ({self.zero_stage}) must be 0, 1, 2 or 3")
-        _require(not (self.zero_stage == 3 and pp > 1),
-                 f"--zero-stage 3 with pipeline_model_parallel_size ({pp}) > 1 is not supported (nor in "
-                 f"Megatron-LM); use --zero-stage 1 or 2 with pipelining")
+        _require(self.reshard_after_forward or self.zero_stage == 3,
+                 "--no-reshard-after-forward applies to --zero-stage 3 (sharded parameters): add it or drop the flag")
         _require(not (self.overlap_param_gather and self.zero_stage == 0),
                  "--overlap-param-gather needs the distributed optimizer: --zero-stage 1, 2 or 3 "
                  "(or --use-distributed-optimizer)")

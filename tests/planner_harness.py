@@ -113,6 +113,10 @@ LAYOUTS = [
     ("B  TP2 PP2 SP ZeRO-1 recompute full", 4, MODEL_B + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                                           "--pipeline-model-parallel-size", "2", "--zero-stage", "1",
                                                           "--recompute-granularity", "full"] + GBS8),
+    ("A  PP2 VPP2 DP2 ZeRO-3 interleaved", 4, MODEL_A + ["--pipeline-model-parallel-size", "2", "--zero-stage", "3",
+                                                         "--num-layers-per-virtual-pipeline-stage", "1"] + GBS8),
+    ("A  PP2 DP2 ZeRO-3 1f1b, no reshard after forward", 4, MODEL_A + [
+        "--pipeline-model-parallel-size", "2", "--zero-stage", "3", "--no-reshard-after-forward"] + GBS8),
     ("B  TP2 DP2 ZeRO-3, 2 micro-batches", 4, MODEL_B + ["--tensor-model-parallel-size", "2", "--zero-stage", "3"]
      + GBS8),
 ]

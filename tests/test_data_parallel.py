@@ -200,8 +200,9 @@ def test_a_plugged_in_reducer_sees_every_bucket_once_per_round(stage, overlap, i
 
 def test_config_rules():
     model = ModelConfig(**MODEL)
-    with pytest.raises(ConfigError, match="zero-stage 3"):
-        ParallelConfig(pipeline_model_parallel_size=2, zero_stage=3).validate(4, model, SEQ)
+    with pytest.raises(ConfigError, match="--no-reshard-after-forward applies to --zero-stage 3"):
+        ParallelConfig(zero_stage=2, reshard_after_forward=False).validate(2, model, SEQ)
+    ParallelConfig(pipeline_model_parallel_size=2, zero_stage=3).validate(4, model, SEQ)
     with pytest.raises(ConfigError, match="overlap-param-gather"):
         ParallelConfig(overlap_param_gather=True).validate(2, model, SEQ)
     ParallelConfig(pipeline_model_parallel_size=2, zero_stage=2).validate(4, model, SEQ)
@@ -244,12 +245,19 @@ ZERO_OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket
 @pytest.mark.parametrize("stage,schedule", [
     ("2", ["--pipeline-schedule", "zb-h1"]), ("1", ["--num-layers-per-virtual-pipeline-stage", "1"]),
     ("2", ["--num-layers-per-virtual-pipeline-stage", "1"]),
-    pytest.param("2", ["--pipeline-schedule", "1f1b", "--grad-reduce-once-per-step"], marks=pytest.mark.slow)])
+    ("3", ["--num-layers-per-virtual-pipeline-stage", "1", "--recompute-granularity", "full"]),
+    pytest.param("2", ["--pipeline-schedule", "1f1b", "--grad-reduce-once-per-step"], marks=pytest.mark.slow),
+    pytest.param("3", ["--pipeline-schedule", "1f1b"], marks=pytest.mark.slow),
+    pytest.param("3", ["--pipeline-schedule", "zb-h1"], marks=pytest.mark.slow),
+    pytest.param("3", ["--num-layers-per-virtual-pipeline-stage", "1", "--no-reshard-after-forward"],
+                 marks=pytest.mark.slow)])
 def test_zero_with_pipeline_and_data_parallel_matches_single_process(stage, schedule):
     """PP2 x DP2: several chunks per rank (interleaved), deferred weight gradients (zb-h1) and the
     tied embedding summed across stages before its DP reduce-scatter. ZeRO-2 reduce-scatters each
     micro-batch's buckets as they complete (zb-h1: a later micro-batch's B may bring some of a
-    bucket's gradients before an earlier one's W brings the rest), or once per step."""
+    bucket's gradients before an earlier one's W brings the rest), or once per step. ZeRO-3 gathers
+    each chunk's units per use (zb-h1's W finds them freed: the weight gradient goes straight into
+    the buffers), with recomputation, or keeps them through the step."""
     ref = run_distributed(train_and_gather, 1, PP_ARGV)
     argv = PP_ARGV + ["--pipeline-model-parallel-size", "2", "--zero-stage", stage] + ZERO_OVERLAP + schedule
     results = run_distributed(train_and_gather, 4, argv)

@@ -253,6 +253,23 @@ def test_communication_per_step_matches_theory(dtype, micro_batches, once):
         assert measured == expected[stage], f"zero-{stage}: measured {measured} != theory {expected[stage]}"
 
 
+def _zero3_gathers(rank, world, reshard, micro_batches):
+    dims, cfg, chunks, optimizer, sync, psi = setup(1, 3, reshard_after_forward=reshard, recompute="full")
+    batches = make_batches(0, dims, 1, cfg.vocab_size, global_batch=world * micro_batches)
+    dims.comm_counter = comm.CommCounter()
+    run_step(chunks, batches, dims, optimizer, sync)
+    left = sum(p.numel() for p in chunks[0].parameters())  # the full params are freed after the step
+    return psi, dims.comm_counter.reset()["all_gather"], left
+
+
+def test_zero3_without_reshard_after_forward_gathers_once_per_step():
+    """ZeRO-3 all-gathers every unit twice per micro-batch (forward, backward; recomputation reuses
+    the backward's), or once per step with --no-reshard-after-forward; both free them at the end."""
+    for reshard, expected in ((True, 2 * 3), (False, 1)):
+        psi, gathered, left = run_distributed(_zero3_gathers, 2, reshard, 3)[0]
+        assert gathered == expected * 4 * psi and left == 0, (reshard, gathered / (4 * psi), left)
+
+
 # --- fp16 loss scaling -----------------------------------------------------------------------
 def _fp16_skip(rank, world):
     out = {}

@@ -238,7 +238,7 @@ class GradientSync:
                  bucket_size: Optional[int] = None, overlap_grad_reduce: bool = False,
                  overlap_param_gather: bool = False, grad_dtype: torch.dtype = torch.float32,
                  units: Optional[List[List[nn.Module]]] = None, dp_groups: Optional[Tuple[object, object]] = None,
-                 reducer=None, grad_reduce_once_per_step: bool = False):
+                 reducer=None, grad_reduce_once_per_step: bool = False, reshard_after_forward: bool = True):
         """`units` (ZeRO-3): per chunk, the modules whose parameters are gathered and freed
         together (a model's transformer layers); the rest of a chunk is one more unit.
         `dp_groups` (distributed-optimizer instances): (shard group, replica group) of the dense
@@ -246,7 +246,9 @@ class GradientSync:
         complete bucket (PlainReducer's start / finish; None: a PlainReducer).
         `grad_reduce_once_per_step`: stages 2-3 keep each bucket's full gradient across the step's
         micro-batches and reduce it once (less traffic, no gradient memory sharded during the
-        step) instead of once per micro-batch; stages 0-1 always reduce once per step."""
+        step) instead of once per micro-batch; stages 0-1 always reduce once per step.
+        `reshard_after_forward` (ZeRO-3): False keeps each unit gathered from its first use to the
+        end of the step (zero3.py)."""
         from .zero3 import ShardedParams, unit_params  # zero3 builds on Bucket: import late
 
         self.dims, self.stage = dims, zero_stage
@@ -291,7 +293,7 @@ class GradientSync:
         self._allocate()
         for chunk in chunks:  # parameters in no bucket (frozen) that were left on meta
             materialize_(chunk)
-        self.zero3 = ShardedParams(self, units) if self.stage == 3 else None
+        self.zero3 = ShardedParams(self, units, reshard_after_forward) if self.stage == 3 else None
         self._register_hooks(chunks)
 
     # --- storage -----------------------------------------------------------------------------
@@ -358,13 +360,15 @@ class GradientSync:
             b.target = 1 if self.per_microbatch else num_microbatches
 
     @torch.no_grad()  # also when called from accumulate_grad outside autograd
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if p.grad is None:
+    def _on_grad_ready(self, p: nn.Parameter, grad: Optional[torch.Tensor] = None) -> None:
+        """p.grad (autograd's hook), or `grad` (accumulate_grad: a deferred weight gradient)."""
+        g = p.grad if grad is None else grad
+        if g is None:
             return
         b = self.bucket_of[p]
         if b.grad_data is None:
             self._alloc_grad(b)
-        p.main_grad.add_(p.grad)
+        p.main_grad.add_(g)
         p.grad = None
         if self.zero3 is not None:
             self.zero3.grad_arrived(b)
@@ -440,6 +444,8 @@ class GradientSync:
             if not b.launched:
                 self._launch(b, final=True)
         self._complete(wait=True)
+        if self.zero3 is not None and not self.zero3.reshard:  # kept gathered through the step
+            self.zero3.release_all()
         for b in self.buckets:
             b.launched, b.missing, b.rounds, b.target = False, len(b.params), 0, 1
         self.expected = None

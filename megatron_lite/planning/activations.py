@@ -19,8 +19,9 @@ output layer's weight gradient;
 a layer's forward its largest temporary (RoPE on q: 3 a q); a recomputed layer's backward the
 gradients beside its activations (residual gradient and its gathered copy, the MLP's input
 gradient).
-ZeRO-3 keeps the root unit (embedding, final norm, output layer) and two layers gathered (the linear
-layers save the parameters, not views of the gathered storage). ZeRO-2/3 keep a bucket's full
+ZeRO-3 keeps the root unit (embedding, final norm, output layer) and two layers of the running chunk
+gathered (the linear layers save the parameters, not views of the gathered storage); with
+--no-reshard-after-forward every unit of every chunk. ZeRO-2/3 keep a bucket's full
 gradient from its first gradient until it is reduce-scattered: by default in the same micro-batch's
 backward (a transient of each backward: the buckets whose gradients are arriving, in reverse
 registration order with the embedding's last, and with --overlap-grad-reduce the one reduction in
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -175,11 +176,18 @@ def rank_order(schedule: str, p: int, m: int, v: int, rank: int):
     return _orders(schedule, p, m, v)[rank]
 
 
-def _walk(order, costs: List[ChunkCost]) -> Tuple[int, int]:
-    """(peak bytes, peak in-flight chunk-micro-batches) over one rank's compute actions in order."""
+def _walk(order, costs: List[ChunkCost], kept: Optional[Dict[int, Tuple[int, bool]]] = None) -> Tuple[int, int]:
+    """(peak bytes, peak in-flight chunk-micro-batches) over one rank's compute actions in order.
+    `kept`: chunk -> (bytes, early) allocated in that chunk's first backward, at its start (early)
+    or its end, and kept to the step's end."""
     live = peak = inflight = peak_inflight = 0
+    kept = dict(kept or {})
     for a in order:
         c = costs[a.chunk]
+        late = 0
+        if a.kind in ("BW", "B") and a.chunk in kept:
+            n, early = kept.pop(a.chunk)
+            live, late = (live + n, 0) if early else (live, n)
         if a.kind == "F":
             peak = max(peak, live + c.saved + c.fwd_transient)
             live += c.saved
@@ -187,7 +195,7 @@ def _walk(order, costs: List[ChunkCost]) -> Tuple[int, int]:
             peak_inflight = max(peak_inflight, inflight)
         elif a.kind in ("BW", "B"):
             peak = max(peak, live + c.bwd_transient)
-            live -= c.saved - (c.deferred if a.kind == "B" else 0)
+            live -= c.saved - (c.deferred if a.kind == "B" else 0) - late
             inflight -= 1
         elif a.kind == "W":
             live -= c.deferred
@@ -223,15 +231,19 @@ def _tied_across_stages(cfg: ModelConfig, lay: Layout, pre: bool, post: bool, p:
     return p.name == ("embedding.word_embeddings.weight" if pre else "output_layer.weight")
 
 
-def _sharded_grad_buffers(cfg: ModelConfig, lay: Layout, pp_rank: int, inventory) -> Tuple[List[int], int]:
-    """Per-micro-batch reduction: (per chunk, its live full gradients in a backward; the bytes of
-    deferred buckets, kept from the first backward to the step's end)."""
-    g, per_chunk, deferred = element_size(lay.grad_dtype), [], 0
-    for layer_range, pre, post in stage_chunks(cfg.num_layers, lay, pp_rank):
+def _sharded_grad_buffers(cfg: ModelConfig, lay: Layout, pp_rank: int,
+                          inventory) -> Tuple[List[int], Dict[int, Tuple[int, bool]]]:
+    """Per-micro-batch reduction: (per chunk, its live full gradients in a backward; per chunk, the
+    bytes of its deferred buckets, kept from its first backward to the step's end, and whether they
+    come at that backward's start: the last stage's output layer; the first stage's embedding
+    comes at its end)."""
+    g, per_chunk, deferred = element_size(lay.grad_dtype), [], {}
+    for c, (layer_range, pre, post) in enumerate(stage_chunks(cfg.num_layers, lay, pp_rank)):
         params = inventory(layer_range, pre, post, lay.tp, lay.ep, lay.etp)
         plans = plan_buckets(params, lay.zero_stage, lay.buckets, lay.dp * lay.cp, lay.edp)
         tied = [any(_tied_across_stages(cfg, lay, pre, post, params[i]) for i in b.params) for b in plans]
-        deferred += sum(b.numel * g for b, t in zip(plans, tied) if t)
+        if any(tied):
+            deferred[c] = (sum(b.numel * g for b, t in zip(plans, tied) if t), post)
         per_chunk.append(live_grad_bytes(params, [b for b, t in zip(plans, tied) if not t], g,
                                          lay.overlap_grad_reduce))
     return per_chunk, deferred
@@ -260,13 +272,13 @@ def step_memory(cfg: ModelConfig, lay: Layout, pp_rank: int, inventory, tp_rank:
         live, deferred = _sharded_grad_buffers(cfg, lay, pp_rank, inventory)
         for c, n in zip(costs, live):
             c.bwd_transient = max(c.bwd_transient, n - c.loss_saved + _layer_backward_working_set(w))
-        if deferred:
-            buffers["full_grads"] = deferred
+    else:
+        deferred = {}
     if lay.pp > 1:
         order = rank_order(lay.pipeline_schedule, lay.pp, m, lay.vpp, pp_rank)
     else:
         order = [Action(kind, mb) for mb in range(min(m, 2)) for kind in ("F", "BW")]  # the same after two
-    peak, inflight = _walk(order, costs)
+    peak, inflight = _walk(order, costs, deferred)  # the pipeline-tied embedding's full gradient
     if lay.pp > 1:  # a received activation and a received gradient in flight
         buffers["p2p"] = 2 * w.a * w.h * w.residual_tokens
     if lay.zero_stage >= 2 and m > 1 and not lay.grad_reduce_per_microbatch:
@@ -275,19 +287,29 @@ def step_memory(cfg: ModelConfig, lay: Layout, pp_rank: int, inventory, tp_rank:
         g = element_size(lay.grad_dtype)
         buffers["full_grads"] = sum(b.numel * g for b in rank_buckets(cfg.num_layers, lay, pp_rank, inventory))
     if lay.zero_stage == 3:
-        # Gathered at once, forward or backward: the root, the running layer and the prefetched
-        # next one (the linear layers save the parameters, not views of their gathered storage).
-        units = _unit_param_bytes(cfg, lay, pp_rank, inventory)
-        buffers["gathered_params"] = units[0] + sum(sorted(units[1:])[-2:])
+        chunks = _unit_param_bytes(cfg, lay, pp_rank, inventory)
+        if lay.reshard_after_forward:
+            # Gathered while a chunk's forward or backward runs: its root, the running layer and the
+            # prefetched next one (the linear layers save the parameters, not views of their
+            # gathered storage); the other chunks' are freed. Reported as what they add to the peak.
+            for c, units in zip(costs, chunks):
+                gathered = units[0] + sum(sorted(units[1:])[-2:])
+                c.fwd_transient, c.bwd_transient = c.fwd_transient + gathered, c.bwd_transient + gathered
+            buffers["gathered_params"] = _walk(order, costs, deferred)[0] - peak
+        else:  # every unit of every chunk, from its first use to the step's end
+            buffers["gathered_params"] = sum(sum(units) for units in chunks)
     return StepMemoryEstimate(peak, inflight, buffers)
 
 
-def _unit_param_bytes(cfg, lay, pp_rank, inventory) -> List[int]:
-    """ZeRO-3: bytes of each unit's gathered (full, padded) buckets, the root unit first."""
-    (layer_range, pre, post), = stage_chunks(cfg.num_layers, lay, pp_rank)
-    params = inventory(layer_range, pre, post, lay.tp, lay.ep, lay.etp)
-    units: Dict[int, int] = {}
-    for b in plan_buckets(params, 3, lay.buckets, lay.dp * lay.cp, lay.edp):
-        u = params[b.params[0]].unit
-        units[u] = units.get(u, 0) + b.numel * element_size(b.dtype)
-    return [units.get(0, 0)] + [units[k] for k in sorted(units) if k]
+def _unit_param_bytes(cfg, lay, pp_rank, inventory) -> List[List[int]]:
+    """ZeRO-3, per model chunk of the rank: bytes of each unit's gathered (full, padded) buckets,
+    the root unit first."""
+    out = []
+    for layer_range, pre, post in stage_chunks(cfg.num_layers, lay, pp_rank):
+        params = inventory(layer_range, pre, post, lay.tp, lay.ep, lay.etp)
+        units: Dict[int, int] = {}
+        for b in plan_buckets(params, 3, lay.buckets, lay.dp * lay.cp, lay.edp):
+            u = params[b.params[0]].unit
+            units[u] = units.get(u, 0) + b.numel * element_size(b.dtype)
+        out.append([units.get(0, 0)] + [units[k] for k in sorted(units) if k])
+    return out

@@ -38,6 +38,7 @@ class Layout:
     bucket_size: Optional[int] = None  # elements; None: Megatron's default for the DP size
     overlap_grad_reduce: bool = False
     grad_reduce_once_per_step: bool = False
+    reshard_after_forward: bool = True
     overlap_param_gather: bool = False
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0
@@ -115,5 +116,6 @@ def from_config(cfg: Config, world_size: int) -> Layout:
                   seq_length=t.seq_length, params_dtype=dtype_of(cfg),
                   grad_dtype=torch.bfloat16 if p.grad_reduce_in_bf16 else torch.float32, bucket_size=p.ddp_bucket_size,
                   overlap_grad_reduce=p.overlap_grad_reduce, overlap_param_gather=p.overlap_param_gather,
-                  grad_reduce_once_per_step=p.grad_reduce_once_per_step, optimizer_cpu_offload=t.optimizer_cpu_offload, optimizer_offload_fraction=t.optimizer_offload_fraction,
+                  grad_reduce_once_per_step=p.grad_reduce_once_per_step,
+                  reshard_after_forward=p.reshard_after_forward, optimizer_cpu_offload=t.optimizer_cpu_offload, optimizer_offload_fraction=t.optimizer_offload_fraction,
                   split=LayerSplit.of(p))

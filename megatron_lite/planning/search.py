@@ -2,7 +2,7 @@
 fastest ones that fit, with the reasons.
 
 A layout is valid when the trainer itself would accept it: Config.validate (divisibility, the
-pipeline schedule's rules, ZeRO-3 without PP, ...) with the candidate's sizes, so a layout the
+pipeline schedule's rules, ...) with the candidate's sizes, so a layout the
 search proposes is one pretrain_gpt.py runs. It fits when its worst rank (every pipeline stage is
 checked, the last TP rank for the padded vocabulary) holds its state and its step's peak within
 the GPU's usable memory.
@@ -122,7 +122,7 @@ def candidates(cfg: Config, base: Layout, hw: Hardware, max_pp: int = 16,
                     if schedule is not None and schedule not in schedules:
                         continue
                     for ep in eps:
-                        for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1, 2)):
+                        for zero in (0, 1, 2, 3):
                             lay = base.with_(tp=tp, cp=cp, pp=pp, vpp=vpp, dp=dp, ep=ep, etp=1, zero_stage=zero,
                                              sequence_parallel=tp > 1, schedule=schedule,
                                              overlap_grad_reduce=True, overlap_param_gather=zero >= 1,

@@ -172,15 +172,15 @@ def step_time(cfg: ModelConfig, lay: Layout, hw: Hardware, inventory, pp_rank: i
         exposed_reduce = max(reduce - backward_last, last) if lay.overlap_grad_reduce else reduce
         rounds = m if lay.grad_reduce_per_microbatch else 1
         reduce, exposed_reduce = rounds * reduce, rounds * exposed_reduce
-        if lay.zero_stage == 3:
-            per_mb = 2 * gather  # forward and backward gathers of every unit, prefetched under compute
-            exposed_gather = max(0.0, per_mb * m - compute)
+        gathers = (2 * m if lay.reshard_after_forward else 1) if lay.zero_stage == 3 else 1
+        if lay.zero_stage == 3:  # forward and backward gathers of every unit (or one per step), prefetched
+            exposed_gather = max(0.0, gather * gathers - compute)
         elif lay.zero_stage >= 1:
             exposed_gather = max(gather - forward_first, gather / len(group)) if lay.overlap_param_gather else gather
         else:
             exposed_gather = 0.0
         dp_s += exposed_reduce + exposed_gather
-        detail[f"{'expert ' if group is expert else ''}dp_comm_s"] = reduce + gather * (2 * m if lay.zero_stage == 3 else 1)
+        detail[f"{'expert ' if group is expert else ''}dp_comm_s"] = reduce + gather * gathers
 
     shard = sum(b.shard_numel for b in plans)
     offloaded = shard * (lay.optimizer_offload_fraction if lay.optimizer_cpu_offload else 0.0)
