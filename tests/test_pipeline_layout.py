@@ -133,3 +133,14 @@ def test_planner_follows_the_layout(monkeypatch):
     assert stage_chunks(4, lay, 0) == [((0, 0), True, False), ((2, 4), False, False)]
     assert stage_chunks(4, lay, 1) == [((0, 2), False, False), ((4, 4), False, True)]
     assert stage_weights(cfg.model, lay) == (0.0, 2.0, 2.0, 0.0)
+
+
+def test_schedule_tool_replays_a_layout(capsys):
+    """tools/pipeline_schedule.py weighs each stage by its layers: "E|tt|tt|L" interleaved over 2
+    ranks runs the empty end stages in no time, so its makespan (32) exceeds the even split's (27)."""
+    from tools.pipeline_schedule import main
+
+    for argv, makespan in ((["--pipeline-model-parallel-layout", "E|(tt|)*2,L"], 32), (["--vpp", "2"], 27)):
+        assert main(["--pp", "2", "--microbatches", "4", "--comm", "ideal"] + argv) == 0
+        first = capsys.readouterr().out.splitlines()[0]
+        assert "vpp 2" in first and first.endswith(f"makespan {makespan}"), first
