@@ -95,9 +95,9 @@ def model_provider(cfg: Config, ctx):
     in place (at ZeRO-3 only this rank's shard), so no rank ever holds more than its own."""
     from models.gpt import build_model
 
-    p = cfg.parallel
-    return build_model(cfg.model, ctx, seed=cfg.training.seed, first_stage_layers=p.decoder_first_pipeline_num_layers,
-                       last_stage_layers=p.decoder_last_pipeline_num_layers, materialize=False,
+    from megatron_lite.parallel.pipeline.partition import LayerSplit
+
+    return build_model(cfg.model, ctx, seed=cfg.training.seed, split=LayerSplit.of(cfg.parallel), materialize=False,
                        cpu_initialization=cfg.training.use_cpu_initialization)
 
 

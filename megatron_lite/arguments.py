@@ -226,6 +226,20 @@ def _parallel_config(args: argparse.Namespace, model: ModelConfig) -> ParallelCo
             raise ConfigError(f"layers per pipeline stage ({per_pp}) must be divisible by "
                               f"--num-layers-per-virtual-pipeline-stage ({per_chunk})")
         given["virtual_pipeline_model_parallel_size"] = per_pp // per_chunk
+    layout = given.get("pipeline_model_parallel_layout")
+    if layout is not None:  # its stage count sets the virtual size, as in Megatron-LM
+        from .parallel.pipeline.partition import parse_layout
+
+        pp, stages = given.get("pipeline_model_parallel_size", 1), len(parse_layout(layout))
+        if stages % pp:
+            raise ConfigError(f"--pipeline-model-parallel-layout {layout!r} has {stages} stages, not a multiple of "
+                              f"--pipeline-model-parallel-size ({pp}); give pp x virtual-stages stages separated by |")
+        vpp = given.get("virtual_pipeline_model_parallel_size")
+        if vpp is not None and vpp != stages // pp:
+            raise ConfigError(f"--pipeline-model-parallel-layout gives {stages // pp} virtual stages per rank but the "
+                              f"virtual-stage flags {vpp}; drop --num-layers-per-virtual-pipeline-stage / "
+                              f"--virtual-pipeline-model-parallel-size")
+        given["virtual_pipeline_model_parallel_size"] = stages // pp
     if (given.get("virtual_pipeline_model_parallel_size") or 1) <= 1:
         given.pop("virtual_pipeline_model_parallel_size", None)
     if args.data_parallel_sharding_strategy is not None and not args.use_megatron_fsdp:

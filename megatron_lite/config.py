@@ -238,6 +238,16 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage: Optional[int] = arg(None, "layers per model chunk (sets the virtual size)")
     decoder_first_pipeline_num_layers: Optional[int] = arg(None, "layers of the first pipeline stage (uneven split)")
     decoder_last_pipeline_num_layers: Optional[int] = arg(None, "layers of the last pipeline stage (uneven split)")
+    pipeline_model_parallel_layout: Optional[str] = arg(
+        None, "every virtual pipeline stage's layers, e.g. 'Et*3|(tt|)*29,m|L': | between the pp x vpp stages, "
+              "E embedding, t transformer layer, L loss (m, MTP, is not implemented), (...)*n and x*n repeat; "
+              "sets the virtual pipeline size")
+    account_for_embedding_in_pipeline_split: bool = arg(
+        False, "count the embedding as a layer of the even pipeline split (the first stage gets one layer fewer)",
+        store="true")
+    account_for_loss_in_pipeline_split: bool = arg(
+        False, "count the loss as a layer of the even pipeline split (the last stage gets one layer fewer)",
+        store="true")
     pipeline_schedule: Optional[str] = arg(None, "pipeline schedule; None: 1f1b, or interleaved with virtual stages",
                                            choices=["gpipe", "1f1b", "interleaved", "zb-h1"])
     sequence_parallel: bool = arg(False, "split norms and dropout along the sequence over TP", store="true")
@@ -245,7 +255,17 @@ class ParallelConfig:
                              "the parameters (--use-distributed-optimizer: 1)", choices=[0, 1, 2, 3])
     ddp_bucket_size: Optional[int] = arg(None, "elements per gradient bucket; None: max(40M, 1M x DP)")
     overlap_grad_reduce: bool = arg(False, "reduce gradient buckets while backward goes on", store="true")
+    grad_reduce_once_per_step: bool = arg(
+        False, "ZeRO-2/3: keep full gradient buckets across the micro-batches and reduce-scatter them once per "
+               "step (1/m of the traffic, but no gradient memory sharded during the step) instead of each "
+               "micro-batch's buckets as soon as they are complete (the default, as DeepSpeed and FSDP: only "
+               "the buckets being filled are full); ZeRO-0/1 always reduce once per step", store="true")
     overlap_param_gather: bool = arg(False, "all-gather updated parameters during the next forward", store="true")
+    reshard_after_forward: bool = arg(
+        True, "ZeRO-3: keep each unit's gathered parameters from its first use to the end of the step (one "
+              "all-gather per step instead of two per micro-batch, but the full parameters held through the "
+              "step), instead of freeing them after each forward and backward", flag="--no-reshard-after-forward",
+        store="false")
     grad_reduce_in_bf16: bool = arg(False, "reduce gradients in bf16", store="true")
     num_distributed_optimizer_instances: int = arg(1, "shard the distributed optimizer inside this many groups of "
                                                       "DP ranks (gradients summed across them)")
@@ -338,9 +358,8 @@ class ParallelConfig:
                      + (f" x context_parallel_size ({cp})" if cp > 1 else "")
                      + " when --sequence-parallel is on")
         _require(self.zero_stage in (0, 1, 2, 3), f"zero_stage ({self.zero_stage}) must be 0, 1, 2 or 3")
-        _require(not (self.zero_stage == 3 and pp > 1),
-                 f"--zero-stage 3 with pipeline_model_parallel_size ({pp}) > 1 is not supported (nor in "
-                 f"Megatron-LM); use --zero-stage 1 or 2 with pipelining")
+        _require(self.reshard_after_forward or self.zero_stage == 3,
+                 "--no-reshard-after-forward applies to --zero-stage 3 (sharded parameters): add it or drop the flag")
         _require(not (self.overlap_param_gather and self.zero_stage == 0),
                  "--overlap-param-gather needs the distributed optimizer: --zero-stage 1, 2 or 3 "
                  "(or --use-distributed-optimizer)")
@@ -756,14 +775,16 @@ class Config:
             _require(p.tp == 1, "FP8 with MoE at --tensor-model-parallel-size > 1 is not implemented yet")
 
     def _validate_pipeline(self, num_microbatches: int) -> None:
-        from .parallel.pipeline.partition import stage_layer_ranges
+        from .parallel.pipeline.partition import LayerSplit, stage_layer_ranges
         from .parallel.pipeline.schedules import default_schedule, validate_schedule_args
 
         p = self.parallel
         vpp = p.virtual_pipeline_model_parallel_size or 1
         _require(vpp == 1 or p.pp > 1, f"virtual pipeline stages ({vpp}) need --pipeline-model-parallel-size > 1")
-        ranges = stage_layer_ranges(self.model.num_layers, p.pp, vpp, p.decoder_first_pipeline_num_layers,
-                                    p.decoder_last_pipeline_num_layers)
+        split = LayerSplit.of(p)
+        _require(split.even or p.pp > 1, "--pipeline-model-parallel-layout, --decoder-first/last-pipeline-num-layers "
+                                         "and --account-for-*-in-pipeline-split need --pipeline-model-parallel-size > 1")
+        ranges = stage_layer_ranges(self.model.num_layers, p.pp, vpp, split)
         t = self.training
         if t.recompute_granularity == "full":
             most = max(end - start for start, end in ranges)
@@ -772,7 +793,7 @@ class Config:
                      f"({self.model.num_layers} layers over {p.pp * vpp} pipeline stages); use at most {most}")
         if p.pp > 1 or p.pipeline_schedule is not None:
             validate_schedule_args(p.pipeline_schedule or default_schedule(vpp), p.pp, num_microbatches, vpp,
-                                   self.model.num_layers)
+                                   self.model.num_layers if split.even else None)  # the split checked its own
 
     def to_dict(self) -> dict:
         return {f.name: asdict(getattr(self, f.name)) for f in fields(self)}

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from megatron_lite import config as C
 from megatron_lite.errors import ConfigError
 from megatron_lite.parallel.gemm import keep_precision
+from megatron_lite.parallel.pipeline.partition import LayerSplit
 from megatron_lite.parallel.random import recompute
 from megatron_lite.parallel.sharding import replicated, set_spec, with_tie
 from megatron_lite.parallel.state import ParallelDims
@@ -286,10 +287,12 @@ def weight_init(cfg: C.ModelConfig, seed: int, draw_device=None) -> TiledInit:
 
 
 def build_model(cfg: C.ModelConfig, ctx, *, seed: int = 1234, device=None, first_stage_layers: Optional[int] = None,
-                last_stage_layers: Optional[int] = None, materialize: bool = True, cpu_initialization: bool = False,
-                **context) -> List[GPTModel]:
+                last_stage_layers: Optional[int] = None, split: Optional[LayerSplit] = None, materialize: bool = True,
+                cpu_initialization: bool = False, **context) -> List[GPTModel]:
     """This rank's model chunks (one per virtual pipeline stage), initialized layout-independently.
     `ctx`: a BuildContext, or a ParallelDims with the BuildContext fields as keyword arguments.
+    `split`: the layers of each virtual pipeline stage when not even (`first_stage_layers` /
+    `last_stage_layers`: the uneven first / last stage alone).
 
     Each chunk is built on the meta device, then each parameter gets its storage on `device` (or
     ctx.device, else the CPU) and only this rank's tiles of its full tensor. `materialize=False`
@@ -314,8 +317,8 @@ def build_model(cfg: C.ModelConfig, ctx, *, seed: int = 1234, device=None, first
     device = torch.device(device if device is not None else ctx.device if ctx.device is not None else "cpu")
     init = weight_init(cfg, seed, "cpu" if cpu_initialization else None)
     chunks = []
-    for layer_range, first, last in dims.placement.rank_chunks(dims.pp_rank, cfg.num_layers, first_stage_layers,
-                                                               last_stage_layers):
+    split = split or LayerSplit(first_stage_layers, last_stage_layers)
+    for layer_range, first, last in dims.placement.rank_chunks(dims.pp_rank, cfg.num_layers, split):
         with torch.device("meta"):
             m = GPTModel(cfg, ctx, layer_range=layer_range, pre_process=first, post_process=last)
         defer_(m, init, device)

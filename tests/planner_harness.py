@@ -8,10 +8,12 @@ the state held across steps, seen by megatron_lite.planning.measure.StepMemory (
 operator creates while alive). The optimizer update's own temporaries are not part of it.
 """
 import os
+import time
 from typing import Dict, List
 
 import torch
 
+from megatron_lite.parallel.comm import CommCounter
 from megatron_lite.planning.activations import step_memory
 from megatron_lite.planning.layout import from_config
 from megatron_lite.planning.measure import StepMemory
@@ -37,10 +39,14 @@ def _measure_one(world: int, argv: List[str]) -> Dict:
     for step in range(2):  # the first step warms up what is built once; measure the second
         batches = trainer._next_batches(trainer.train_iter, trainer.num_microbatches)
         fb = measured if step == 1 else inner
+        dims.comm_counter = CommCounter()
+        start = time.perf_counter()
         train_step(trainer.chunks, batches, dims, trainer.optimizer, trainer.grad_sync, t.lr, trainer.forward_step,
                    fb, loss_normalizer=float(t.global_batch_size * t.seq_length))
+        step_s = time.perf_counter() - start
     return {"pp_rank": dims.pp_rank, "tp_rank": dims.tp_rank, "accounted": trainer.optimizer.memory_bytes(),
-            "held": trainer.optimizer.held_bytes(), "peak": meter.peak_bytes}
+            "held": trainer.optimizer.held_bytes(), "peak": meter.peak_bytes, "comm": dims.comm_counter.reset(),
+            "step_s": step_s}
 
 
 def measure_layouts(rank: int, world: int, argvs: List[List[str]]) -> List[Dict]:
@@ -79,6 +85,7 @@ MODEL_B = _COMMON + ["--hidden-size", "128", "--num-attention-heads", "8", "--ff
                      "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
                      "--disable-bias-linear", "--group-query-attention", "--num-query-groups", "4"]
 GBS8 = ["--global-batch-size", "8"]
+GBS32 = ["--global-batch-size", "32"]  # 8 micro-batches of 2 per rank at DP2
 # (name, world size, flags)
 LAYOUTS = [
     ("A  DP2 ZeRO-0", 2, MODEL_A + ["--zero-stage", "0"]),
@@ -86,6 +93,11 @@ LAYOUTS = [
     ("A  DP2 ZeRO-1", 2, MODEL_A + ["--zero-stage", "1"]),
     ("A  DP2 ZeRO-2, 2 micro-batches", 2, MODEL_A + ["--zero-stage", "2"] + GBS8),
     ("A  DP2 ZeRO-3, 2 micro-batches", 2, MODEL_A + ["--zero-stage", "3"] + GBS8),
+    ("A  DP2 ZeRO-2, 8 micro-batches, buckets of 40k", 2, MODEL_A + ["--zero-stage", "2", "--ddp-bucket-size", "40000"]
+     + GBS32),
+    ("A  DP2 ZeRO-2, 8 micro-batches, once per step", 2, MODEL_A + ["--zero-stage", "2", "--ddp-bucket-size", "40000",
+                                                                   "--grad-reduce-once-per-step"] + GBS32),
+    ("A  DP2 ZeRO-3, 8 micro-batches, overlap", 2, MODEL_A + ["--zero-stage", "3", "--overlap-grad-reduce"] + GBS32),
     ("A  PP2 gpipe", 2, MODEL_A + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "gpipe"] + GBS8),
     ("A  TP2 SP", 2, MODEL_A + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     ("B  DP1 recompute selective", 1, MODEL_B + ["--recompute-granularity", "selective"]),
@@ -93,12 +105,18 @@ LAYOUTS = [
     ("B  PP2 zb-h1", 2, MODEL_B + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"] + GBS8),
     ("B  PP2 VPP2 interleaved", 2, MODEL_B + ["--pipeline-model-parallel-size", "2",
                                               "--num-layers-per-virtual-pipeline-stage", "1"] + GBS8),
+    ("B  PP2 layout E|tt|tt|L", 2, MODEL_B + ["--pipeline-model-parallel-size", "2",
+                                               "--pipeline-model-parallel-layout", "E|tt|tt|L"] + GBS8),
     ("B  CP2 ring", 2, MODEL_B + ["--context-parallel-size", "2"]),
     ("B  MoE EP2 ZeRO-1", 2, MODEL_B + ["--num-experts", "4", "--moe-router-topk", "2",
                                         "--expert-model-parallel-size", "2", "--zero-stage", "1"]),
     ("B  TP2 PP2 SP ZeRO-1 recompute full", 4, MODEL_B + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                                           "--pipeline-model-parallel-size", "2", "--zero-stage", "1",
                                                           "--recompute-granularity", "full"] + GBS8),
+    ("A  PP2 VPP2 DP2 ZeRO-3 interleaved", 4, MODEL_A + ["--pipeline-model-parallel-size", "2", "--zero-stage", "3",
+                                                         "--num-layers-per-virtual-pipeline-stage", "1"] + GBS8),
+    ("A  PP2 DP2 ZeRO-3 1f1b, no reshard after forward", 4, MODEL_A + [
+        "--pipeline-model-parallel-size", "2", "--zero-stage", "3", "--no-reshard-after-forward"] + GBS8),
     ("B  TP2 DP2 ZeRO-3, 2 micro-batches", 4, MODEL_B + ["--tensor-model-parallel-size", "2", "--zero-stage", "3"]
      + GBS8),
 ]

@@ -117,6 +117,19 @@ def test_zero3_and_zero0_reshard_into_each_other(tmp_path):
         assert_rel_close(run(4, argv + loader + ["--load", str(ckpt)]), ref[5:])
 
 
+@pytest.mark.slow
+def test_zero3_pipeline_layout_checkpoint_loads_elsewhere(tmp_path):
+    """Saved by ZeRO-3 x PP2 x DP2 with the layout "E|tt|tt|L" (embedding and loss stages without
+    layers, interleaved), resumed by ZeRO-1 x DP4: the single-process run, continued."""
+    argv = TINY + ["--num-layers", "4", "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "8"]
+    ref = run(1, argv)
+    ckpt = tmp_path / "z3pp"
+    saver = ["--zero-stage", "3", "--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout",
+             "E|tt|tt|L", "--save", str(ckpt), "--exit-interval", "5"]
+    assert_rel_close(run(4, argv + saver), ref[:5])
+    assert_rel_close(run(4, argv + ["--zero-stage", "1", "--load", str(ckpt)]), ref[5:])
+
+
 # --- what is loaded ---------------------------------------------------------------------------
 def _loaded_state(rank, world, argv):
     """Build a trainer (which loads) and report what it holds, without training."""

@@ -47,8 +47,9 @@ def test_buckets_are_views_of_one_buffer_in_backward_order_and_shard_evenly():
     assert [a + b for a, b in zip(results[0]["covered"], results[1]["covered"])] == r["param_elements"]
 
 
-def _launch_timing(rank, world, stage, overlap):
-    dims, cfg, chunks, optimizer, sync, _ = setup(1, stage, ddp_bucket_size=3000, overlap_grad_reduce=overlap)
+def _launch_timing(rank, world, stage, overlap, once=False):
+    dims, cfg, chunks, optimizer, sync, _ = setup(1, stage, ddp_bucket_size=3000, overlap_grad_reduce=overlap,
+                                                  grad_reduce_once_per_step=once)
     seen = []
 
     def recording(chunks_, batches, forward_step, loss_weight, forward_only=False):
@@ -58,7 +59,7 @@ def _launch_timing(rank, world, stage, overlap):
             loss_sum, tokens, logs = loss_func(output)
             loss_weight(loss_sum, tokens).backward()
             totals.add(loss_sum, tokens, logs)
-            seen.append([b.launched for b in sync.buckets])
+            seen.append([b.rounds for b in sync.buckets])
         return totals
 
     run_step(chunks, make_batches(0, dims, 1, cfg.vocab_size, global_batch=2 * world), dims, optimizer, sync,
@@ -66,13 +67,23 @@ def _launch_timing(rank, world, stage, overlap):
     return seen
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
-def test_reductions_start_during_the_last_micro_batch_backward_only(stage):
-    first, last = run_distributed(_launch_timing, 2, stage, True)[0]
+@pytest.mark.parametrize("stage,once", [(0, False), (2, True), (3, True)])
+def test_reductions_start_during_the_last_micro_batch_backward_only(stage, once):
+    """Once per step (stages 0-1; 2-3 with --grad-reduce-once-per-step)."""
+    first, last = run_distributed(_launch_timing, 2, stage, True, once)[0]
     assert not any(first), "a bucket was reduced before the last micro-batch"
     assert all(last) and len(last) > 1, "with --overlap-grad-reduce every bucket starts during backward"
-    first, last = run_distributed(_launch_timing, 2, stage, False)[0]
+    first, last = run_distributed(_launch_timing, 2, stage, False, once)[0]
     assert not any(first) and not any(last), "without overlap nothing starts before finish()"
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sharded_gradients_reduce_every_bucket_in_every_micro_batch(stage):
+    """Stages 2-3 by default: each micro-batch's backward reduces every bucket (with or without
+    overlap), and no full gradient buffer is left once it is over."""
+    for overlap in (True, False):
+        first, last = run_distributed(_launch_timing, 2, stage, overlap)[0]
+        assert len(first) > 1 and first == [1] * len(first) and last == [2] * len(last), (overlap, first, last)
 
 
 def _deferred_weight_grads(rank, world, stage, defer):
@@ -172,20 +183,26 @@ def _reduced_grads(rank, world, stage, overlap, instances):
 
 @pytest.mark.parametrize("stage,overlap,instances,world", [
     (0, False, 1, 2), (1, True, 1, 2), (2, True, 1, 2), (2, False, 1, 2), (3, True, 1, 2), (1, False, 2, 4)])
-def test_a_plugged_in_reducer_sees_every_bucket_once_per_step(stage, overlap, instances, world):
+def test_a_plugged_in_reducer_sees_every_bucket_once_per_round(stage, overlap, instances, world):
+    """Each bucket is started once per step (stages 0-1) or once per micro-batch (2-3: 4 here),
+    and finished once per step, after its last start."""
+    rounds = 4 if stage >= 2 else 1
     for rank, run in enumerate(run_distributed(_reduced_grads, world, stage, overlap, instances)):
         shards, calls, n = run["recording"]
         assert n > 2
-        for step_calls in calls:  # each bucket started once, and finished once after its start
-            assert sorted(step_calls) == sorted([("start", i) for i in range(n)] + [("finish", i) for i in range(n)])
-            assert all(step_calls.index(("start", i)) < step_calls.index(("finish", i)) for i in range(n))
+        for step_calls in calls:
+            assert sorted(step_calls) == sorted([("start", i) for i in range(n)] * rounds
+                                                + [("finish", i) for i in range(n)])
+            assert all(len(step_calls) - step_calls[::-1].index(("start", i)) - 1 < step_calls.index(("finish", i))
+                       for i in range(n))
         for step, (got, plain) in enumerate(zip(shards, run["default"][0])):
             assert all(torch.equal(a, b) for a, b in zip(got, plain)), f"rank {rank} step {step}"
 
 def test_config_rules():
     model = ModelConfig(**MODEL)
-    with pytest.raises(ConfigError, match="zero-stage 3"):
-        ParallelConfig(pipeline_model_parallel_size=2, zero_stage=3).validate(4, model, SEQ)
+    with pytest.raises(ConfigError, match="--no-reshard-after-forward applies to --zero-stage 3"):
+        ParallelConfig(zero_stage=2, reshard_after_forward=False).validate(2, model, SEQ)
+    ParallelConfig(pipeline_model_parallel_size=2, zero_stage=3).validate(4, model, SEQ)
     with pytest.raises(ConfigError, match="overlap-param-gather"):
         ParallelConfig(overlap_param_gather=True).validate(2, model, SEQ)
     ParallelConfig(pipeline_model_parallel_size=2, zero_stage=2).validate(4, model, SEQ)
@@ -212,7 +229,8 @@ def test_cli_zero3_on_4_ranks_and_zero1_with_tp2_on_8_ranks(tmp_path):
     assert len(z3) == 5 and "param_bytes" not in z3[1]
     for rec in z3:
         assert rec["comm_bytes"]["all_gather"] == 2 * micro_batches * 4 * psi
-        assert rec["comm_bytes"]["reduce_scatter"] == 4 * psi and not rec["skipped"]
+        # ZeRO-3 reduce-scatters every micro-batch's gradients
+        assert rec["comm_bytes"]["reduce_scatter"] == micro_batches * 4 * psi and not rec["skipped"]
     argv = CLI + ["--use-distributed-optimizer", "--tensor-model-parallel-size", "2", "--eval-iters", "0"]
     z1 = run_distributed(train_in_process, 8, argv)  # same seed and global batch, whatever the layout
     assert_same_run(z3, records_of(z1), rtol=1e-5, grad_norm_rtol=1e-6)
@@ -225,10 +243,21 @@ ZERO_OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket
 
 
 @pytest.mark.parametrize("stage,schedule", [
-    ("2", ["--pipeline-schedule", "zb-h1"]), ("1", ["--num-layers-per-virtual-pipeline-stage", "1"])])
+    ("2", ["--pipeline-schedule", "zb-h1"]), ("1", ["--num-layers-per-virtual-pipeline-stage", "1"]),
+    ("2", ["--num-layers-per-virtual-pipeline-stage", "1"]),
+    ("3", ["--num-layers-per-virtual-pipeline-stage", "1", "--recompute-granularity", "full"]),
+    pytest.param("2", ["--pipeline-schedule", "1f1b", "--grad-reduce-once-per-step"], marks=pytest.mark.slow),
+    pytest.param("3", ["--pipeline-schedule", "1f1b"], marks=pytest.mark.slow),
+    pytest.param("3", ["--pipeline-schedule", "zb-h1"], marks=pytest.mark.slow),
+    pytest.param("3", ["--num-layers-per-virtual-pipeline-stage", "1", "--no-reshard-after-forward"],
+                 marks=pytest.mark.slow)])
 def test_zero_with_pipeline_and_data_parallel_matches_single_process(stage, schedule):
     """PP2 x DP2: several chunks per rank (interleaved), deferred weight gradients (zb-h1) and the
-    tied embedding summed across stages before its DP reduce-scatter."""
+    tied embedding summed across stages before its DP reduce-scatter. ZeRO-2 reduce-scatters each
+    micro-batch's buckets as they complete (zb-h1: a later micro-batch's B may bring some of a
+    bucket's gradients before an earlier one's W brings the rest), or once per step. ZeRO-3 gathers
+    each chunk's units per use (zb-h1's W finds them freed: the weight gradient goes straight into
+    the buffers), with recomputation, or keeps them through the step."""
     ref = run_distributed(train_and_gather, 1, PP_ARGV)
     argv = PP_ARGV + ["--pipeline-model-parallel-size", "2", "--zero-stage", stage] + ZERO_OVERLAP + schedule
     results = run_distributed(train_and_gather, 4, argv)

@@ -90,6 +90,6 @@ def test_llama_tp2_pp2_sequence_parallel_matches_single_process():
 ])
 def test_impossible_uneven_splits_are_config_errors(first, last, fragment):
     from megatron_lite.errors import ConfigError
-    from megatron_lite.parallel.pipeline.partition import stage_layer_ranges
+    from megatron_lite.parallel.pipeline.partition import LayerSplit, stage_layer_ranges
     with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
-        stage_layer_ranges(4, 4, 1, first, last)
+        stage_layer_ranges(4, 4, 1, LayerSplit(first, last))

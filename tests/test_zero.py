@@ -160,6 +160,31 @@ def test_gradient_accumulation_matches_data_parallel(reference):
     assert_matches(run_distributed(_train_stages, 2, 1, [2], {}, 2)[0][2], reference, "2 ranks x 2 micro-batches of 2")
 
 
+def _sharded_grad_modes(reference, modes):
+    """ZeRO-2/3 at DP2 with 4 micro-batches per rank, buckets of 3000 elements, per (once per step,
+    overlap) mode: the same run as the single process, and as the first mode."""
+    runs = {}
+    for once, overlap in modes:
+        pkw = dict(grad_reduce_once_per_step=once, overlap_grad_reduce=overlap, ddp_bucket_size=3000)
+        runs[once, overlap] = run_distributed(_train_stages, 2, 1, [2, 3], pkw)[0]
+    for (once, overlap), result in runs.items():
+        for stage in (2, 3):
+            what = f"zero-{stage} {'once per step' if once else 'per micro-batch'}{' overlap' if overlap else ''}"
+            assert_matches(result[stage], reference, what)
+            assert_matches(result[stage], runs[modes[0]][stage], f"{what} vs {modes[0]}")
+
+
+def test_sharded_gradients_per_micro_batch_match_single_process_and_once_per_step(reference):
+    """Reduce-scattered in every micro-batch's backward as buckets complete (the default, here with
+    --overlap-grad-reduce) == once per step (--grad-reduce-once-per-step) == one process."""
+    _sharded_grad_modes(reference, [(True, False), (False, True)])
+
+
+@pytest.mark.slow
+def test_sharded_gradient_modes_all_match(reference):
+    _sharded_grad_modes(reference, [(True, False), (True, True), (False, False), (False, True)])
+
+
 # --- memory ----------------------------------------------------------------------------------
 def _memory(rank, world, dtype):
     out = {}
@@ -194,10 +219,11 @@ def test_memory_per_rank_matches_theory(dtype):
 
 
 # --- communication ---------------------------------------------------------------------------
-def _comm(rank, world, dtype, micro_batches):
+def _comm(rank, world, dtype, micro_batches, once):
     out = {}
     for stage in range(4):
-        dims, cfg, chunks, optimizer, sync, psi = setup(1, stage, dtype)
+        dims, cfg, chunks, optimizer, sync, psi = setup(1, stage, dtype, grad_reduce_once_per_step=once,
+                                                         ddp_bucket_size=3000)
         batches = make_batches(0, dims, 1, cfg.vocab_size, global_batch=world * micro_batches)
         dims.comm_counter = comm.CommCounter()
         run_step(chunks, batches, dims, optimizer, sync)
@@ -205,22 +231,43 @@ def _comm(rank, world, dtype, micro_batches):
     return out
 
 
-@pytest.mark.parametrize("dtype,micro_batches", [(torch.float32, 1), (torch.bfloat16, 1), (torch.bfloat16, 2)])
-def test_communication_per_step_matches_theory(dtype, micro_batches):
+@pytest.mark.parametrize("dtype,micro_batches,once", [(torch.float32, 1, False), (torch.bfloat16, 1, False),
+                                                      (torch.bfloat16, 2, True), (torch.float32, 4, False)])
+def test_communication_per_step_matches_theory(dtype, micro_batches, once):
     """Bytes of the full logical buffers per step and rank: stage 0 all-reduces every gradient;
     1-2 reduce-scatter them and all-gather the params; 3 all-gathers the params twice per
-    micro-batch (forward, backward) and reduce-scatters the gradients. Besides: the token count
-    and the loss (4 bytes each), and the squared grad norm with the non-finite-loss flag, summed
-    over the whole world (two float64: 16 bytes)."""
+    micro-batch (forward, backward) and reduce-scatters the gradients. Stages 2-3 reduce-scatter
+    every micro-batch's gradients (once per step with --grad-reduce-once-per-step). Besides: the
+    token count and the loss (4 bytes each), and the squared grad norm with the non-finite-loss
+    flag, summed over the whole world (two float64: 16 bytes). Several buckets (3000 elements)."""
     elt = 2 if dtype == torch.bfloat16 else 4
-    for stage, (psi, measured) in run_distributed(_comm, 4, dtype, micro_batches)[0].items():
+    for stage, (psi, measured) in run_distributed(_comm, 4, dtype, micro_batches, once)[0].items():
         grads, params = 4 * psi, elt * psi
+        sharded_grads = grads * (1 if once else micro_batches)
         scalars = 8 + 16
         expected = {0: {"all_reduce": grads + scalars},
                     1: {"all_reduce": scalars, "reduce_scatter": grads, "all_gather": params},
-                    2: {"all_reduce": scalars, "reduce_scatter": grads, "all_gather": params},
-                    3: {"all_reduce": scalars, "reduce_scatter": grads, "all_gather": 2 * micro_batches * params}}
+                    2: {"all_reduce": scalars, "reduce_scatter": sharded_grads, "all_gather": params},
+                    3: {"all_reduce": scalars, "reduce_scatter": sharded_grads,
+                        "all_gather": 2 * micro_batches * params}}
         assert measured == expected[stage], f"zero-{stage}: measured {measured} != theory {expected[stage]}"
+
+
+def _zero3_gathers(rank, world, reshard, micro_batches):
+    dims, cfg, chunks, optimizer, sync, psi = setup(1, 3, reshard_after_forward=reshard, recompute="full")
+    batches = make_batches(0, dims, 1, cfg.vocab_size, global_batch=world * micro_batches)
+    dims.comm_counter = comm.CommCounter()
+    run_step(chunks, batches, dims, optimizer, sync)
+    left = sum(p.numel() for p in chunks[0].parameters())  # the full params are freed after the step
+    return psi, dims.comm_counter.reset()["all_gather"], left
+
+
+def test_zero3_without_reshard_after_forward_gathers_once_per_step():
+    """ZeRO-3 all-gathers every unit twice per micro-batch (forward, backward; recomputation reuses
+    the backward's), or once per step with --no-reshard-after-forward; both free them at the end."""
+    for reshard, expected in ((True, 2 * 2), (False, 1)):
+        psi, gathered, left = run_distributed(_zero3_gathers, 2, reshard, 2)[0]
+        assert gathered == expected * 4 * psi and left == 0, (reshard, gathered / (4 * psi), left)
 
 
 # --- fp16 loss scaling -----------------------------------------------------------------------
@@ -233,7 +280,10 @@ def _fp16_skip(rank, world):
         def poisoned(*args, **kw):  # one element of one rank's local gradient becomes inf
             loss = forward_backward_no_pipelining(*args, **kw)
             if rank == world - 1:
-                victim.main_grad.view(-1)[3] = float("inf")
+                if victim.main_grad is not None:
+                    victim.main_grad.view(-1)[3] = float("inf")
+                else:  # stages 2-3 reduced it during backward: poison this rank's reduced shard instead
+                    sync.bucket_of[victim].grad_shard[3] = float("inf")
             return loss
 
         before = full_params(chunks, sync, dims)

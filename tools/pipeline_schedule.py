@@ -2,6 +2,7 @@
 
     python tools/pipeline_schedule.py --pp 4 --vpp 2 --microbatches 8 --schedule interleaved
     python -m tools.pipeline_schedule --pp 4 --microbatches 8 --schedule zb-h1 --costs 1,1,1 --png zb.png
+    python tools/pipeline_schedule.py --pp 2 --microbatches 8 --pipeline-model-parallel-layout "E|(tt|)*2,L"
 
 Invalid arguments print one line on stderr and exit with status 2.
 """
@@ -15,6 +16,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lite.errors import ConfigError  # noqa: E402
+from megatron_lite.parallel.pipeline.partition import layout_stage_sizes, parse_layout  # noqa: E402
 from megatron_lite.parallel.pipeline.schedules import (  # noqa: E402
     SCHEDULES, build_schedule, default_schedule, validate_schedule_args)
 from megatron_lite.parallel.pipeline.simulator import (  # noqa: E402
@@ -29,6 +31,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--schedule", default=None, help=f"one of {', '.join(SCHEDULES)}; default: "
                     "interleaved if --vpp > 1 else 1f1b")
     ap.add_argument("--costs", default="1,1,1", help="F,B,W cost of one chunk's action (BW = B + W)")
+    ap.add_argument("--pipeline-model-parallel-layout", default=None,
+                    help="Megatron-LM's layout string, e.g. 'E|(tt|)*2,L': sets --vpp and weighs each virtual "
+                         "stage's costs by its transformer layers over their mean")
     ap.add_argument("--comm-cost", type=float, default=0.0, help="time of one p2p transfer")
     ap.add_argument("--comm", default="lazy", choices=COMM_MODES,
                     help="executor model: lazy waits (default), blocking batches, or ideal (no comm)")
@@ -58,8 +63,14 @@ def _theory(name: str, p: int, m: int, v: int) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    name = args.schedule or default_schedule(args.vpp)
+    weights = None
     try:
+        if args.pipeline_model_parallel_layout is not None:
+            layout = args.pipeline_model_parallel_layout
+            sizes = layout_stage_sizes(layout, sum(st.count("t") for st in parse_layout(layout)), args.pp)
+            args.vpp = len(sizes) // args.pp
+            weights = [n * len(sizes) / sum(sizes) for n in sizes]
+        name = args.schedule or default_schedule(args.vpp)
         validate_schedule_args(name, args.pp, args.microbatches, args.vpp)
         costs = _parse_costs(args.costs)
         if args.width is not None and args.width < 1:
@@ -69,7 +80,7 @@ def main(argv=None) -> int:
         return 2
     sched = build_schedule(name, args.pp, args.microbatches, args.vpp)
     check_schedule(sched)
-    res = simulate(sched, costs=costs, comm_cost=args.comm_cost, comm=args.comm)
+    res = simulate(sched, costs=costs, comm_cost=args.comm_cost, comm=args.comm, stage_weights=weights)
     print(f"schedule {name} | pp {args.pp} | vpp {args.vpp} | micro-batches {args.microbatches} | "
           f"costs F,B,W = {args.costs} | comm {args.comm} ({args.comm_cost:g}) | makespan {res.makespan:g}")
     print(format_timeline(res, args.width))

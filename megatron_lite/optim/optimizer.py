@@ -41,6 +41,8 @@ def build_optimizer(chunks: List[nn.Module], dims: ParallelDims, tcfg: TrainingC
     units = [c.sharding_units() if hasattr(c, "sharding_units") else [] for c in chunks]
     grad_sync = GradientSync(chunks, dims, zero_stage=pcfg.zero_stage, bucket_size=pcfg.ddp_bucket_size,
                              overlap_grad_reduce=pcfg.overlap_grad_reduce,
+                             grad_reduce_once_per_step=pcfg.grad_reduce_once_per_step,
+                             reshard_after_forward=pcfg.reshard_after_forward,
                              overlap_param_gather=pcfg.overlap_param_gather, grad_dtype=grad_dtype, units=units,
                              dp_groups=dp_groups)
     return DistributedOptimizer(grad_sync, tcfg, precision), grad_sync

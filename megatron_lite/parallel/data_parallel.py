@@ -15,8 +15,10 @@ which is what its optimizer updates. Storage, one flat tensor per dtype with buc
   stage  parameters                          gradients (fp32; bf16 with --grad-reduce-in-bf16)
   0      full (params are views into it)     full, all-reduced
   1      full                                full, reduce-scattered in place (shard valid)
-  2      full                                full only from a bucket's first gradient of the
-                                             step to its reduce-scatter into a persistent shard
+  2      full                                a persistent reduced shard; a bucket's full gradient
+                                             only from its first gradient of a micro-batch to its
+                                             reduce-scatter in that micro-batch (of the step with
+                                             --grad-reduce-once-per-step)
   3      shard; a unit's full params exist   as stage 2
          only around its forward/backward
 
@@ -24,11 +26,17 @@ Readiness. A gradient lands in `param.grad` (autograd's post-accumulate-grad hoo
 `gemm.accumulate_grad` for deferred weight gradients, which calls
 `param.grad_ready_hook`); the hook adds it into `param.main_grad` (the param's view of its bucket,
 fp32 by default) and counts it. `start_step(m)` announces m gradients per parameter this step
-(one per micro-batch): when every parameter of a bucket has had its m-th, the bucket is complete
-and, with --overlap-grad-reduce, its reduction starts at once, asynchronously, while backward
-goes on. `finish()` launches whatever is left (no overlap; parameters that got no gradient;
-buckets holding the pipeline-tied embedding, whose cross-stage sum must wait for every stage)
-and waits. Just before its DP reduction a bucket's model-parallel partial sums (sequence-parallel
+(one per micro-batch). Once per step (stages 0-1; stages 2-3 with --grad-reduce-once-per-step):
+when every parameter of a bucket has had its m-th, the bucket is complete and, with
+--overlap-grad-reduce, its reduction starts at once, asynchronously, while backward goes on.
+Per micro-batch (stages 2-3 by default, as DeepSpeed's ZeRO-2 and FSDP do): when every parameter
+of a bucket has had its k-th gradient, round k of its reduction starts (and, without
+--overlap-grad-reduce, is waited for right there) and the full buffer is dropped once it is
+done; rounds after the first reduce-scatter into a shard-sized buffer that is then added into the
+persistent shard. Reduction is linear, so any split of the gradients into rounds gives the same
+sum (in another order: fp32 rounding differs). `finish()` launches whatever is left (no overlap;
+parameters that got no gradient; buckets holding the pipeline-tied embedding, whose cross-stage
+sum must wait for every stage) and waits. Just before its DP reduction a bucket's model-parallel partial sums (sequence-parallel
 norms, replicated K/V, tied embedding) are summed by `finalize_model_grads`: sums commute, and in
 this order they act on full gradients, which ZeRO shards are not.
 
@@ -40,11 +48,13 @@ global gradient, as one ZeRO run over all DP ranks would. Params are gathered in
 
 Reduction. A bucket's gradient is reduced by a bucket reducer chosen at construction:
 `PlainReducer` moves it as it is; another reducer (e.g. compressed, with error feedback) plugs in
-with the same two calls, `start(bucket)` when the bucket is complete and `finish(bucket)` after.
+with the same two calls, `start(bucket)` for each reduction round (once per step, or once per
+micro-batch) and `finish(bucket)` once per step after the last round has completed.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -98,10 +108,14 @@ class Bucket:
         self.param_shard: Optional[torch.Tensor] = None  # stage 3: the only persistent copy
         self.grad_data: Optional[torch.Tensor] = None  # full flat gradient
         self.grad_shard: Optional[torch.Tensor] = None  # stages 2-3: reduced shard
-        self.handle = None  # in-flight gradient reduction
+        # Stages 2-3, reduction rounds after the first of a step: where the round's reduce-scatter
+        # writes (shard-sized), added into grad_shard once it completes.
+        self.round_shard: Optional[torch.Tensor] = None
         self.param_handle = None  # in-flight all-gather of updated params (stages 1-2)
-        self.launched = False
-        self.missing = len(params)  # params still short of this step's gradients
+        self.launched = False  # the step's last reduction round has started
+        self.rounds = 0  # reduction rounds started this step
+        self.target = 1  # gradients every param needs before the next round starts
+        self.missing = len(params)  # params still short of `target` gradients
         # The pipeline-tied embedding is summed over the first and last stage before its DP
         # reduction; that cannot happen inside one stage's backward without deadlock.
         self.deferred = any(spec_of(p).tie is not None for p in params)
@@ -115,6 +129,10 @@ class Bucket:
 
     def grad_shard_view(self) -> torch.Tensor:
         return self.grad_shard if self.grad_shard is not None else self.grad_data[self.shard]
+
+    def reduce_out(self) -> torch.Tensor:
+        """Where the reduction round being started writes this rank's reduced shard."""
+        return self.round_shard if self.round_shard is not None else self.grad_shard_view()
 
     def segments(self, lo: int, hi: int) -> List[Tuple[int, int, int]]:
         """(param index, a, b): elements [a, b) of that param's flat tensor lie in bucket positions
@@ -170,15 +188,28 @@ class PlainReducer:
         self.comm = comm
 
     def start(self, b: "Bucket"):
-        """Launch the reduction of b.grad_data over b.group; returns its async handle (or None)."""
+        """Launch the reduction of b.grad_data over b.group (into b.reduce_out() when sharded);
+        returns its async handle (or None)."""
         if not b.sharded:
             return self.comm.all_reduce(b.grad_data, b.group, async_op=True)
-        return self.comm.reduce_scatter(b.grad_shard_view(), b.grad_data, b.group, async_op=True)
+        return self.comm.reduce_scatter(b.reduce_out(), b.grad_data, b.group, async_op=True)
 
     def finish(self, b: "Bucket") -> None:
-        """After start's handle completed: the replica-group sum of the reduced shard (if any)."""
+        """After the step's last round completed (and was added into the shard): the
+        replica-group sum of the reduced shard (if any)."""
         if b.replica_group is not None:
             self.comm.all_reduce(b.grad_shard_view(), b.replica_group)
+
+
+@dataclass
+class _Round:
+    """One reduction of a bucket in flight: what it reads and writes stays referenced until it is
+    retired (at stages 2-3 the bucket itself already accumulates the next micro-batch afresh)."""
+    bucket: Bucket
+    handle: object
+    grad: torch.Tensor  # the full gradient being reduced
+    out: Optional[torch.Tensor]  # a round after the first: its reduced shard, to add into grad_shard
+    final: bool  # the bucket's last round of the step: the reducer's finish() follows
 
 
 def _flat_views(buckets: List[Bucket], size: Callable[[Bucket], int], dtype: Callable[[Bucket], torch.dtype]):
@@ -207,12 +238,17 @@ class GradientSync:
                  bucket_size: Optional[int] = None, overlap_grad_reduce: bool = False,
                  overlap_param_gather: bool = False, grad_dtype: torch.dtype = torch.float32,
                  units: Optional[List[List[nn.Module]]] = None, dp_groups: Optional[Tuple[object, object]] = None,
-                 reducer=None):
+                 reducer=None, grad_reduce_once_per_step: bool = False, reshard_after_forward: bool = True):
         """`units` (ZeRO-3): per chunk, the modules whose parameters are gathered and freed
         together (a model's transformer layers); the rest of a chunk is one more unit.
         `dp_groups` (distributed-optimizer instances): (shard group, replica group) of the dense
         parameters, instead of sharding over all DP x CP ranks. `reducer`: what reduces each
-        complete bucket (PlainReducer's start / finish; None: a PlainReducer)."""
+        complete bucket (PlainReducer's start / finish; None: a PlainReducer).
+        `grad_reduce_once_per_step`: stages 2-3 keep each bucket's full gradient across the step's
+        micro-batches and reduce it once (less traffic, no gradient memory sharded during the
+        step) instead of once per micro-batch; stages 0-1 always reduce once per step.
+        `reshard_after_forward` (ZeRO-3): False keeps each unit gathered from its first use to the
+        end of the step (zero3.py)."""
         from .zero3 import ShardedParams, unit_params  # zero3 builds on Bucket: import late
 
         self.dims, self.stage = dims, zero_stage
@@ -225,6 +261,7 @@ class GradientSync:
         self.replica_rank = group_rank(self.replica_group)  # 0: the instance that writes checkpoints
         self.dp, self.dp_rank = group_size(self.group), group_rank(self.group)
         self.overlap_grad_reduce = overlap_grad_reduce
+        self.per_microbatch = self.stage >= 2 and not grad_reduce_once_per_step
         self.overlap_param_gather = overlap_param_gather and self.stage in (1, 2)
         self.grad_dtype = grad_dtype
         bucket_size = bucket_size or default_bucket_size(self.dp)
@@ -251,11 +288,12 @@ class GradientSync:
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.arrivals = {p: 0 for p in self.params}
         self.expected: Optional[int] = None
-        self._inflight: List[Bucket] = []  # launched reductions not yet retired
+        self._inflight: List[_Round] = []  # launched reductions not yet retired
+        self._retire_queued = False  # per micro-batch: retirement queued for the end of this backward
         self._allocate()
         for chunk in chunks:  # parameters in no bucket (frozen) that were left on meta
             materialize_(chunk)
-        self.zero3 = ShardedParams(self, units) if self.stage == 3 else None
+        self.zero3 = ShardedParams(self, units, reshard_after_forward) if self.stage == 3 else None
         self._register_hooks(chunks)
 
     # --- storage -----------------------------------------------------------------------------
@@ -318,21 +356,25 @@ class GradientSync:
     def start_step(self, num_microbatches: int) -> None:
         """Each parameter will receive `num_microbatches` gradients before finish()."""
         self.expected = num_microbatches
+        for b in self.buckets:
+            b.target = 1 if self.per_microbatch else num_microbatches
 
     @torch.no_grad()  # also when called from accumulate_grad outside autograd
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if p.grad is None:
+    def _on_grad_ready(self, p: nn.Parameter, grad: Optional[torch.Tensor] = None) -> None:
+        """p.grad (autograd's hook), or `grad` (accumulate_grad: a deferred weight gradient)."""
+        g = p.grad if grad is None else grad
+        if g is None:
             return
         b = self.bucket_of[p]
         if b.grad_data is None:
             self._alloc_grad(b)
-        p.main_grad.add_(p.grad)
+        p.main_grad.add_(g)
         p.grad = None
         if self.zero3 is not None:
             self.zero3.grad_arrived(b)
         self.arrivals[p] += 1
         n = self.arrivals[p]
-        if self.expected is None or n < self.expected:
+        if self.expected is None or n < b.target:
             return
         if b.deferred:
             # reduced at finish() whatever the count: the last stage's copy of the embedding may take
@@ -343,44 +385,73 @@ class GradientSync:
             raise RuntimeError(f"parameter {name} received {n} gradients in a step of {self.expected} "
                                f"micro-batches (used twice per micro-batch?); the data-parallel reduction "
                                f"expects one per micro-batch")
+        if n > b.target:  # arrived early (zb-h1's B of a later micro-batch before W): already counted
+            return
         b.missing -= 1
-        if b.missing == 0 and self.overlap_grad_reduce and not b.deferred:
-            self._launch(b)
+        if b.deferred or not (self.per_microbatch or self.overlap_grad_reduce):
+            return  # reduced in finish()
+        while b.missing == 0 and not b.launched:
+            self._launch(b, final=b.target == self.expected)
+            if not self.overlap_grad_reduce:  # per micro-batch: wait here, so that the buffer goes now
+                self._complete(wait=True)
+            b.target += 1
+            b.missing = sum(self.arrivals[q] < b.target for q in b.params)
 
-    def _launch(self, b: Bucket) -> None:
-        if b.grad_data is None:  # no gradient at all this step: reduce zeros, like every rank
+    def _launch(self, b: Bucket, final: bool) -> None:
+        if b.grad_data is None:  # no gradient since the last round (or at all): reduce zeros, like every rank
             self._alloc_grad(b)
         finalize_model_grads(b.params, self.dims)
-        b.handle = self.reducer.start(b)
-        b.launched = True
-        self._inflight.append(b)
+        if b.rounds and b.grad_shard is not None:  # the shard holds earlier rounds: add this one after
+            b.round_shard = torch.empty(b.shard_numel, dtype=b.grad_dtype, device=b.device)
+        if self.per_microbatch:
+            # One round in flight at a time (it overlaps the compute that fills the next bucket), and
+            # none past the end of this backward: the full buffers are bounded whatever the
+            # backend's completion polling says (gloo's never reports an op done before its wait).
+            self._complete(wait=True)
+            if not self._retire_queued and torch._C._current_graph_task_id() != -1:
+                self._retire_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        rnd = _Round(b, self.reducer.start(b), b.grad_data, b.round_shard, final)
+        b.round_shard, b.rounds, b.launched = None, b.rounds + 1, final
+        if self.stage >= 2:  # the round holds the full gradient until it is retired
+            self._free_grad(b)
+        self._inflight.append(rnd)
         self._complete(wait=False)
 
+    def _end_backward(self) -> None:
+        self._retire_queued = False
+        self._complete(wait=True)
+
     def _complete(self, wait: bool) -> None:
-        """Retire reductions that are done (all of them when `wait`). Stages 2-3 free a bucket's
-        full gradient right away, so that with --overlap-grad-reduce and several buckets only the
+        """Retire reductions that are done (all of them when `wait`), each bucket's in launch order
+        (a later round adds into the shard an earlier one writes). Stages 2-3 drop a round's full
+        gradient right away, so that with --overlap-grad-reduce and several buckets only the
         buckets still accumulating or in flight exist at once."""
-        pending = []
-        for b in self._inflight:
-            if b.handle is not None and not (wait or b.handle.is_completed()):
-                pending.append(b)
+        pending, blocked = [], set()
+        for r in self._inflight:
+            b = r.bucket
+            if b.index in blocked or (r.handle is not None and not (wait or r.handle.is_completed())):
+                pending.append(r)
+                blocked.add(b.index)
                 continue
-            if b.handle is not None:
-                b.handle.wait()
-                b.handle = None
-            self.reducer.finish(b)
-            if self.stage >= 2:
-                self._free_grad(b)
+            if r.handle is not None:
+                r.handle.wait()
+            if r.out is not None:
+                b.grad_shard.add_(r.out)
+            if r.final:
+                self.reducer.finish(b)
         self._inflight = pending
 
     def finish(self) -> None:
         """After the last micro-batch's backward: every bucket reduced; stages 2-3 keep only shards."""
         for b in self.buckets:
             if not b.launched:
-                self._launch(b)
+                self._launch(b, final=True)
         self._complete(wait=True)
+        if self.zero3 is not None and not self.zero3.reshard:  # kept gathered through the step
+            self.zero3.release_all()
         for b in self.buckets:
-            b.launched, b.missing = False, len(b.params)
+            b.launched, b.missing, b.rounds, b.target = False, len(b.params), 0, 1
         self.expected = None
         for p in self.arrivals:
             self.arrivals[p] = 0

@@ -24,14 +24,15 @@ import torch.nn.functional as F
 
 
 def accumulate_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
-    """Add `grad` to param.grad outside autograd and tell the grad-sync machinery, if any."""
-    if param.grad is None:
+    """Add `grad` to param.grad outside autograd, or hand it to the grad-sync machinery if any (into
+    its gradient buffers: at ZeRO-3 the parameter may be released, its storage empty, by then)."""
+    hook = getattr(param, "grad_ready_hook", None)
+    if hook is not None:
+        hook(param, grad)
+    elif param.grad is None:
         param.grad = grad.to(param.dtype)
     else:
         param.grad.add_(grad)
-    hook = getattr(param, "grad_ready_hook", None)
-    if hook is not None:
-        hook(param)
 
 
 def keep_precision(param: nn.Parameter) -> nn.Parameter:

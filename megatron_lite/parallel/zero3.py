@@ -24,6 +24,12 @@ comes next, overlapping the current unit's compute):
 complete, i.e. just before X's backward starts. Activation recomputation replays a layer's
 forward inside backward; then the hooks neither prefetch nor free.
 
+With `reshard_after_forward=False` (--no-reshard-after-forward) nothing is freed until the step's
+end (GradientSync.finish): each unit is gathered once per step, at its first use, and the full
+parameters of every chunk stay for the step (one all-gather per step instead of two per
+micro-batch: what torchtitan does under pipeline parallelism, where a chunk's micro-batches
+interleave with the other chunks').
+
 Freeing sets `param.data` to an empty tensor; gathering makes `param.data` a view of the freshly
 all-gathered flat bucket. Autograd keeps references to the parameters themselves, so a backward
 sees whatever full storage is bound when it runs.
@@ -75,8 +81,9 @@ class _Unit:
 class ShardedParams:
     """Gathers and frees the units of a GradientSync's ZeRO-3 buckets (each unit's own buckets)."""
 
-    def __init__(self, sync, chunk_units: List[List[Tuple[nn.Module, List[nn.Parameter]]]]):
-        self.sync = sync
+    def __init__(self, sync, chunk_units: List[List[Tuple[nn.Module, List[nn.Parameter]]]],
+                 reshard_after_forward: bool = True):
+        self.sync, self.reshard = sync, reshard_after_forward
         self.in_backward = False
         self.units: List[_Unit] = []
         self.unit_of = {}
@@ -148,7 +155,8 @@ class ShardedParams:
             for t in _tensors(out):
                 if t.requires_grad:
                     t.register_hook(lambda g, u=u, prev=prev: self._pre_backward(u, prev))
-        self._release(u)
+        if self.reshard:
+            self._release(u)
 
     def _pre_backward(self, u: _Unit, prev: Optional[_Unit]) -> None:
         if not self.in_backward:
@@ -163,9 +171,10 @@ class ShardedParams:
         its params have theirs (no later backward node of this pass reads them)."""
         u = self.unit_of[bucket]
         u.arrived += 1
-        if u.arrived == u.num_params and self.in_backward:
+        if u.arrived == u.num_params and self.in_backward and self.reshard:
             self._release(u)
 
     def _end_backward(self) -> None:
         self.in_backward = False
-        self.release_all()
+        if self.reshard:
+            self.release_all()

@@ -19,10 +19,14 @@ output layer's weight gradient;
 a layer's forward its largest temporary (RoPE on q: 3 a q); a recomputed layer's backward the
 gradients beside its activations (residual gradient and its gathered copy, the MLP's input
 gradient).
-ZeRO-3 keeps the root unit (embedding, final norm, output layer) and two layers gathered (the linear
-layers save the parameters, not views of the gathered storage); ZeRO-2/3
-keep a bucket's full gradient from its first gradient of the step until it is reduced after the
-last micro-batch's (all of them from the second micro-batch on).
+ZeRO-3 keeps the root unit (embedding, final norm, output layer) and two layers of the running chunk
+gathered (the linear layers save the parameters, not views of the gathered storage); with
+--no-reshard-after-forward every unit of every chunk. ZeRO-2/3 keep a bucket's full
+gradient from its first gradient until it is reduce-scattered: by default in the same micro-batch's
+backward (a transient of each backward: the buckets whose gradients are arriving, in reverse
+registration order with the embedding's last, and with --overlap-grad-reduce the one reduction in
+flight; buckets of the pipeline-tied embedding wait for the step's end), with
+--grad-reduce-once-per-step after the last micro-batch's (all of them from the second micro-batch on).
 
 The pipeline's effect is exact: the rank's own list of compute actions (schedules.compute_orders)
 is walked, adding a chunk's activations at each F and removing them at each BW (zb-h1: B frees
@@ -33,12 +37,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from ..config import ModelConfig
-from ..parallel.bucket_plan import plan_buckets
+from ..parallel.bucket_plan import BucketPlan, ParamInfo, plan_buckets
 from ..parallel.pipeline.schedules import Action, compute_orders
 from ..transformer.model_counts import MicroBatch, loss_chunk_tokens, model_counts
 from .layout import Layout
@@ -115,6 +119,7 @@ class ChunkCost:
     deferred: int  # zb-h1: kept from B to W (the linear layers' inputs and output gradients)
     fwd_transient: int
     bwd_transient: int
+    loss_saved: int = 0  # of `saved`, what the loss part keeps (freed before the layers' backward)
 
 
 def chunk_costs(cfg: ModelConfig, lay: Layout, pp_rank: int, tp_rank: int = 0) -> List[ChunkCost]:
@@ -156,7 +161,7 @@ def chunk_costs(cfg: ModelConfig, lay: Layout, pp_rank: int, tp_rank: int = 0) -
             deferred = _linear_io(cfg, w) * w.tokens * (hi - lo)
             if post:  # the output layer's input and the logits' gradient
                 deferred += w.a * (w.h + w.vocab) * w.tokens
-        out.append(ChunkCost(saved, deferred, fwd_t, max(recomputed, bwd_t)))
+        out.append(ChunkCost(saved, deferred, fwd_t, max(recomputed, bwd_t), loss if post else 0))
     return out
 
 
@@ -171,11 +176,18 @@ def rank_order(schedule: str, p: int, m: int, v: int, rank: int):
     return _orders(schedule, p, m, v)[rank]
 
 
-def _walk(order, costs: List[ChunkCost]) -> Tuple[int, int]:
-    """(peak bytes, peak in-flight chunk-micro-batches) over one rank's compute actions in order."""
+def _walk(order, costs: List[ChunkCost], kept: Optional[Dict[int, Tuple[int, bool]]] = None) -> Tuple[int, int]:
+    """(peak bytes, peak in-flight chunk-micro-batches) over one rank's compute actions in order.
+    `kept`: chunk -> (bytes, early) allocated in that chunk's first backward, at its start (early)
+    or its end, and kept to the step's end."""
     live = peak = inflight = peak_inflight = 0
+    kept = dict(kept or {})
     for a in order:
         c = costs[a.chunk]
+        late = 0
+        if a.kind in ("BW", "B") and a.chunk in kept:
+            n, early = kept.pop(a.chunk)
+            live, late = (live + n, 0) if early else (live, n)
         if a.kind == "F":
             peak = max(peak, live + c.saved + c.fwd_transient)
             live += c.saved
@@ -183,11 +195,58 @@ def _walk(order, costs: List[ChunkCost]) -> Tuple[int, int]:
             peak_inflight = max(peak_inflight, inflight)
         elif a.kind in ("BW", "B"):
             peak = max(peak, live + c.bwd_transient)
-            live -= c.saved - (c.deferred if a.kind == "B" else 0)
+            live -= c.saved - (c.deferred if a.kind == "B" else 0) - late
             inflight -= 1
         elif a.kind == "W":
             live -= c.deferred
     return peak, peak_inflight
+
+
+def _grad_arrival(params: List[ParamInfo]) -> List[int]:
+    """Each parameter's place in the order a chunk's backward completes the gradients: reverse
+    registration, but the embedding's last (its backward runs last, and a tied word embedding's
+    gradient completes only there)."""
+    n = len(params)
+    return [n + i if p.name.startswith("embedding.") else n - 1 - i for i, p in enumerate(params)]
+
+
+def live_grad_bytes(params: List[ParamInfo], plans: List[BucketPlan], grad_bytes: int, overlap: bool) -> int:
+    """Per-micro-batch reduction: the most bytes of full gradient buckets alive at once in one
+    backward of a chunk. A bucket lives from its first gradient to its reduction (GradientSync waits
+    for it there), with --overlap-grad-reduce until the next bucket's reduction starts (one round in
+    flight)."""
+    pos = _grad_arrival(params)
+    spans = sorted([[min(pos[i] for i in b.params), max(pos[i] for i in b.params), b.numel * grad_bytes]
+                    for b in plans], key=lambda s: s[1])
+    if overlap:
+        for this, nxt in zip(spans, spans[1:]):
+            this[1] = nxt[1]
+    return max((sum(n for lo, hi, n in spans if lo <= t <= hi) for t, _, _ in spans), default=0)
+
+
+def _tied_across_stages(cfg: ModelConfig, lay: Layout, pre: bool, post: bool, p: ParamInfo) -> bool:
+    """The pipeline-tied word embedding's copy on the first or last stage (GradientSync defers its bucket)."""
+    if cfg.untie_embeddings_and_output_weights or lay.pp == 1 or (pre and post):
+        return False
+    return p.name == ("embedding.word_embeddings.weight" if pre else "output_layer.weight")
+
+
+def _sharded_grad_buffers(cfg: ModelConfig, lay: Layout, pp_rank: int,
+                          inventory) -> Tuple[List[int], Dict[int, Tuple[int, bool]]]:
+    """Per-micro-batch reduction: (per chunk, its live full gradients in a backward; per chunk, the
+    bytes of its deferred buckets, kept from its first backward to the step's end, and whether they
+    come at that backward's start: the last stage's output layer; the first stage's embedding
+    comes at its end)."""
+    g, per_chunk, deferred = element_size(lay.grad_dtype), [], {}
+    for c, (layer_range, pre, post) in enumerate(stage_chunks(cfg.num_layers, lay, pp_rank)):
+        params = inventory(layer_range, pre, post, lay.tp, lay.ep, lay.etp)
+        plans = plan_buckets(params, lay.zero_stage, lay.buckets, lay.dp * lay.cp, lay.edp)
+        tied = [any(_tied_across_stages(cfg, lay, pre, post, params[i]) for i in b.params) for b in plans]
+        if any(tied):
+            deferred[c] = (sum(b.numel * g for b, t in zip(plans, tied) if t), post)
+        per_chunk.append(live_grad_bytes(params, [b for b, t in zip(plans, tied) if not t], g,
+                                         lay.overlap_grad_reduce))
+    return per_chunk, deferred
 
 
 @dataclass
@@ -205,34 +264,52 @@ def step_memory(cfg: ModelConfig, lay: Layout, pp_rank: int, inventory, tp_rank:
     """What one step allocates on a rank of pipeline stage `pp_rank` on top of its held state."""
     costs = chunk_costs(cfg, lay, pp_rank, tp_rank)
     m = lay.num_microbatches
+    buffers = {}
+    w = Widths.of(cfg, lay)
+    if lay.grad_reduce_per_microbatch:
+        # The gradients arrive once the loss's backward is done (its tensors freed), beside a layer's
+        # backward working set.
+        live, deferred = _sharded_grad_buffers(cfg, lay, pp_rank, inventory)
+        for c, n in zip(costs, live):
+            c.bwd_transient = max(c.bwd_transient, n - c.loss_saved + _layer_backward_working_set(w))
+    else:
+        deferred = {}
     if lay.pp > 1:
         order = rank_order(lay.pipeline_schedule, lay.pp, m, lay.vpp, pp_rank)
     else:
         order = [Action(kind, mb) for mb in range(min(m, 2)) for kind in ("F", "BW")]  # the same after two
-    peak, inflight = _walk(order, costs)
-    buffers = {}
-    w = Widths.of(cfg, lay)
+    peak, inflight = _walk(order, costs, deferred)  # the pipeline-tied embedding's full gradient
     if lay.pp > 1:  # a received activation and a received gradient in flight
         buffers["p2p"] = 2 * w.a * w.h * w.residual_tokens
-    if lay.zero_stage >= 2 and m > 1:
+    if lay.zero_stage >= 2 and m > 1 and not lay.grad_reduce_per_microbatch:
         # From the second micro-batch on, every bucket's full gradient exists (they are reduced
         # after the last micro-batch's); with one micro-batch they arrive as activations go.
         g = element_size(lay.grad_dtype)
         buffers["full_grads"] = sum(b.numel * g for b in rank_buckets(cfg.num_layers, lay, pp_rank, inventory))
     if lay.zero_stage == 3:
-        # Gathered at once, forward or backward: the root, the running layer and the prefetched
-        # next one (the linear layers save the parameters, not views of their gathered storage).
-        units = _unit_param_bytes(cfg, lay, pp_rank, inventory)
-        buffers["gathered_params"] = units[0] + sum(sorted(units[1:])[-2:])
+        chunks = _unit_param_bytes(cfg, lay, pp_rank, inventory)
+        if lay.reshard_after_forward:
+            # Gathered while a chunk's forward or backward runs: its root, the running layer and the
+            # prefetched next one (the linear layers save the parameters, not views of their
+            # gathered storage); the other chunks' are freed. Reported as what they add to the peak.
+            for c, units in zip(costs, chunks):
+                gathered = units[0] + sum(sorted(units[1:])[-2:])
+                c.fwd_transient, c.bwd_transient = c.fwd_transient + gathered, c.bwd_transient + gathered
+            buffers["gathered_params"] = _walk(order, costs, deferred)[0] - peak
+        else:  # every unit of every chunk, from its first use to the step's end
+            buffers["gathered_params"] = sum(sum(units) for units in chunks)
     return StepMemoryEstimate(peak, inflight, buffers)
 
 
-def _unit_param_bytes(cfg, lay, pp_rank, inventory) -> List[int]:
-    """ZeRO-3: bytes of each unit's gathered (full, padded) buckets, the root unit first."""
-    (layer_range, pre, post), = stage_chunks(cfg.num_layers, lay, pp_rank)
-    params = inventory(layer_range, pre, post, lay.tp, lay.ep, lay.etp)
-    units: Dict[int, int] = {}
-    for b in plan_buckets(params, 3, lay.buckets, lay.dp * lay.cp, lay.edp):
-        u = params[b.params[0]].unit
-        units[u] = units.get(u, 0) + b.numel * element_size(b.dtype)
-    return [units.get(0, 0)] + [units[k] for k in sorted(units) if k]
+def _unit_param_bytes(cfg, lay, pp_rank, inventory) -> List[List[int]]:
+    """ZeRO-3, per model chunk of the rank: bytes of each unit's gathered (full, padded) buckets,
+    the root unit first."""
+    out = []
+    for layer_range, pre, post in stage_chunks(cfg.num_layers, lay, pp_rank):
+        params = inventory(layer_range, pre, post, lay.tp, lay.ep, lay.etp)
+        units: Dict[int, int] = {}
+        for b in plan_buckets(params, 3, lay.buckets, lay.dp * lay.cp, lay.edp):
+            u = params[b.params[0]].unit
+            units[u] = units.get(u, 0) + b.numel * element_size(b.dtype)
+        out.append([units.get(0, 0)] + [units[k] for k in sorted(units) if k])
+    return out

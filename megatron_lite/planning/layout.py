@@ -10,6 +10,7 @@ import torch
 
 from ..config import Config
 from ..parallel.data_parallel import default_bucket_size
+from ..parallel.pipeline.partition import LayerSplit
 from ..parallel.pipeline.schedules import default_schedule
 
 
@@ -36,11 +37,12 @@ class Layout:
     grad_dtype: torch.dtype = torch.float32
     bucket_size: Optional[int] = None  # elements; None: Megatron's default for the DP size
     overlap_grad_reduce: bool = False
+    grad_reduce_once_per_step: bool = False
+    reshard_after_forward: bool = True
     overlap_param_gather: bool = False
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0
-    first_stage_layers: Optional[int] = None
-    last_stage_layers: Optional[int] = None
+    split: LayerSplit = LayerSplit()  # layers per virtual stage when not even
 
     @property
     def world_size(self) -> int:
@@ -53,6 +55,11 @@ class Layout:
     @property
     def pipeline_schedule(self) -> Optional[str]:
         return (self.schedule or default_schedule(self.vpp)) if self.pp > 1 else None
+
+    @property
+    def grad_reduce_per_microbatch(self) -> bool:
+        """ZeRO-2/3 reduce-scatter each micro-batch's buckets (unless --grad-reduce-once-per-step)."""
+        return self.zero_stage >= 2 and not self.grad_reduce_once_per_step
 
     @property
     def sp(self) -> bool:
@@ -109,6 +116,6 @@ def from_config(cfg: Config, world_size: int) -> Layout:
                   seq_length=t.seq_length, params_dtype=dtype_of(cfg),
                   grad_dtype=torch.bfloat16 if p.grad_reduce_in_bf16 else torch.float32, bucket_size=p.ddp_bucket_size,
                   overlap_grad_reduce=p.overlap_grad_reduce, overlap_param_gather=p.overlap_param_gather,
-                  optimizer_cpu_offload=t.optimizer_cpu_offload, optimizer_offload_fraction=t.optimizer_offload_fraction,
-                  first_stage_layers=p.decoder_first_pipeline_num_layers,
-                  last_stage_layers=p.decoder_last_pipeline_num_layers)
+                  grad_reduce_once_per_step=p.grad_reduce_once_per_step,
+                  reshard_after_forward=p.reshard_after_forward, optimizer_cpu_offload=t.optimizer_cpu_offload, optimizer_offload_fraction=t.optimizer_offload_fraction,
+                  split=LayerSplit.of(p))

@@ -2,7 +2,7 @@
 fastest ones that fit, with the reasons.
 
 A layout is valid when the trainer itself would accept it: Config.validate (divisibility, the
-pipeline schedule's rules, ZeRO-3 without PP, ...) with the candidate's sizes, so a layout the
+pipeline schedule's rules, ...) with the candidate's sizes, so a layout the
 search proposes is one pretrain_gpt.py runs. It fits when its worst rank (every pipeline stage is
 checked, the last TP rank for the padded vocabulary) holds its state and its step's peak within
 the GPU's usable memory.
@@ -14,6 +14,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 from ..config import Config
 from ..errors import ConfigError
+from ..parallel.pipeline.partition import LayerSplit
 from .activations import StepMemoryEstimate, step_memory
 from .hardware import GiB, Hardware
 from .layout import Layout
@@ -68,7 +69,11 @@ def trainer_error(cfg: Config, lay: Layout) -> Optional[str]:
                 virtual_pipeline_model_parallel_size=lay.vpp if lay.vpp > 1 else None,
                 num_layers_per_virtual_pipeline_stage=None, pipeline_schedule=lay.schedule,
                 sequence_parallel=lay.sequence_parallel, zero_stage=lay.zero_stage,
-                overlap_grad_reduce=lay.overlap_grad_reduce, overlap_param_gather=lay.overlap_param_gather)
+                overlap_grad_reduce=lay.overlap_grad_reduce, overlap_param_gather=lay.overlap_param_gather,
+                decoder_first_pipeline_num_layers=lay.split.first, decoder_last_pipeline_num_layers=lay.split.last,
+                pipeline_model_parallel_layout=lay.split.layout,
+                account_for_embedding_in_pipeline_split=lay.split.account_for_embedding,
+                account_for_loss_in_pipeline_split=lay.split.account_for_loss)
     t = replace(cfg.training, micro_batch_size=lay.micro_batch_size, global_batch_size=lay.global_batch_size,
                 recompute_granularity=lay.recompute, recompute_method=lay.recompute_method,
                 recompute_num_layers=lay.recompute_num_layers, finetune=False)  # no filesystem checks
@@ -117,11 +122,11 @@ def candidates(cfg: Config, base: Layout, hw: Hardware, max_pp: int = 16,
                     if schedule is not None and schedule not in schedules:
                         continue
                     for ep in eps:
-                        for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1, 2)):
+                        for zero in (0, 1, 2, 3):
                             lay = base.with_(tp=tp, cp=cp, pp=pp, vpp=vpp, dp=dp, ep=ep, etp=1, zero_stage=zero,
                                              sequence_parallel=tp > 1, schedule=schedule,
                                              overlap_grad_reduce=True, overlap_param_gather=zero >= 1,
-                                             first_stage_layers=None, last_stage_layers=None)
+                                             split=LayerSplit())
                             yield tuple(lay.with_(recompute=r) for r in RECOMPUTE)
 
 

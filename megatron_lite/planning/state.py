@@ -17,7 +17,7 @@ Inventory = Callable[..., List[ParamInfo]]
 def stage_chunks(num_layers: int, lay: Layout, pp_rank: int) -> List[Tuple[Tuple[int, int], bool, bool]]:
     """(layer range, pre_process, post_process) of each model chunk of pipeline rank `pp_rank`."""
     placement = StagePlacement(lay.pp, lay.vpp)  # every schedule the planner weighs is written for loop
-    return placement.rank_chunks(pp_rank, num_layers, lay.first_stage_layers, lay.last_stage_layers)
+    return placement.rank_chunks(pp_rank, num_layers, lay.split)
 
 
 def rank_buckets(num_layers: int, lay: Layout, pp_rank: int, inventory: Inventory) -> List[BucketPlan]:

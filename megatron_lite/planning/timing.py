@@ -6,7 +6,8 @@ pipeline adds the idle time the schedule simulator finds for the layout's own ac
 What overlaps (and so counts only where it sticks out):
   - the gradient reduce-scatter / all-reduce with --overlap-grad-reduce: with the backward of the
     last micro-batch (buckets are reduced once every micro-batch's gradients are in), at least
-    the last bucket exposed; the updated-parameter all-gather with --overlap-param-gather: with
+    the last bucket exposed; ZeRO-2/3 by default reduce-scatter every micro-batch's gradients,
+    each with that micro-batch's backward (m times the bytes); the updated-parameter all-gather with --overlap-param-gather: with
     the next forward of the first micro-batch; ZeRO-3's per-micro-batch gathers: with compute;
   - the context-parallel ring: with the attention it feeds.
 TP collectives, Ulysses and expert all-to-alls are on the critical path (no TP comm overlap here).
@@ -18,9 +19,10 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional, Tuple
 
 from ..config import ModelConfig
+from ..parallel.pipeline.partition import stage_sizes
 from ..parallel.pipeline.schedules import compute_orders
 from ..parallel.pipeline.simulator import simulate
 from ..training.flops import flops_per_token
@@ -34,16 +36,28 @@ SIM_MAX_MICROBATCHES = 64  # longer schedules: the idle time of a schedule with 
 
 
 @functools.lru_cache(maxsize=4096)
-def pipeline_idle(schedule: str, p: int, m: int, v: int, backward_cost: float) -> float:
-    """Idle time per rank over busy time (the bubble fraction) of the schedule's own action lists,
-    replayed by the simulator with per-chunk costs F = 1, B = backward_cost - 1, W = 1."""
+def pipeline_idle(schedule: str, p: int, m: int, v: int, backward_cost: float,
+                  stage_weights: Optional[Tuple[float, ...]] = None) -> float:
+    """Idle time of the busiest rank over its busy time (the bubble fraction) of the schedule's own
+    action lists, replayed by the simulator with per-chunk costs F = 1, B = backward_cost - 1, W = 1,
+    each times its virtual stage's weight (None: all equal)."""
     if p == 1:
         return 0.0
     step = p if schedule == "interleaved" else 1
     sim_m = m if m <= SIM_MAX_MICROBATCHES else max(p, SIM_MAX_MICROBATCHES // step * step)
-    res = simulate(compute_orders(schedule, p, sim_m, v), costs=(1.0, backward_cost - 1.0, 1.0), comm="ideal")
-    idle = res.makespan - min(res.busy)  # the warm-up and cool-down: independent of m once m >= p
-    return idle / (min(res.busy) * m / sim_m)
+    res = simulate(compute_orders(schedule, p, sim_m, v), costs=(1.0, backward_cost - 1.0, 1.0), comm="ideal",
+                   stage_weights=stage_weights)
+    idle = res.makespan - max(res.busy)  # the warm-up and cool-down: independent of m once m >= p
+    return idle / (max(res.busy) * m / sim_m)
+
+
+def stage_weights(cfg: ModelConfig, lay: Layout) -> Optional[Tuple[float, ...]]:
+    """Each virtual stage's share of the work under a split that is not even (its layers; None: even)."""
+    if lay.split.even:
+        return None
+    sizes = stage_sizes(cfg.num_layers, lay.pp, lay.vpp, lay.split)
+    mean = sum(sizes) / len(sizes)
+    return tuple(round(n / mean, 4) for n in sizes)
 
 
 @dataclass
@@ -100,7 +114,8 @@ def step_time(cfg: ModelConfig, lay: Layout, hw: Hardware, inventory, pp_rank: i
     compute = max(work) * per_rank_tokens / (hw.achievable_tflops * 1e12)
 
     backward_cost = 2.0 + (3 * redo / per_layer if redo else 0.0)
-    bubble_fraction = pipeline_idle(lay.pipeline_schedule, p, m, v, round(backward_cost, 3)) if p > 1 else 0.0
+    bubble_fraction = (pipeline_idle(lay.pipeline_schedule, p, m, v, round(backward_cost, 3), stage_weights(cfg, lay))
+                       if p > 1 else 0.0)
     bubble = bubble_fraction * compute
     detail = {"busiest_rank_imbalance": max(work) / (sum(work) / p) - 1}
     if p > 1:  # filling and draining the pipeline crosses every stage boundary once each way
@@ -155,15 +170,17 @@ def step_time(cfg: ModelConfig, lay: Layout, hw: Hardware, inventory, pp_rank: i
             reduce, gather = frac * grad_full / bw, frac * param_full / bw
         last = reduce / len(group)
         exposed_reduce = max(reduce - backward_last, last) if lay.overlap_grad_reduce else reduce
-        if lay.zero_stage == 3:
-            per_mb = 2 * gather  # forward and backward gathers of every unit, prefetched under compute
-            exposed_gather = max(0.0, per_mb * m - compute)
+        rounds = m if lay.grad_reduce_per_microbatch else 1
+        reduce, exposed_reduce = rounds * reduce, rounds * exposed_reduce
+        gathers = (2 * m if lay.reshard_after_forward else 1) if lay.zero_stage == 3 else 1
+        if lay.zero_stage == 3:  # forward and backward gathers of every unit (or one per step), prefetched
+            exposed_gather = max(0.0, gather * gathers - compute)
         elif lay.zero_stage >= 1:
             exposed_gather = max(gather - forward_first, gather / len(group)) if lay.overlap_param_gather else gather
         else:
             exposed_gather = 0.0
         dp_s += exposed_reduce + exposed_gather
-        detail[f"{'expert ' if group is expert else ''}dp_comm_s"] = reduce + gather * (2 * m if lay.zero_stage == 3 else 1)
+        detail[f"{'expert ' if group is expert else ''}dp_comm_s"] = reduce + gather * gathers
 
     shard = sum(b.shard_numel for b in plans)
     offloaded = shard * (lay.optimizer_offload_fraction if lay.optimizer_cpu_offload else 0.0)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-from .partition import stage_layer_ranges
+from .partition import LayerSplit, stage_layer_ranges
 
 KINDS = ("loop", "V")
 
@@ -64,8 +64,9 @@ class StagePlacement:
         n = self.neighbour(rank, chunk, step)
         return n[0] if n is not None and n[0] != rank else None
 
-    def rank_chunks(self, rank: int, num_layers: int, first_stage_layers: Optional[int] = None,
-                    last_stage_layers: Optional[int] = None) -> List[Tuple[Tuple[int, int], bool, bool]]:
-        """(layer range, is first stage, is last stage) of each local chunk of `rank`."""
-        ranges = stage_layer_ranges(num_layers, self.pp, self.vpp, first_stage_layers, last_stage_layers)
+    def rank_chunks(self, rank: int, num_layers: int,
+                    split: Optional[LayerSplit] = None) -> List[Tuple[Tuple[int, int], bool, bool]]:
+        """(layer range, is first stage, is last stage) of each local chunk of `rank`; `split`: the
+        layers per virtual stage when not even (partition.py)."""
+        ranges = stage_layer_ranges(num_layers, self.pp, self.vpp, split)
         return [(ranges[self.stage(rank, c)], self.is_first(rank, c), self.is_last(rank, c)) for c in range(self.vpp)]

@@ -96,10 +96,15 @@ class _Replay:
     batch, and at the end of the list; "ideal" ignores comm actions (data dependencies only).
     Any rank's progress only ever unblocks others, so one completed run proves every run completes."""
 
-    def __init__(self, schedules, costs: Dict[str, float], comm_cost: float, mode: str, placement=None):
+    def __init__(self, schedules, costs: Dict[str, float], comm_cost: float, mode: str, placement=None,
+                 stage_weights: Optional[Sequence[float]] = None):
         if mode not in COMM_MODES:
             raise ValueError(f"comm mode {mode!r} is not one of {COMM_MODES}")
         self.placement, _ = _shape(schedules, placement)
+        n = self.placement.num_stages
+        self.weights = list(stage_weights) if stage_weights is not None else [1.0] * n
+        if len(self.weights) != n or min(self.weights) < 0:
+            raise ValueError(f"stage_weights must be {n} numbers >= 0 (one per virtual stage), got {stage_weights}")
         self.p, self.costs, self.comm_cost, self.mode = self.placement.pp, costs, comm_cost, mode
         self.steps = [group_steps(lst) for lst in schedules]
         self.partner = _pair_ops(self.steps, self.placement)
@@ -139,7 +144,7 @@ class _Replay:
                     return False
                 ready.append(t)
         start = max(ready)
-        end = start + self.costs[a.kind]
+        end = start + self.costs[a.kind] * self.weights[self.placement.stage(r, a.chunk)]
         self.timelines[r].append((start, end, a))
         self.done[event_of(a, r, self.placement)] = (end, r)
         if a.kind == "BW":
@@ -229,10 +234,13 @@ def _costs(costs) -> Dict[str, float]:
 
 
 def simulate(schedules: Sequence[Sequence[Action]], costs=(1.0, 1.0, 1.0), comm_cost: float = 0.0,
-             comm: str = "lazy", placement: Optional[StagePlacement] = None) -> SimResult:
+             comm: str = "lazy", placement: Optional[StagePlacement] = None,
+             stage_weights: Optional[Sequence[float]] = None) -> SimResult:
     """Replay per-rank action lists written for `placement` (default: loop); costs = (F, B, W) per
-    action of one chunk. Raises on deadlock."""
-    return _Replay(schedules, _costs(costs), float(comm_cost), comm, placement).run()
+    action of one chunk, times its virtual stage's weight (`stage_weights`, e.g. its share of the
+    layers under an uneven split or a --pipeline-model-parallel-layout; default 1 each). Raises on
+    deadlock."""
+    return _Replay(schedules, _costs(costs), float(comm_cost), comm, placement, stage_weights).run()
 
 
 # ---------------------------------------------------------------- checker
