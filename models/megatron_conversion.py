@@ -54,6 +54,7 @@ MEGATRON_RULES = [
     R("layers.{i}.mlp.linear_fc2.bias", D + "mlp.linear_fc2.bias", when=("dense", "bias")),
     # MoE layers (SequentialMLP: one MLP per expert, `{e}` the global expert number)
     R("layers.{i}.mlp.router.weight", D + "mlp.router.weight", when="moe"),
+    R("layers.{i}.mlp.router.expert_bias", D + "mlp.router.expert_bias", when=("moe", "expert_bias")),
     R("layers.{i}.mlp.experts.weight1", D + "mlp.experts.local_experts.{e}.linear_fc1.weight", "experts", when="moe"),
     R("layers.{i}.mlp.experts.weight2", D + "mlp.experts.local_experts.{e}.linear_fc2.weight", "experts", when="moe"),
     R("layers.{i}.mlp.shared_experts.linear_fc1.weight", D + "mlp.shared_experts.linear_fc1.weight",
@@ -199,9 +200,6 @@ def moe_args_of_config(cfg: ModelConfig, ep: int) -> Dict[str, Any]:
         raise ConversionError(f"moe_router_norm_topk_prob={moe.moe_router_norm_topk_prob} (from a HF config) differs "
                               f"from Megatron-LM's rule for {moe.moe_router_score_function} scores: no Megatron-LM "
                               f"flag expresses it")
-    if moe.moe_router_enable_expert_bias:
-        raise ConversionError("the router's expert bias (--moe-router-enable-expert-bias) is not written to "
-                              "Megatron-LM checkpoints yet")
     if cfg.add_bias_linear:
         raise ConversionError("MoE experts with biases (--add-bias-linear) are not written to Megatron-LM "
                               "checkpoints: the experts here have none")
@@ -292,9 +290,6 @@ def model_config_from_megatron_args(a: Mapping[str, Any], vocab_size: int) -> Mo
 
 def moe_config_from_megatron_args(a: Mapping[str, Any]) -> MoEConfig:
     """Our MoEConfig of a Megatron-LM MoE run's args (same names; Megatron's defaults where absent)."""
-    if a.get("moe_router_enable_expert_bias"):
-        raise ConversionError("moe_router_enable_expert_bias=True (the router's expert bias) is not read from "
-                              "Megatron-LM checkpoints yet")
     if a.get("add_bias_linear", True):
         raise ConversionError("MoE experts with biases (add_bias_linear=True) are not supported: the experts here "
                               "have none")

@@ -136,7 +136,8 @@ MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
 # and the allgather dispatcher (the alltoall one asks for a CUDA stream).
 MOE_KEYS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
             "moe_shared_expert_gate", "moe_layer_freq", "moe_router_score_function", "moe_router_pre_softmax",
-            "moe_router_topk_scaling_factor")
+            "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias", "moe_router_num_groups",
+            "moe_router_group_topk")
 
 
 def _moe_config(shape: dict) -> dict:
@@ -216,6 +217,9 @@ def randomize(model, tp_rank: int, pp_rank: int, tied: bool, post_process: bool,
         scale = 0.3 if p.dim() == 1 else 0.15
         centre = 1.0 if "norm" in name and "weight" in name and not zero_centered else 0.0
         p.copy_(torch.randn(p.shape, generator=g) * scale + centre)
+    for name, b in model.named_buffers():  # the MoE router's expert bias (aux-loss-free balancing)
+        if name.endswith("expert_bias"):
+            b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(_seed(name, pp_rank))) * 0.3)
 
 
 def apex_layer_norm() -> None:

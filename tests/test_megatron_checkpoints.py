@@ -363,12 +363,12 @@ def test_ml_to_megatron_refuses_what_it_does_not_write(megatron, tmp_path, capsy
     capsys.readouterr()
     assert _convert("ml-to-megatron", "--load", ml, "--out", tmp_path / "o", "--pipeline-model-parallel-size", 3) == 2
     moe = tmp_path / "moe"  # (refused from the config, before any tensor is read)
-    tool.write_ml_checkpoint(str(moe), ModelConfig(add_bias_linear=False, moe={
-        "num_experts": 4, "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True}), {})
+    tool.write_ml_checkpoint(str(moe), ModelConfig(add_bias_linear=False, moe={  # (HF's norm_topk_prob)
+        "num_experts": 4, "moe_router_pre_softmax": True, "moe_router_norm_topk_prob": True}), {})
     assert _convert("ml-to-megatron", "--ml-dir", moe, "--out", tmp_path / "o") == 2
     assert _convert("ml-to-megatron", "--ml-dir", moe, "--out", tmp_path / "o", "--expert-model-parallel-size", 3) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 3 and "pp=3" in err[0], err
-    assert "expert bias (--moe-router-enable-expert-bias) is not written" in err[1], err
+    assert "moe_router_norm_topk_prob=True (from a HF config) differs from Megatron-LM's rule" in err[1], err
     assert "expert_model_parallel_size (3) must divide the model's 4 experts" in err[2], err
     assert not (tmp_path / "o").exists()

@@ -165,3 +165,29 @@ def test_ml_to_megatron_torch_dist_stacks_uniform_moe_layers(tmp_path):
     with torch.no_grad():
         ours = model(_batch(PADDED)[0])
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
+# DeepSeek-V3's routing: sigmoid scores, the expert bias in the selection only, group-limited top-k
+# (the top group of 2), the weights scaled by 2.5; a shared expert without a gate
+DEEPSEEK = dict(SHAPE, num_layers=2, moe_layer_freq=[0, 1], moe_router_score_function="sigmoid",
+                moe_router_enable_expert_bias=True, moe_router_num_groups=2, moe_router_group_topk=1,
+                moe_router_topk_scaling_factor=2.5, moe_shared_expert_gate=False)
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_expert_bias_and_group_routing_both_ways(tmp_path, fmt):
+    """Megatron-Core's DeepSeek-style router (its expert bias a buffer): megatron-to-ml gives its
+    logits, and ml-to-megatron's checkpoint loads back into it with ours."""
+    root, ml, out, back = tmp_path / "megatron", tmp_path / "ml", tmp_path / "out", tmp_path / "back"
+    shape = dict(DEEPSEEK, ep=EP)
+    reference = next(r for r in run_distributed(_megatron_world, 4, str(root), shape, TP, 1, fmt, daemon=False)
+                     if r is not None)
+    assert _convert("megatron-to-ml", "--load", root, "--out", ml) == 0
+    logits, cfg = _our_logits(ml, _batch(PADDED)[0])
+    assert cfg.moe.moe_router_enable_expert_bias and cfg.moe.moe_router_num_groups == 2
+    assert (logits - reference).abs().max().item() < 1e-4
+    assert _convert("ml-to-megatron", "--load", ml, "--out", out, "--ckpt-format", fmt,
+                    "--tensor-model-parallel-size", TP, "--expert-model-parallel-size", EP) == 0
+    theirs = next(r for r in run_distributed(_megatron_loads, 4, str(out), shape, TP, 1, fmt, daemon=False)
+                  if r is not None)
+    assert_ours_and_back(theirs, ml, out, back)

@@ -30,13 +30,15 @@ def open_checkpoint(path: str, iteration: Optional[int] = None, verify: bool = T
 
 
 def full_weights(reader: CheckpointReader, fp32_from_main: bool) -> Dict[str, torch.Tensor]:
-    """Every model tensor, full and by global name. `fp32_from_main`: take the fp32 main params
+    """Every model tensor (and persistent buffer), full and by global name. `fp32_from_main`: take the fp32 main params
     where the checkpoint has them (bf16/fp16 training) instead of the rounded params."""
     out = {}
     for key in sorted(k for k in reader.pieces if k.startswith(f"{MODEL}/")):
         name = key[len(MODEL) + 1:]
         main = optim_key(name, "main")
         out[name] = reader.read_full(main if fp32_from_main and reader.has(main) else key)
+    for key in sorted(k for k in reader.pieces if k.startswith(buffer_key(""))):  # (MoE expert biases)
+        out[key[len(buffer_key("")):]] = reader.read_full(key)
     return out
 
 
