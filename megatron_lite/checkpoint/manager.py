@@ -7,6 +7,10 @@ Which checkpoint a run starts from:
   a --load directory without a checkpoint starts from scratch with a note, as in Megatron-LM
   (an error with --finetune, which exists to load weights).
 
+Local checkpoints (--non-persistent-ckpt-type local, local.py) compete with that source: the
+newest checkpoint complete on every rank is resumed, local or global. They are written every
+--non-persistent-save-interval iterations at which no global checkpoint is due.
+
 Saves happen every --save-interval iterations, when an exit condition fires, and at the end of
 training (unless that iteration was just saved). With --async-save the files are written in the
 background; the commit happens at the start of a later iteration once every rank is done (one
@@ -24,6 +28,7 @@ from .directory import check_save_dir, has_checkpoint, read_metadata, resolve
 from .exit_conditions import ExitConditions
 from .faults import fault_hook
 from .loader import Loaded, load_checkpoint
+from .local import LocalCheckpoints
 from .saver import PendingSave, start_save, world_rank
 from .state import TrainState
 
@@ -74,6 +79,12 @@ class Checkpointing:
         self.checksum_s: Dict[int, float] = {}  # ... of which computing its checksums
         self.load_s = 0.0
         self.fault = fault_hook(world_rank())  # crash tests only (MEGATRON_LITE_FAULT); else None
+        self.local: Optional[LocalCheckpoints] = None
+        if self.tcfg.non_persistent_ckpt_type == "local":
+            self.local = LocalCheckpoints(self.tcfg.non_persistent_local_ckpt_dir, device, self.fault)
+            self.local.check_dir()
+        self.local_write_s: Dict[int, float] = {}  # per local save: this rank's time writing it
+        self.local_checksum_s: Dict[int, float] = {}  # ... of which computing its checksums
 
     @contextmanager
     def _timed(self, iteration: int):
@@ -104,9 +115,36 @@ class Checkpointing:
             return "pretrained"
         return None
 
+    def _resumed_iteration(self, source: Optional[str]) -> int:
+        """The iteration a load of the global `source` starts training at."""
+        t = self.tcfg
+        if source == "save" or (source == "load" and not t.finetune):
+            return resolve(t.save if source == "save" else t.load)[1]
+        return 0
+
     def _load(self, state: TrainState) -> Optional[Loaded]:
         t = self.tcfg
         source = agree_on_errors(self._source, self.device)
+        if self.local is not None:
+            newest = self.local.newest_common(t.verify_checkpoint)
+            resumed = agree_on_errors(lambda: self._resumed_iteration(source), self.device)
+            if newest is not None and newest > resumed:
+                self.local.check_layout(state, newest, t.verify_checkpoint)
+                try:
+                    return self.local.load(state, newest, load_rng=not t.no_load_rng, verify=t.verify_checkpoint)
+                except ConfigError as e:  # a damaged file: the global checkpoint overwrites all that was filled
+                    if source is None:
+                        raise
+                    if world_rank() == 0:
+                        print(f"> local checkpoint iteration {newest} cannot be loaded ({e}): loading the global "
+                              f"checkpoint instead", flush=True)
+            elif newest is None and self.local.holds_any() and world_rank() == 0:
+                print(f"> no local checkpoint in {t.non_persistent_local_ckpt_dir} is complete on every rank",
+                      flush=True)
+        return self._load_global(state, source)
+
+    def _load_global(self, state: TrainState, source: Optional[str]) -> Optional[Loaded]:
+        t = self.tcfg
         if source == "save":
             loaded = load_checkpoint(state, t.save, load_rng=not t.no_load_rng, verify=t.verify_checkpoint)
         elif source == "load":
@@ -138,6 +176,10 @@ class Checkpointing:
         if t.save and (reason or (t.save_interval and iteration % t.save_interval == 0)):
             with self._timed(iteration):
                 self.save(state, background=t.async_save and reason is None)
+        elif self.local is not None and t.non_persistent_save_interval \
+                and iteration % t.non_persistent_save_interval == 0:
+            with self._timed(iteration):
+                self.local_write_s[iteration], self.local_checksum_s[iteration] = self.local.save(state)
         if reason and world_rank() == 0:
             print(f"> exiting after iteration {iteration}: {reason}", flush=True)
         return reason is not None
