@@ -403,8 +403,11 @@ class TrainingConfig:
     non_persistent_save_interval: Optional[int] = arg(
         None, "steps between non-persistent (local) checkpoints, written between the --save-interval ones")
     non_persistent_ckpt_type: Optional[str] = arg(
-        None, "local: each rank writes its own state to --non-persistent-local-ckpt-dir (Megatron-LM's global and "
-              "in_memory are not supported)", choices=["global", "local", "in_memory"])
+        None, "local: each rank writes its own state to --non-persistent-local-ckpt-dir; global: a global checkpoint "
+              "into --non-persistent-global-ckpt-dir, only the newest kept (in_memory is not supported)",
+        choices=["global", "local", "in_memory"])
+    non_persistent_global_ckpt_dir: Optional[str] = arg(
+        None, "directory of the non-persistent global checkpoints (default: --save/non_persistent)")
     non_persistent_local_ckpt_dir: Optional[str] = arg(
         None, "node-local directory of the local checkpoints (one subdirectory per rank); a restart resumes the "
               "newest checkpoint complete on every rank, local or --save/--load")
@@ -584,13 +587,21 @@ class TrainingConfig:
     def _validate_non_persistent(self) -> None:
         kind, interval, local_dir = (self.non_persistent_ckpt_type, self.non_persistent_save_interval,
                                      self.non_persistent_local_ckpt_dir)
-        _require(kind in (None, "local"), f"--non-persistent-ckpt-type {kind} is not supported by megatron-lite; use "
-                                          f"local (each rank's own state on node-local disk)")
+        _require(kind != "in_memory", "--non-persistent-ckpt-type in_memory is not supported by megatron-lite; use "
+                                      "local (each rank's own state on node-local disk) or global")
         _require(interval is None or interval >= 1, f"--non-persistent-save-interval ({interval}) must be >= 1")
-        _require(interval is None or kind, "--non-persistent-save-interval needs --non-persistent-ckpt-type local")
-        _require(kind is None or local_dir, "--non-persistent-ckpt-type local needs --non-persistent-local-ckpt-dir "
-                                            "DIR (node-local disk)")
-        _require(not local_dir or kind, "--non-persistent-local-ckpt-dir needs --non-persistent-ckpt-type local")
+        _require(interval is None or kind, "--non-persistent-save-interval needs --non-persistent-ckpt-type local "
+                                           "(or global)")
+        _require(kind != "local" or local_dir, "--non-persistent-ckpt-type local needs --non-persistent-local-ckpt-dir "
+                                               "DIR (node-local disk)")
+        _require(not local_dir or kind == "local",
+                 "--non-persistent-local-ckpt-dir needs --non-persistent-ckpt-type local")
+        global_dir = self.non_persistent_global_ckpt_dir
+        _require(kind != "global" or global_dir or self.save, "--non-persistent-ckpt-type global needs --save DIR "
+                                                              "(it writes to DIR/non_persistent) or "
+                                                              "--non-persistent-global-ckpt-dir DIR")
+        _require(not global_dir or kind == "global",
+                 "--non-persistent-global-ckpt-dir needs --non-persistent-ckpt-type global")
         _require(not local_dir or not os.path.exists(local_dir) or os.path.isdir(local_dir),
                  f"--non-persistent-local-ckpt-dir {local_dir} exists and is not a directory")
 

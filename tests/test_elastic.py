@@ -1,10 +1,18 @@
 """Elastic restarts: a job relaunched on fewer or more ranks resumes its last checkpoint, resharded
 over the new data-parallel size, with the same global batch, and continues the uninterrupted
 run's losses."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
 import pytest
 
 from megatron_lite.testing import assert_same_run, run_distributed
-from training_utils import TINY, losses_of, train_in_process
+from test_checkpoint_faults import _worker_pids
+from training_utils import ROOT, TINY, losses_of, read_metrics, train_in_process
 
 
 @pytest.mark.parametrize("explicit_global_batch", [True, False])
@@ -22,3 +30,86 @@ def test_dp4_dp2_dp4_continues_the_uninterrupted_run(tmp_path, explicit_global_b
         pieces += [r for h in histories[:1] for r in h]
         assert all(r["global_batch_size"] == 8 for r in histories[0])
     assert_same_run(straight, [r["lm_loss"] for r in pieces], rtol=1e-6)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _records(paths):
+    return [r for p in paths if os.path.exists(p) for r in read_metrics(p)]
+
+
+def _wait(what, condition, procs, timeout=180):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        logs = "".join(f"\n--- {p.args[-1]}.log ---\n" + open(p.args[-1] + ".log").read()[-3000:] for p in procs)
+        assert time.monotonic() < deadline, f"timed out waiting for {what}{logs}"
+        assert all(p.poll() is None for p in procs), f"an agent exited while waiting for {what}{logs}"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_torchrun_elastic_agents_lose_a_node_and_regain_it(tmp_path):
+    """Two `torchrun --nnodes 1:2` agents (one rank each) on localhost with the c10d rendezvous: one
+    agent is killed, the other restarts at DP1 from the last checkpoint; a third agent joins and
+    the run grows back to DP2. Every logged loss (repeated iterations included) is the
+    uninterrupted DP2 run's."""
+    args = TINY + ["--train-iters", "100", "--use-distributed-optimizer"]
+    straight = losses_of(run_distributed(train_in_process, 2, args))
+    port, ckpt = _free_port(), tmp_path / "ckpt"
+    metrics = {name: tmp_path / f"{name}.jsonl" for name in "abc"}
+
+    def agent(name):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc_per_node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic",
+               "--rdzv-conf", "last_call_timeout=10,join_timeout=120", "--max-restarts", "3",
+               "--monitor-interval", "0.5", os.path.join(ROOT, "pretrain_gpt.py"), *args, "--save", str(ckpt),
+               "--save-interval", "3", "--metrics-file", str(metrics[name])]
+        with open(f"{metrics[name]}.log", "w") as log:
+            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                                    env=dict(os.environ, OMP_NUM_THREADS="1", LOGLEVEL="INFO"))
+
+    full = None  # a DP2 record's optimizer state bytes per rank (ZeRO-1: halved at DP2)
+    a = agent("a")
+    time.sleep(3)  # a hosts the rendezvous store (it must survive); b joins its first round
+    b = agent("b")
+    procs = [a, b]
+    try:
+        # Each phase ends with a's worker stopped (SIGSTOP) until the next event is under way, so
+        # that the run cannot finish first however fast the steps are.
+        _wait("DP2 steps", lambda: len(_records(metrics.values())) >= 8, procs)
+        worker = _worker_pids(a.pid)[0]
+        os.kill(worker, signal.SIGSTOP)
+        os.killpg(b.pid, signal.SIGKILL)  # the node is lost: its agent and its worker
+        b.wait()
+        os.kill(worker, signal.SIGCONT)  # it finds its peer gone; a's agent restarts it alone
+        dp2_bytes = _records(metrics.values())[0]["optimizer_state_bytes"]
+
+        def dp1_steps():  # a's records since its DP1 attempt started (its first record has the memory)
+            records = _records([metrics["a"]])
+            starts = [i for i, r in enumerate(records) if r.get("optimizer_state_bytes", 0) > dp2_bytes]
+            return len(records) - starts[0] if starts else 0
+        _wait("DP1 steps", lambda: dp1_steps() >= 4, [a])  # a DP1 checkpoint (every 3 iterations) exists
+        worker = _worker_pids(a.pid)[0]
+        os.kill(worker, signal.SIGSTOP)
+        c = agent("c")
+        procs = [a, c]
+        try:
+            _wait("c to join", lambda: "new nodes" in open(f"{metrics['a']}.log").read(), procs)
+        finally:
+            os.kill(worker, signal.SIGCONT)
+        _wait("the end", lambda: a.poll() is not None and c.poll() is not None, [], timeout=300)
+        assert a.returncode == 0 and c.returncode == 0, open(f"{metrics['a']}.log").read()[-4000:]
+    finally:
+        for p in (a, b, *procs):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    records = _records(metrics.values())
+    starts = sorted(r["optimizer_state_bytes"] for r in records if "optimizer_state_bytes" in r)  # attempts' first
+    assert starts[:2] == [dp2_bytes, dp2_bytes] and starts[2:] == [starts[2]] and starts[2] > dp2_bytes, starts
+    assert max(r["iteration"] for r in records) == 100
+    for r in records:
+        assert r["lm_loss"] == pytest.approx(straight[r["iteration"] - 1], rel=1e-5), r["iteration"]

@@ -1,12 +1,14 @@
-"""Non-persistent local checkpoints (--non-persistent-ckpt-type local): every rank writes its own
+"""Non-persistent checkpoints. Local (--non-persistent-ckpt-type local): every rank writes its own
 state every step, the global checkpoint every 4; a run killed at any point resumes the newest
-checkpoint complete on every rank and continues the uninterrupted run bit for bit."""
+checkpoint complete on every rank and continues the uninterrupted run bit for bit. Global: a
+layout-independent checkpoint every step into its own directory, only the newest kept."""
 import os
 import shutil
 
 import pytest
 
 from megatron_lite.checkpoint import read_tracker
+from megatron_lite.checkpoint.directory import complete_iterations
 from megatron_lite.errors import ConfigError
 from megatron_lite.testing import WorkerError, run_distributed
 from training_utils import TINY, losses_of, train_in_process
@@ -78,9 +80,24 @@ def test_a_local_checkpoint_resumes_only_at_its_layout(tmp_path, monkeypatch):
         run(1, argv)
 
 
+def test_non_persistent_global_checkpoints_keep_the_newest_only_and_resume_at_any_layout(tmp_path, monkeypatch):
+    straight = run(2, TINY + ["--train-iters", "8"])
+    np_dir = tmp_path / "np"
+    argv = TINY + ["--train-iters", "8", "--save", str(tmp_path / "ckpt"), "--save-interval", "4",
+                   "--non-persistent-ckpt-type", "global", "--non-persistent-global-ckpt-dir", str(np_dir),
+                   "--non-persistent-save-interval", "1"]
+    killed(monkeypatch, "iteration:6:1", 2, argv + ["--use-distributed-optimizer"])
+    assert read_tracker(str(tmp_path / "ckpt")) == 4 and read_tracker(str(np_dir)) == 5
+    assert complete_iterations(str(np_dir)) == [5]
+    resumed = run(1, argv)  # DP1, no ZeRO: a global checkpoint reshards
+    assert resumed == pytest.approx(straight[5:], rel=1e-5)
+    assert read_tracker(str(tmp_path / "ckpt")) == 8  # the end of training still saves to --save
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--non-persistent-ckpt-type", "in_memory", "--non-persistent-local-ckpt-dir", "x"], "in_memory is not supported"),
-    (["--non-persistent-ckpt-type", "global"], "global is not supported"),
+    (["--non-persistent-ckpt-type", "global"], "global needs --save DIR"),
+    (["--non-persistent-global-ckpt-dir", "x"], "needs --non-persistent-ckpt-type global"),
     (["--non-persistent-ckpt-type", "local"], "needs --non-persistent-local-ckpt-dir"),
     (["--non-persistent-save-interval", "2"], "needs --non-persistent-ckpt-type local"),
     (["--non-persistent-local-ckpt-dir", "x"], "needs --non-persistent-ckpt-type local"),

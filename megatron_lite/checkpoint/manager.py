@@ -18,6 +18,7 @@ tiny all-reduce per iteration while a save is pending) or at the end of training
 """
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 from typing import Dict, Optional
@@ -65,6 +66,14 @@ def expected_checkpoint_bytes(cfg: Config) -> int:
     return cfg.model.num_parameters() * per_param
 
 
+def non_persistent_global_dir(tcfg) -> Optional[str]:
+    """Where --non-persistent-ckpt-type global writes: the given directory, else --save/non_persistent
+    (Megatron-LM's default); None for other types."""
+    if tcfg.non_persistent_ckpt_type != "global":
+        return None
+    return tcfg.non_persistent_global_ckpt_dir or os.path.join(tcfg.save, "non_persistent")
+
+
 class Checkpointing:
     def __init__(self, cfg: Config, device):
         self.tcfg, self.device = cfg.training, device
@@ -79,10 +88,15 @@ class Checkpointing:
         self.checksum_s: Dict[int, float] = {}  # ... of which computing its checksums
         self.load_s = 0.0
         self.fault = fault_hook(world_rank())  # crash tests only (MEGATRON_LITE_FAULT); else None
+        self.keep_last = self.tcfg.keep_last  # of the pending save's directory
         self.local: Optional[LocalCheckpoints] = None
         if self.tcfg.non_persistent_ckpt_type == "local":
             self.local = LocalCheckpoints(self.tcfg.non_persistent_local_ckpt_dir, device, self.fault)
             self.local.check_dir()
+        self.np_global = non_persistent_global_dir(self.tcfg)
+        if self.np_global:
+            agree_on_errors(lambda: check_save_dir(self.np_global, 0, world_rank(), "--non-persistent-global-ckpt-dir"),
+                            device)
         self.local_write_s: Dict[int, float] = {}  # per local save: this rank's time writing it
         self.local_checksum_s: Dict[int, float] = {}  # ... of which computing its checksums
 
@@ -125,6 +139,12 @@ class Checkpointing:
     def _load(self, state: TrainState) -> Optional[Loaded]:
         t = self.tcfg
         source = agree_on_errors(self._source, self.device)
+        if self.np_global is not None:
+            resumed = agree_on_errors(lambda: self._resumed_iteration(source), self.device)
+            newest = agree_on_errors(lambda: resolve(self.np_global)[1] if has_checkpoint(self.np_global) else -1,
+                                     self.device)
+            if newest > resumed:  # layout-independent, as --save's
+                return load_checkpoint(state, self.np_global, load_rng=not t.no_load_rng, verify=t.verify_checkpoint)
         if self.local is not None:
             newest = self.local.newest_common(t.verify_checkpoint)
             resumed = agree_on_errors(lambda: self._resumed_iteration(source), self.device)
@@ -176,18 +196,24 @@ class Checkpointing:
         if t.save and (reason or (t.save_interval and iteration % t.save_interval == 0)):
             with self._timed(iteration):
                 self.save(state, background=t.async_save and reason is None)
-        elif self.local is not None and t.non_persistent_save_interval \
-                and iteration % t.non_persistent_save_interval == 0:
+        elif t.non_persistent_save_interval and iteration % t.non_persistent_save_interval == 0:
             with self._timed(iteration):
-                self.local_write_s[iteration], self.local_checksum_s[iteration] = self.local.save(state)
+                if self.local is not None:
+                    self.local_write_s[iteration], self.local_checksum_s[iteration] = self.local.save(state)
+                else:
+                    self.save(state, background=t.async_save, non_persistent=True)
         if reason and world_rank() == 0:
             print(f"> exiting after iteration {iteration}: {reason}", flush=True)
         return reason is not None
 
-    def save(self, state: TrainState, background: bool = False) -> None:
+    def save(self, state: TrainState, background: bool = False, non_persistent: bool = False) -> None:
+        """A global checkpoint into --save; `non_persistent`: into the non-persistent global directory,
+        only the newest kept (it is not --save's, so the end of training still saves there)."""
         self.finish()  # one save at a time
-        self.pending = start_save(state, self.tcfg.save, background, self.fault)
-        self.last_saved = self.pending.iteration
+        root, self.keep_last = (self.np_global, 1) if non_persistent else (self.tcfg.save, self.tcfg.keep_last)
+        self.pending = start_save(state, root, background, self.fault)
+        if not non_persistent:
+            self.last_saved = self.pending.iteration
         if not background:
             self.finish()
 
@@ -201,7 +227,7 @@ class Checkpointing:
         self._commit()
 
     def _commit(self) -> None:
-        self.pending.commit(self.tcfg.keep_last)
+        self.pending.commit(self.keep_last)
         self.write_s[self.pending.iteration] = self.pending.write_s
         self.checksum_s[self.pending.iteration] = self.pending.checksum_s
         self.pending = None
