@@ -7,9 +7,10 @@ Which checkpoint a run starts from:
   a --load directory without a checkpoint starts from scratch with a note, as in Megatron-LM
   (an error with --finetune, which exists to load weights).
 
-Local checkpoints (--non-persistent-ckpt-type local, local.py) compete with that source: the
-newest checkpoint complete on every rank is resumed, local or global. They are written every
---non-persistent-save-interval iterations at which no global checkpoint is due.
+Non-persistent checkpoints compete with that source, written every --non-persistent-save-interval
+iterations at which no --save checkpoint is due: with --non-persistent-ckpt-type local (local.py)
+the newest checkpoint complete on every rank is resumed, local or global; with global, the newer
+of --non-persistent-global-ckpt-dir's and the source's.
 
 Saves happen every --save-interval iterations, when an exit condition fires, and at the end of
 training (unless that iteration was just saved). With --async-save the files are written in the
@@ -139,15 +140,16 @@ class Checkpointing:
     def _load(self, state: TrainState) -> Optional[Loaded]:
         t = self.tcfg
         source = agree_on_errors(self._source, self.device)
+        if self.np_global is None and self.local is None:
+            return self._load_global(state, source)
+        resumed = agree_on_errors(lambda: self._resumed_iteration(source), self.device)
         if self.np_global is not None:
-            resumed = agree_on_errors(lambda: self._resumed_iteration(source), self.device)
             newest = agree_on_errors(lambda: resolve(self.np_global)[1] if has_checkpoint(self.np_global) else -1,
                                      self.device)
             if newest > resumed:  # layout-independent, as --save's
                 return load_checkpoint(state, self.np_global, load_rng=not t.no_load_rng, verify=t.verify_checkpoint)
-        if self.local is not None:
+        else:
             newest = self.local.newest_common(t.verify_checkpoint)
-            resumed = agree_on_errors(lambda: self._resumed_iteration(source), self.device)
             if newest is not None and newest > resumed:
                 self.local.check_layout(state, newest, t.verify_checkpoint)
                 try:
@@ -208,7 +210,7 @@ class Checkpointing:
 
     def save(self, state: TrainState, background: bool = False, non_persistent: bool = False) -> None:
         """A global checkpoint into --save; `non_persistent`: into the non-persistent global directory,
-        only the newest kept (it is not --save's, so the end of training still saves there)."""
+        only the newest kept (not counted as saved: the end of training still saves into --save)."""
         self.finish()  # one save at a time
         root, self.keep_last = (self.np_global, 1) if non_persistent else (self.tcfg.save, self.tcfg.keep_last)
         self.pending = start_save(state, root, background, self.fault)
