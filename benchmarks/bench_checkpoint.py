@@ -82,6 +82,7 @@ def main() -> None:
     ap.add_argument("--interval", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds one training run may take (a loaded machine)")
     args = ap.parse_args()
     root = args.dir or tempfile.mkdtemp(prefix="bench_ckpt_")
     model = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size), "--num-attention-heads", "12",
@@ -96,7 +97,7 @@ def main() -> None:
           "| blocked per save (s) | slowdown after it (s) | lost per save (s) | lost / step |")
     print("|---|---|---|---|---|---|---|---|---|")
     for repeat in range(args.repeats):
-        base = run_distributed(worker, 2, dp2)
+        base = run_distributed(worker, 2, dp2, timeout=args.timeout)
         steps = slowest(base, "steps")
         baseline = statistics.median(t for i, t in steps.items() if i > 1)
         for name, extra in (("synchronous", []), ("--async-save", ["--async-save"]), ("local", None)):
@@ -106,7 +107,7 @@ def main() -> None:
             if extra is None:
                 saving = ["--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir", ckpt,
                           "--non-persistent-save-interval", str(args.interval)]
-            res = run_distributed(worker, 2, dp2 + saving + (extra or []))
+            res = run_distributed(worker, 2, dp2 + saving + (extra or []), timeout=args.timeout)
             if extra is None:
                 local_size = res[0]["local_bytes"]
             per = per_save(res, saves, args.interval, baseline)
@@ -129,7 +130,7 @@ def main() -> None:
                                ("TP=2 DP=1 (resharded)", 2, ["--tensor-model-parallel-size", "2"])):
         row = []
         for verify in ([], ["--no-verify-checkpoint"]):
-            res = run_distributed(worker, world, model + flags + ["--load", ckpt] + verify)
+            res = run_distributed(worker, world, model + flags + ["--load", ckpt] + verify, timeout=args.timeout)
             load_s = max(r["load_s"] for r in res)
             row += [f"{load_s:.2f}", f"{size / 2**20 / load_s:.0f}"]
         print(f"| {name} | {world} | " + " | ".join(row) + " |")

@@ -13,7 +13,8 @@ from megatron_lite.errors import ConfigError
 from megatron_lite.testing import WorkerError, run_distributed
 from training_utils import TINY, losses_of, train_in_process
 
-LAYOUTS = {"dp2-zero1": ["--use-distributed-optimizer"], "tp2": ["--tensor-model-parallel-size", "2"]}
+LAYOUTS = {"dp2-zero1": ["--use-distributed-optimizer"], "tp2": ["--tensor-model-parallel-size", "2"],
+           "pp2": ["--pipeline-model-parallel-size", "2"]}
 
 
 def run(world, argv):
@@ -38,7 +39,7 @@ def killed(monkeypatch, fault, world, argv):
     monkeypatch.delenv("MEGATRON_LITE_FAULT")
 
 
-@pytest.mark.parametrize("layout", ["dp2-zero1", "tp2"])
+@pytest.mark.parametrize("layout", ["dp2-zero1", "tp2", pytest.param("pp2", marks=pytest.mark.slow)])
 def test_a_run_killed_while_writing_a_local_checkpoint_resumes_the_newest_complete_one(tmp_path, monkeypatch, layout):
     straight = run(2, TINY + LAYOUTS[layout] + ["--train-iters", "8"])
     argv = flags(tmp_path, layout)
