@@ -401,13 +401,14 @@ class TrainingConfig:
     async_save: bool = arg(False, "write checkpoints in the background", store="true")
     keep_last: Optional[int] = arg(None, "keep only the newest N checkpoints")
     non_persistent_save_interval: Optional[int] = arg(
-        None, "steps between non-persistent (local) checkpoints, written between the --save-interval ones")
+        None, "steps between non-persistent checkpoints (--non-persistent-ckpt-type), at iterations with no "
+              "--save checkpoint due")
     non_persistent_ckpt_type: Optional[str] = arg(
         None, "local: each rank writes its own state to --non-persistent-local-ckpt-dir; global: a global checkpoint "
               "into --non-persistent-global-ckpt-dir, only the newest kept (in_memory is not supported)",
         choices=["global", "local", "in_memory"])
     non_persistent_global_ckpt_dir: Optional[str] = arg(
-        None, "directory of the non-persistent global checkpoints (default: --save/non_persistent)")
+        None, "directory of the non-persistent global checkpoints; None: --save/non_persistent")
     non_persistent_local_ckpt_dir: Optional[str] = arg(
         None, "node-local directory of the local checkpoints (one subdirectory per rank); a restart resumes the "
               "newest checkpoint complete on every rank, local or --save/--load")

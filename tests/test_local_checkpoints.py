@@ -95,6 +95,12 @@ def test_non_persistent_global_checkpoints_keep_the_newest_only_and_resume_at_an
     assert read_tracker(str(tmp_path / "ckpt")) == 8  # the end of training still saves to --save
 
 
+def test_megatrons_local_checkpoint_algorithm_flag_is_accepted_and_said_to_change_nothing(capsys):
+    from pretrain_gpt import resolve
+    resolve(TINY + ["--non-persistent-local-ckpt-algo", "fully_parallel"])
+    assert "--non-persistent-local-ckpt-algo fully_parallel (each rank writes" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--non-persistent-ckpt-type", "in_memory", "--non-persistent-local-ckpt-dir", "x"], "in_memory is not supported"),
     (["--non-persistent-ckpt-type", "global"], "global needs --save DIR"),
