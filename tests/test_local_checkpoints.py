@@ -11,6 +11,7 @@ from megatron_lite.checkpoint import read_tracker
 from megatron_lite.checkpoint.directory import complete_iterations
 from megatron_lite.errors import ConfigError
 from megatron_lite.testing import WorkerError, run_distributed
+from test_checkpoint_faults import _main_with_file_size_limit
 from training_utils import TINY, losses_of, train_in_process
 
 LAYOUTS = {"dp2-zero1": ["--use-distributed-optimizer"], "tp2": ["--tensor-model-parallel-size", "2"],
@@ -93,6 +94,20 @@ def test_non_persistent_global_checkpoints_keep_the_newest_only_and_resume_at_an
     resumed = run(1, argv)  # DP1, no ZeRO: a global checkpoint reshards
     assert resumed == pytest.approx(straight[5:], rel=1e-5)
     assert read_tracker(str(tmp_path / "ckpt")) == 8  # the end of training still saves to --save
+
+
+def test_a_local_save_into_a_full_disk_is_one_line_and_leaves_no_staging_directory(tmp_path):
+    local = tmp_path / "local"
+    flags = TINY + ["--train-iters", "2", "--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir",
+                    str(local), "--non-persistent-save-interval", "1"]
+    run(2, TINY + ["--train-iters", "1"])  # (the data's index cache is written here, under no limit)
+    results = run_distributed(_main_with_file_size_limit, 2, flags, 64 << 10)
+    assert [code for code, _ in results] == [2, 2], results
+    err = results[0][1].strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    assert err.startswith(f"error: [rank 0] saving local checkpoint iteration 1 to {local}/0 failed: File too large"), err
+    assert err.endswith("free space there or give --non-persistent-local-ckpt-dir another directory"), err
+    assert os.listdir(local / "0") == os.listdir(local / "1") == []
 
 
 def test_megatrons_local_checkpoint_algorithm_flag_is_accepted_and_said_to_change_nothing(capsys):
