@@ -47,6 +47,7 @@ COMPAT_VALUE = {
     "--num-dataset-builder-threads": "indices are built by one thread and cached",
     "--data-impl": "the .bin is memory-mapped", "--tensorboard-log-interval": "TensorBoard gets every iteration",
     "--ckpt-format": "megatron-lite writes its own sharded safetensors format",
+    "--non-persistent-local-ckpt-algo": "each rank writes its local checkpoint atomically: staging, fsync, rename",
     "--tensorboard-queue-size": "the writer is flushed every iteration",
     "--straggler-ctrlr-port": "the straggler report is not toggled at run time: --log-straggler turns it on"}
 COMPAT_VALUE_FLAGS = list(COMPAT_VALUE)

@@ -520,6 +520,18 @@ class TrainingConfig:
     save_interval: Optional[int] = arg(None, "steps between checkpoints")
     async_save: bool = arg(False, "write checkpoints in the background", store="true")
     keep_last: Optional[int] = arg(None, "keep only the newest N checkpoints")
+    non_persistent_save_interval: Optional[int] = arg(
+        None, "steps between non-persistent checkpoints (--non-persistent-ckpt-type), at iterations with no "
+              "--save checkpoint due")
+    non_persistent_ckpt_type: Optional[str] = arg(
+        None, "local: each rank writes its own state to --non-persistent-local-ckpt-dir; global: a global checkpoint "
+              "into --non-persistent-global-ckpt-dir, only the newest kept (in_memory is not supported)",
+        choices=["global", "local", "in_memory"])
+    non_persistent_global_ckpt_dir: Optional[str] = arg(
+        None, "directory of the non-persistent global checkpoints; None: --save/non_persistent")
+    non_persistent_local_ckpt_dir: Optional[str] = arg(
+        None, "node-local directory of the local checkpoints (one subdirectory per rank); a restart resumes the "
+              "newest checkpoint complete on every rank, local or --save/--load")
     finetune: bool = arg(False, "load only the weights from --load; iteration and consumed samples start at 0",
                          store="true")
     no_load_optim: bool = arg(False, "do not load optimizer state or LR schedule", store="true")
@@ -689,6 +701,7 @@ class TrainingConfig:
         for flag, value in (("--save-interval", self.save_interval), ("--keep-last", self.keep_last),
                             ("--exit-interval", self.exit_interval)):
             _require(value is None or value >= 1, f"{flag} ({value}) must be >= 1")
+        self._validate_non_persistent()
         _require(self.exit_duration_in_mins is None or self.exit_duration_in_mins > 0,
                  f"--exit-duration-in-mins ({self.exit_duration_in_mins}) must be positive")
         # --no-load-optim / --no-load-rng without --load: nothing to skip (Megatron-LM accepts them)
@@ -698,6 +711,27 @@ class TrainingConfig:
         for flag, path in (("--save", self.save), ("--load", self.load)):
             _require(not path or not os.path.exists(path) or os.path.isdir(path),
                      f"{flag} {path} exists and is not a directory")
+
+    def _validate_non_persistent(self) -> None:
+        kind, interval, local_dir = (self.non_persistent_ckpt_type, self.non_persistent_save_interval,
+                                     self.non_persistent_local_ckpt_dir)
+        _require(kind != "in_memory", "--non-persistent-ckpt-type in_memory is not supported by megatron-lite; use "
+                                      "local (each rank's own state on node-local disk) or global")
+        _require(interval is None or interval >= 1, f"--non-persistent-save-interval ({interval}) must be >= 1")
+        _require(interval is None or kind, "--non-persistent-save-interval needs --non-persistent-ckpt-type local "
+                                           "(or global)")
+        _require(kind != "local" or local_dir, "--non-persistent-ckpt-type local needs --non-persistent-local-ckpt-dir "
+                                               "DIR (node-local disk)")
+        _require(not local_dir or kind == "local",
+                 "--non-persistent-local-ckpt-dir needs --non-persistent-ckpt-type local")
+        global_dir = self.non_persistent_global_ckpt_dir
+        _require(kind != "global" or global_dir or self.save, "--non-persistent-ckpt-type global needs --save DIR "
+                                                              "(it writes to DIR/non_persistent) or "
+                                                              "--non-persistent-global-ckpt-dir DIR")
+        _require(not global_dir or kind == "global",
+                 "--non-persistent-global-ckpt-dir needs --non-persistent-ckpt-type global")
+        _require(not local_dir or not os.path.exists(local_dir) or os.path.isdir(local_dir),
+                 f"--non-persistent-local-ckpt-dir {local_dir} exists and is not a directory")
 
     def num_microbatches(self, dp: int) -> int:
         """Micro-batches of a step at the full global batch (evaluation, and after any ramp-up)."""

@@ -18,8 +18,9 @@ parallelism will add one more mapping in ShardSpec (local expert -> global exper
 expert dimension), with the stored keys and boxes unchanged.
 
 Modules: manager (the training loop's entry points), state, saver / loader, reader / files (I/O),
-directory (layout, commit, pruning), exit_conditions (SIGTERM, time, interval), rng, offline
-(consolidate, reshard for tools/convert_checkpoint.py), faults (crash injection for tests).
+directory (layout, commit, pruning), local (per-rank non-persistent checkpoints on node-local disk),
+exit_conditions (SIGTERM, time, interval), rng, offline (consolidate, reshard for
+tools/convert_checkpoint.py), faults (crash injection for tests).
 """
 from .directory import has_checkpoint, read_metadata, read_tracker, resolve
 from .files import CheckpointError

@@ -86,9 +86,9 @@ def read_metadata(ckpt_dir: str, verify: bool = True) -> dict:
     return meta
 
 
-def commit(root: str, iteration: int, meta: dict, fault=None) -> str:
-    """Rank 0, once every rank's file is in the staging directory: metadata.json, rename, tracker.
-    `fault`: the crash tests' hook (faults.py), called between the rename and the tracker update."""
+def seal(root: str, iteration: int, meta: dict) -> Tuple[str, Optional[str]]:
+    """Complete the staging directory of `iteration`: metadata.json (with its checksum), then the
+    rename to its final name. Returns (final, the replaced copy of the same iteration or None)."""
     staging, final = staging_dir(root, iteration), iter_dir(root, iteration)
     meta = dict(meta, checksum=metadata_checksum(meta))
     write_text_atomic(os.path.join(staging, METADATA), json.dumps(meta, indent=1, sort_keys=True) + "\n")
@@ -99,6 +99,13 @@ def commit(root: str, iteration: int, meta: dict, fault=None) -> str:
         os.replace(final, old)
     os.replace(staging, final)
     fsync_dir(root)
+    return final, old
+
+
+def commit(root: str, iteration: int, meta: dict, fault=None) -> str:
+    """Rank 0, once every rank's file is in the staging directory: metadata.json, rename, tracker.
+    `fault`: the crash tests' hook (faults.py), called between the rename and the tracker update."""
+    final, old = seal(root, iteration, meta)
     if fault is not None:  # tests: die with a complete checkpoint that `latest` does not name yet
         fault("commit", iteration)
     write_text_atomic(os.path.join(root, TRACKER), f"{iteration}\n")
@@ -107,14 +114,14 @@ def commit(root: str, iteration: int, meta: dict, fault=None) -> str:
     return final
 
 
-def check_save_dir(root: str, expected_bytes: int, rank: int) -> None:
+def check_save_dir(root: str, expected_bytes: int, rank: int, flag: str = "--save") -> None:
     """At start-up, on every rank (each writes its own file): ROOT can be created and written, so
     that a bad --save stops the run now rather than at the first save hours later; warn when the
     free space is below one checkpoint's expected size."""
     try:
         os.makedirs(root, exist_ok=True)
     except OSError as e:
-        raise CheckpointError(f"--save {root} cannot be created ({e.strerror or e}); choose a writable "
+        raise CheckpointError(f"{flag} {root} cannot be created ({e.strerror or e}); choose a writable "
                               f"directory") from e
     probe = os.path.join(root, f".write_test.{socket.gethostname()}.{os.getpid()}")
     try:
@@ -122,11 +129,11 @@ def check_save_dir(root: str, expected_bytes: int, rank: int) -> None:
             f.write("ok")
         os.remove(probe)
     except OSError as e:
-        raise CheckpointError(f"--save {root} is not writable ({e.strerror or e}); choose a writable "
+        raise CheckpointError(f"{flag} {root} is not writable ({e.strerror or e}); choose a writable "
                               f"directory") from e
     free = shutil.disk_usage(root).free
     if rank == 0 and free < expected_bytes:
-        print(f"warning: --save {root} has {free / 2**30:.1f} GiB free, less than one checkpoint "
+        print(f"warning: {flag} {root} has {free / 2**30:.1f} GiB free, less than one checkpoint "
               f"(about {expected_bytes / 2**30:.1f} GiB): saves will fail", file=sys.stderr, flush=True)
 
 

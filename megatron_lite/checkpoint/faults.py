@@ -2,9 +2,9 @@
 point of a named iteration.
 
 `MEGATRON_LITE_FAULT=<point>:<iteration>:<rank>` kills global rank <rank> at <point> of iteration
-<iteration>: "save" (its checkpoint file half written), "commit" (rank 0: the checkpoint complete
-but not yet named by the tracker file) or "iteration" (the end of the iteration). Only the first
-attempt of a torchrun job dies (TORCHELASTIC_RESTART_COUNT 0 or unset), so that a restarted job can
+<iteration>: "save" (its checkpoint file half written), "local" (its local checkpoint's file half
+written), "commit" (rank 0: the checkpoint complete but not yet named by the tracker file) or
+"iteration" (the end of the iteration). Only the first attempt of a torchrun job dies (TORCHELASTIC_RESTART_COUNT 0 or unset), so that a restarted job can
 run through. `fault_hook()` is None when unset: the checkpointing code then calls nothing.
 """
 from __future__ import annotations

@@ -7,6 +7,11 @@ Which checkpoint a run starts from:
   a --load directory without a checkpoint starts from scratch with a note, as in Megatron-LM
   (an error with --finetune, which exists to load weights).
 
+Non-persistent checkpoints compete with that source, written every --non-persistent-save-interval
+iterations at which no --save checkpoint is due: with --non-persistent-ckpt-type local (local.py)
+the newest checkpoint complete on every rank is resumed, local or global; with global, the newer
+of --non-persistent-global-ckpt-dir's and the source's.
+
 Saves happen every --save-interval iterations, when an exit condition fires, and at the end of
 training (unless that iteration was just saved). With --async-save the files are written in the
 background; the commit happens at the start of a later iteration once every rank is done (one
@@ -14,6 +19,7 @@ tiny all-reduce per iteration while a save is pending) or at the end of training
 """
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 from typing import Dict, Optional
@@ -24,6 +30,7 @@ from .directory import check_save_dir, has_checkpoint, read_metadata, resolve
 from .exit_conditions import ExitConditions
 from .faults import fault_hook
 from .loader import Loaded, load_checkpoint
+from .local import LocalCheckpoints
 from .saver import PendingSave, start_save, world_rank
 from .state import TrainState
 
@@ -60,6 +67,14 @@ def expected_checkpoint_bytes(cfg: Config) -> int:
     return cfg.model.num_parameters() * per_param
 
 
+def non_persistent_global_dir(tcfg) -> Optional[str]:
+    """Where --non-persistent-ckpt-type global writes: the given directory, else --save/non_persistent
+    (Megatron-LM's default); None for other types."""
+    if tcfg.non_persistent_ckpt_type != "global":
+        return None
+    return tcfg.non_persistent_global_ckpt_dir or os.path.join(tcfg.save, "non_persistent")
+
+
 class Checkpointing:
     def __init__(self, cfg: Config, device):
         self.tcfg, self.device = cfg.training, device
@@ -74,6 +89,17 @@ class Checkpointing:
         self.checksum_s: Dict[int, float] = {}  # ... of which computing its checksums
         self.load_s = 0.0
         self.fault = fault_hook(world_rank())  # crash tests only (MEGATRON_LITE_FAULT); else None
+        self.keep_last = self.tcfg.keep_last  # of the pending save's directory
+        self.local: Optional[LocalCheckpoints] = None
+        if self.tcfg.non_persistent_ckpt_type == "local":
+            self.local = LocalCheckpoints(self.tcfg.non_persistent_local_ckpt_dir, device, self.fault)
+            self.local.check_dir()
+        self.np_global = non_persistent_global_dir(self.tcfg)
+        if self.np_global:
+            agree_on_errors(lambda: check_save_dir(self.np_global, 0, world_rank(), "--non-persistent-global-ckpt-dir"),
+                            device)
+        self.local_write_s: Dict[int, float] = {}  # per local save: this rank's time writing it
+        self.local_checksum_s: Dict[int, float] = {}  # ... of which computing its checksums
 
     @contextmanager
     def _timed(self, iteration: int):
@@ -104,9 +130,43 @@ class Checkpointing:
             return "pretrained"
         return None
 
+    def _resumed_iteration(self, source: Optional[str]) -> int:
+        """The iteration a load of the global `source` starts training at."""
+        t = self.tcfg
+        if source == "save" or (source == "load" and not t.finetune):
+            return resolve(t.save if source == "save" else t.load)[1]
+        return 0
+
     def _load(self, state: TrainState) -> Optional[Loaded]:
         t = self.tcfg
         source = agree_on_errors(self._source, self.device)
+        if self.np_global is None and self.local is None:
+            return self._load_global(state, source)
+        resumed = agree_on_errors(lambda: self._resumed_iteration(source), self.device)
+        if self.np_global is not None:
+            newest = agree_on_errors(lambda: resolve(self.np_global)[1] if has_checkpoint(self.np_global) else -1,
+                                     self.device)
+            if newest > resumed:  # layout-independent, as --save's
+                return load_checkpoint(state, self.np_global, load_rng=not t.no_load_rng, verify=t.verify_checkpoint)
+        else:
+            newest = self.local.newest_common(t.verify_checkpoint)
+            if newest is not None and newest > resumed:
+                self.local.check_layout(state, newest, t.verify_checkpoint)
+                try:
+                    return self.local.load(state, newest, load_rng=not t.no_load_rng, verify=t.verify_checkpoint)
+                except ConfigError as e:  # a damaged file: the global checkpoint overwrites all that was filled
+                    if source is None:
+                        raise
+                    if world_rank() == 0:
+                        print(f"> local checkpoint iteration {newest} cannot be loaded ({e}): loading the global "
+                              f"checkpoint instead", flush=True)
+            elif newest is None and self.local.holds_any() and world_rank() == 0:
+                print(f"> no local checkpoint in {t.non_persistent_local_ckpt_dir} is complete on every rank",
+                      flush=True)
+        return self._load_global(state, source)
+
+    def _load_global(self, state: TrainState, source: Optional[str]) -> Optional[Loaded]:
+        t = self.tcfg
         if source == "save":
             loaded = load_checkpoint(state, t.save, load_rng=not t.no_load_rng, verify=t.verify_checkpoint)
         elif source == "load":
@@ -138,14 +198,24 @@ class Checkpointing:
         if t.save and (reason or (t.save_interval and iteration % t.save_interval == 0)):
             with self._timed(iteration):
                 self.save(state, background=t.async_save and reason is None)
+        elif t.non_persistent_save_interval and iteration % t.non_persistent_save_interval == 0:
+            with self._timed(iteration):
+                if self.local is not None:
+                    self.local_write_s[iteration], self.local_checksum_s[iteration] = self.local.save(state)
+                else:
+                    self.save(state, background=t.async_save, non_persistent=True)
         if reason and world_rank() == 0:
             print(f"> exiting after iteration {iteration}: {reason}", flush=True)
         return reason is not None
 
-    def save(self, state: TrainState, background: bool = False) -> None:
+    def save(self, state: TrainState, background: bool = False, non_persistent: bool = False) -> None:
+        """A global checkpoint into --save; `non_persistent`: into the non-persistent global directory,
+        only the newest kept (not counted as saved: the end of training still saves into --save)."""
         self.finish()  # one save at a time
-        self.pending = start_save(state, self.tcfg.save, background, self.fault)
-        self.last_saved = self.pending.iteration
+        root, self.keep_last = (self.np_global, 1) if non_persistent else (self.tcfg.save, self.tcfg.keep_last)
+        self.pending = start_save(state, root, background, self.fault)
+        if not non_persistent:
+            self.last_saved = self.pending.iteration
         if not background:
             self.finish()
 
@@ -159,7 +229,7 @@ class Checkpointing:
         self._commit()
 
     def _commit(self) -> None:
-        self.pending.commit(self.tcfg.keep_last)
+        self.pending.commit(self.keep_last)
         self.write_s[self.pending.iteration] = self.pending.write_s
         self.checksum_s[self.pending.iteration] = self.pending.checksum_s
         self.pending = None

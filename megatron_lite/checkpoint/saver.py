@@ -27,7 +27,7 @@ from ..errors import agree_on_errors
 from . import directory, rng
 from .files import FORMAT, CheckpointError, PieceSet, describe_files
 from .geometry import whole_box
-from .plan import buffer_key, bucket_sources, persistent_buffers, regions, stored_key, write_range
+from .plan import buffer_key, bucket_sources, fill_range, persistent_buffers, regions, stored_key, write_range
 from .state import TrainState
 
 
@@ -62,14 +62,16 @@ def checkpoint_metadata(state: TrainState) -> dict:
             **{name: save() for name, save in state.saves.items()}}
 
 
-def snapshot(state: TrainState, copy: bool) -> PieceSet:
-    """This rank's pieces of the model, the optimizer and its RNG states (copies when `copy`)."""
+def snapshot(state: TrainState, copy: bool, own: bool = False) -> PieceSet:
+    """This rank's pieces of the model, the optimizer and its RNG states (copies when `copy`):
+    its share of a global checkpoint, or with `own` everything a load at this layout fills on
+    this rank (a local checkpoint, which this rank alone reads back)."""
     dims = state.dims
     state.optimizer.sync.wait_param_gather()  # --overlap-param-gather: the last update's params
     pieces = PieceSet()
     for bucket, sources in bucket_sources(state.optimizer):
-        lo, hi = write_range(bucket)
-        for region in regions(bucket, lo, hi, dims, writers_only=True):
+        lo, hi = fill_range(bucket) if own else write_range(bucket)
+        for region in regions(bucket, lo, hi, dims, writers_only=not own):
             runs = region.runs()
             for kind, (flat, base) in sources.items():
                 for run in runs:
@@ -77,7 +79,7 @@ def snapshot(state: TrainState, copy: bool) -> PieceSet:
                                run.view(flat, region.start - base), copy)
     for key, rng_state in rng.capture(dims, state.tracker).items():
         pieces.add(key, whole_box(rng_state.shape), rng_state.shape, rng_state)
-    if dims.tp_rank == dims.cp_rank == dims.dp_rank == 0:  # one writer per pipeline stage
+    if own or dims.tp_rank == dims.cp_rank == dims.dp_rank == 0:  # one writer per pipeline stage
         for name, buf in persistent_buffers(state.chunks):
             pieces.add(buffer_key(name), whole_box(buf.shape), buf.shape, buf, copy)
     return pieces

@@ -65,13 +65,16 @@ def init_distributed(device: torch.device, timeout_minutes: Optional[float] = No
         return
     # Under torchrun every restart of the workers reuses the agent's store, where the failed
     # attempt's keys would hand the new ranks the dead ranks' addresses (torch 2.13: "connection
-    # refused"; pytorch/pytorch#167288). A key prefix per attempt keeps the attempts apart.
+    # refused"; pytorch/pytorch#167288). A key prefix per attempt keeps the attempts apart. A store
+    # that rank 0 hosts (no agent store: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) is new at every
+    # attempt and takes no prefix: a node that joined later counts its agent's restarts from 0.
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=not agent_store and rank == 0, timeout=timedelta(minutes=10))
-    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}", store), rank=rank, world_size=world,
-                            timeout=timeout)
+    if agent_store:
+        store = dist.PrefixStore(f"attempt_{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 SLOW_PHASE_S = 5.0  # a start-up phase (data, model build, checkpoint load, first step) slower than this says so
