@@ -622,11 +622,11 @@ class Config:
                                           "use tensorwise or rowwise")
         _require(t.fp8_recipe in ("tensorwise", "rowwise"),
                  f"--fp8-recipe {t.fp8_recipe} is not implemented yet: use tensorwise or rowwise")
-        _require(p.cp == 1, "FP8 with --context-parallel-size > 1 is not implemented yet (the amax is not reduced "
-                            "over CP): drop one of them")
-        if moe is not None and moe.num_experts:
-            _require(not moe.moe_grouped_gemm, "FP8 with --moe-grouped-gemm is not implemented yet: drop one of them")
-            _require(p.tp == 1, "FP8 with MoE at --tensor-model-parallel-size > 1 is not implemented yet")
+        ep = p.expert_model_parallel_size
+        if moe is not None and moe.num_experts and p.cp > 1:  # fp8.py: an expert's tokens, whole or reduced over CP
+            _require(ep == 1 or ep % p.cp == 0, f"FP8 MoE with --expert-model-parallel-size {ep} and "
+                     f"--context-parallel-size {p.cp}: EP must be 1 or a multiple of CP (so an expert's tokens "
+                     f"are on one rank or split over whole CP groups)")
 
     def _validate_pipeline(self, num_microbatches: int) -> None:
         from .parallel.pipeline.partition import stage_layer_ranges

@@ -124,6 +124,32 @@ def test_tp2_sp_equals_the_single_process_fp8_run(recipe):
     assert_same_run(ref, got, rtol=1e-4, grad_norm_rtol=1e-6, params=params, ref_params=ref_params)
 
 
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2"]
+RUN_LAYOUTS = {  # name: (world, the model's flags, the layout's flags)
+    "cp2": (2, [], ["--context-parallel-size", "2"]),
+    "dp2-zero1": (2, [], ["--zero-stage", "1"]),  # each rank one of the reference's two micro-batches
+    "dp2-zero3": (2, [], ["--zero-stage", "3"]),  # the GEMMs see the gathered weight: its scale is the full one's
+    "moe-tp2-sp": (2, MOE, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "moe-grouped-tp2-etp2-sp": (2, MOE + ["--moe-grouped-gemm"], ["--tensor-model-parallel-size", "2",
+                                "--sequence-parallel", "--expert-tensor-parallel-size", "2"]),
+    "selective-recompute": (1, [], ["--recompute-granularity", "selective"]),
+}
+
+
+def _one_recipe_each(layouts):
+    """(layout, recipe) for each layout and recipe; the default suite runs one recipe per layout."""
+    return [pytest.param(name, recipe, marks=() if (i + j) % 2 == 0 else pytest.mark.slow)
+            for i, name in enumerate(layouts) for j, recipe in enumerate(["tensorwise", "rowwise"])]
+
+
+@pytest.mark.parametrize("layout,recipe", _one_recipe_each(RUN_LAYOUTS))
+def test_each_layout_equals_the_single_process_fp8_run(layout, recipe):
+    world, model, extra = RUN_LAYOUTS[layout]
+    ref, ref_params = _run(1, _argv(recipe, model))
+    got, params = _run(world, _argv(recipe, model + extra))
+    assert_same_run(ref, got, rtol=1e-4, grad_norm_rtol=1e-5, params=params, ref_params=ref_params)
+
+
 def test_zero_bubble_pp2_equals_the_single_process_fp8_run():
     extra = ["--num-layers", "4", "--global-batch-size", "8", "--micro-batch-size", "1"]
     ref, ref_params = _run(1, _argv("tensorwise", extra))
@@ -172,3 +198,36 @@ def test_cli_trains_in_fp8_and_says_so(tmp_path):
 def test_refused_fp8_flags_give_one_line(flags, line):
     proc = _cli(*flags, "--train-iters", "1")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == line and "Traceback" not in proc.stderr
+
+
+# --- MoE: the experts' GEMMs in FP8 at every layout ----------------------------------------------
+FP8_MOE_LAYOUTS = {  # name: (world, tp, cp, ep, etp, sp): each rank's share of one replica's tokens
+    "tp2-etp1-sp": (2, 2, 1, 1, 1, True),  # whole experts, each TP rank routing its own tokens
+    "tp2-etp1": (2, 2, 1, 1, 1, False),
+    "tp2-etp2-sp": (2, 2, 1, 1, 2, True),  # experts split over TP, tokens gathered
+    "cp2": (2, 1, 2, 1, 1, False),  # whole experts, each CP rank routing its chunk
+    "ep2-cp2": (2, 1, 2, 2, 1, False),  # EP over the CP ranks: an expert's tokens on its owner
+}
+
+
+@pytest.mark.parametrize("layout,recipe", _one_recipe_each(FP8_MOE_LAYOUTS))
+def test_fp8_moe_layer_at_each_layout_equals_the_single_process_layer(layout, recipe):
+    """Experts (grouped GEMM: the FP8 loop), shared expert and its gate; the router stays precise."""
+    from test_moe_parallel import DEEPSEEK_LIKE, MIXTRAL_LIKE, check_layout
+    cp = FP8_MOE_LAYOUTS[layout][2]
+    cfg_kw = dict(DEEPSEEK_LIKE if cp > 1 else MIXTRAL_LIKE, moe_grouped_gemm=True)
+    check_layout(cfg_kw, FP8_MOE_LAYOUTS[layout], fp8=("hybrid", recipe), rtol=1e-4)
+
+
+def test_fp8_moe_with_ep_not_a_multiple_of_cp_is_refused():
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.errors import ConfigError
+    from models.zoo import zoo
+    argv = TINY + LLAMA_SWITCHES + MOE + ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise",
+                                          "--context-parallel-size", "4", "--expert-model-parallel-size", "2"]
+    cfg = parse_args(argv, zoo()).finalize(8)
+    with pytest.raises(ConfigError, match=r"^FP8 MoE with --expert-model-parallel-size 2 and --context-parallel-size "
+                                          r"4: EP must be 1 or a multiple of CP"):
+        cfg.validate(8)
+    cfg.parallel.expert_model_parallel_size = 4
+    cfg.validate(8)

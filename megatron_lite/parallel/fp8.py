@@ -5,11 +5,15 @@ in the operands' dtype; on the CPU the equivalent fp32 GEMM of the dequantised o
 Scale = fp8 max / amax / 2^margin per tensor (`tensorwise`), or per row of the left operand and
 per column of the right one, along the contracted dimension (`rowwise`, scales [M,1] x [1,N]).
 `--fp8-format hybrid` quantizes output gradients to e5m2, everything else to e4m3. An amax over a
-dimension split across TP ranks (row-parallel inputs and weights, column-parallel gradients,
-sequence-parallel activations) is MAX-all-reduced over the TP group, so the layout does not change
-the numerics. The per-tensor amax is reduced for every tensor (a replicated one keeps its value).
-Only the layers built with the path are FP8 (attention and MLP linears, experts), less a weight
-marked `keep_precision` (the output layer); the embedding, norms and router are not built with it.
+dimension split across ranks is MAX-all-reduced over those ranks, so the layout does not change the
+numerics: the features over TP (row-parallel inputs and weights, column-parallel gradients, an
+expert's ffn slice at ETP = TP), the tokens over CP (and an expert's tokens over the TP ranks that
+each route their own share at ETP = 1; over CP unless EP hands every CP rank's tokens to the
+expert's one owner). The per-tensor amax is reduced over all of them (a replicated tensor keeps its
+value). Only the layers built with the path are FP8 (attention and MLP linears, experts, shared
+experts), less a weight marked `keep_precision` (the output layer); the embedding, norms and router
+are not built with it. The experts' grouped GEMM is the loop of dense FP8 GEMMs over the experts
+(torch._scaled_grouped_mm has no CPU kernel in torch 2.13).
 """
 from __future__ import annotations
 
@@ -64,49 +68,68 @@ class Float8GemmPath(GemmPath):
         return (f"{self.recipe} current scaling ({fmt}, margin {self.margin}) in the attention and MLP linears "
                 f"({gemms}); embedding, output layer, norms and router in {str(params_dtype).replace('torch.', '')}")
 
+    # the experts' GEMMs run as the loop over experts (experts.py), one dense FP8 GEMM each
+    grouped_kernel = False
+
     def new_call(self):
-        return {}  # forward records which dimension of the weight TP splits, and whether it stays plain
+        return {}  # forward records where the GEMM's dimensions are split, and whether it stays plain
 
-    def _reduce(self, amax):
-        self.dims.comm.all_reduce(amax, self.dims.tp_group, op=dist.ReduceOp.MAX)
+    def _splits(self, w):
+        """(the dimension of the 2-D weight `w` that TP splits or None, the groups splitting the tokens),
+        from w's ShardSpec or that of the stacked experts' weight it is one expert of."""
+        spec, shift = getattr(w, "shard_spec", None), 0
+        if spec is None and w._base is not None:
+            spec, shift = getattr(w._base, "shard_spec", None), w._base.dim() - w.dim()
+        split = next((s.dim - shift for s in spec.splits if s.axis == "tp"), None) if spec else None
+        d = self.dims
+        if d is None:
+            return split, []
+        expert = spec is not None and spec.split("ep") is not None
+        tokens = [d.cp_group] if d.cp > 1 and not (expert and d.ep > 1) else []  # EP % CP == 0 (config)
+        if expert and d.tp > 1 and d.etp == 1:
+            tokens.append(d.tp_group)  # every TP rank routes its share of the tokens to whole experts
+        return split, tokens
 
-    def _mm(self, a, b, dtypes, reduce, out_dtype):
-        """a [M,K] @ b [K,N] in fp8; reduce[i]: operand i's amax spans ranks (split K, or tensorwise)."""
+    def _reducer(self, groups):
+        def reduce(amax):
+            for group in groups:  # MAX over each in turn: the MAX over all of them
+                self.dims.comm.all_reduce(amax, group, op=dist.ReduceOp.MAX)
+        return reduce if groups else None
+
+    def _mm(self, a, b, dtypes, k_groups, out_dtype, call):
+        """a [M,K] @ b [K,N] in fp8; k_groups: the groups splitting K (a rowwise amax spans them);
+        a tensorwise amax spans every group splitting any dimension of the GEMM."""
         rowwise = self.recipe == "rowwise"
-        split = self.dims is not None and self.dims.tp > 1
-        qa, sa = quantize(a, dtypes[0], 1 if rowwise else None, self.margin,
-                          self._reduce if split and (reduce[0] or not rowwise) else None)
-        qb, sb = quantize(b, dtypes[1], 0 if rowwise else None, self.margin,
-                          self._reduce if split and (reduce[1] or not rowwise) else None)
+        tp = [self.dims.tp_group] if self.dims is not None and self.dims.tp > 1 else []
+        reduce = self._reducer(k_groups if rowwise else tp + call["tokens"])
+        qa, sa = quantize(a, dtypes[0], 1 if rowwise else None, self.margin, reduce)
+        qb, sb = quantize(b, dtypes[1], 0 if rowwise else None, self.margin, reduce)
         return scaled_mm(qa, qb, sa, sb, out_dtype)
+
+    def _tp_if(self, split):
+        return [self.dims.tp_group] if split and self.dims is not None and self.dims.tp > 1 else []
 
     def forward(self, call, x, w, bias=None):
         call["plain"] = getattr(w, "keep_precision", False)
         if call["plain"]:
             return super().forward(call, x, w, bias)
-        spec = getattr(w, "shard_spec", None)
-        call["split"] = next((s.dim for s in spec.splits if s.axis == "tp"), None) if spec else None
-        k_split = call["split"] == 1  # row parallel: x and W split along the contracted dimension
+        call["split"], call["tokens"] = self._splits(w)
+        k_split = self._tp_if(call["split"] == 1)  # row parallel: x and W split along the contracted dimension
         e4m3 = FORMATS["e4m3"]
-        y = self._mm(x.reshape(-1, x.shape[-1]), w.t(), (e4m3, e4m3), (k_split, k_split), x.dtype)
+        y = self._mm(x.reshape(-1, x.shape[-1]), w.t(), (e4m3, e4m3), k_split, x.dtype, call)
         y = y.reshape(*x.shape[:-1], w.shape[0]).detach()  # not a view: callers may modify it in place
         return y if bias is None else y + bias
 
     def input_grad(self, call, g, w):
         if call["plain"]:
             return super().input_grad(call, g, w)
-        n_split = call["split"] == 0  # column parallel: g and W split along the output features
-        g2 = self._mm(g.reshape(-1, g.shape[-1]), w, (self.grad_dtype, FORMATS["e4m3"]), (n_split, n_split), g.dtype)
+        n_split = self._tp_if(call["split"] == 0)  # column parallel: g and W split along the output features
+        g2 = self._mm(g.reshape(-1, g.shape[-1]), w, (self.grad_dtype, FORMATS["e4m3"]), n_split, g.dtype, call)
         return g2.reshape(*g.shape[:-1], w.shape[1])
 
     def weight_grad(self, call, g, x):
         if call["plain"]:
             return super().weight_grad(call, g, x)
-        # contracted over the tokens, which every TP rank holds whole (SP inputs are gathered)
+        # contracted over the tokens (SP inputs are gathered again, CP's stay split)
         return self._mm(g.reshape(-1, g.shape[-1]).t(), x.reshape(-1, x.shape[-1]),
-                        (self.grad_dtype, FORMATS["e4m3"]), (False, False), g.dtype)
-
-    def grouped_forward(self, call, x, w, offs):
-        raise NotImplementedError("FP8 grouped GEMM")  # refused at configuration (--moe-grouped-gemm)
-
-    grouped_input_grad = grouped_weight_grad = grouped_forward
+                        (self.grad_dtype, FORMATS["e4m3"]), call["tokens"], g.dtype, call)

@@ -43,6 +43,8 @@ class GemmPath:
     """Today's math in the operands' dtype. `deferrable`: built for a zero-bubble schedule, whose
     executor sets `deferring` around each B pass."""
 
+    grouped_kernel = True  # grouped_* are one kernel; False: the experts' GEMMs loop over the experts
+
     def __init__(self, deferrable: bool = False):
         self.deferrable, self.deferring = deferrable, False
         self.queue: list = []

@@ -85,7 +85,7 @@ class _ExpertsLinear(torch.autograd.Function):
 
 def experts_linear(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: List[int], gemm: GemmPath,
                    grouped: bool) -> torch.Tensor:
-    return gemm_apply(_ExpertsLinear, gemm, x, w, gemm, tokens_per_expert, grouped)
+    return gemm_apply(_ExpertsLinear, gemm, x, w, gemm, tokens_per_expert, grouped and gemm.grouped_kernel)
 
 
 class GroupedExperts(nn.Module):
