@@ -41,6 +41,7 @@ class Layout:
     optimizer_offload_fraction: float = 1.0
     first_stage_layers: Optional[int] = None
     last_stage_layers: Optional[int] = None
+    fp8: Optional[str] = None  # the FP8 recipe of the layers' GEMMs (--fp8-recipe); None: none in FP8
 
     @property
     def world_size(self) -> int:
@@ -81,6 +82,8 @@ class Layout:
             parts.append("SP")
         if self.recompute:
             parts.append(f"recompute {self.recompute}")
+        if self.fp8:
+            parts.append(f"FP8 {self.fp8}")
         if self.pp > 1:
             parts.append(self.pipeline_schedule)
         parts.append(f"mbs {self.micro_batch_size} x {self.num_microbatches} micro-batches")
@@ -111,4 +114,5 @@ def from_config(cfg: Config, world_size: int) -> Layout:
                   overlap_grad_reduce=p.overlap_grad_reduce, overlap_param_gather=p.overlap_param_gather,
                   optimizer_cpu_offload=t.optimizer_cpu_offload, optimizer_offload_fraction=t.optimizer_offload_fraction,
                   first_stage_layers=p.decoder_first_pipeline_num_layers,
-                  last_stage_layers=p.decoder_last_pipeline_num_layers)
+                  last_stage_layers=p.decoder_last_pipeline_num_layers,
+                  fp8=t.fp8_recipe if t.fp8_format else None)

@@ -12,7 +12,9 @@ What overlaps (and so counts only where it sticks out):
 TP collectives, Ulysses and expert all-to-alls are on the critical path (no TP comm overlap here).
 FLOPs are what the layer types report (transformer/counts.py), in the MFU convention of
 training/flops.py (6N + 12 L H Q T per token, MoE counting the active experts), plus what
-recomputation redoes.
+recomputation redoes. With FP8 (parallel/fp8.py) the layers' weight GEMMs run at the hardware's
+FP8 rate; the attention core and the output layer stay at the bf16 rate (the casts and amax
+reductions are not counted).
 """
 from __future__ import annotations
 
@@ -81,14 +83,16 @@ def step_time(cfg: ModelConfig, lay: Layout, hw: Hardware, inventory, pp_rank: i
     counts = model_counts(cfg, MicroBatch(seq_length=lay.seq_length))  # forward FLOPs per token
     attention = 3 * sum(layer.core_flops for layer in counts.layers)  # the core's, forward and backward
     logits = 3 * counts.output.flops  # the output layer's GEMM, forward and backward
-    per_layer = (per_token - logits) / cfg.num_layers
+    core = attention / cfg.num_layers
+    # per token and layer, in FLOPs at the bf16 rate: FP8 weight GEMMs count 1 / fp8_rate of theirs
+    per_layer = ((per_token - logits) / cfg.num_layers - core) / (hw.fp8_rate if lay.fp8 else 1.0) + core
     redo = 0.0  # recomputed forward FLOPs per token and layer (a forward is a third of forward + backward)
     if lay.recompute == "full":
         per_chunk = cfg.num_layers // (p * v)
         share = 1.0 if lay.recompute_method == "uniform" else min(1.0, lay.recompute_num_layers / per_chunk)
         redo = share * per_layer / 3
     elif lay.recompute == "selective":
-        redo = attention / cfg.num_layers / 3
+        redo = core / 3
     # The pipeline runs at the pace of its busiest rank: the one with the output layer (and the
     # loss) does that GEMM on top of its layers.
     work = []
