@@ -133,6 +133,9 @@ RUN_LAYOUTS = {  # name: (world, the model's flags, the layout's flags)
     "moe-grouped-tp2-etp2-sp": (2, MOE + ["--moe-grouped-gemm"], ["--tensor-model-parallel-size", "2",
                                 "--sequence-parallel", "--expert-tensor-parallel-size", "2"]),
     "selective-recompute": (1, [], ["--recompute-granularity", "selective"]),
+    "moe-layer-recompute": (1, MOE, ["--moe-layer-recompute"]),
+    "moe-zb-h1-pp2": (2, MOE + ["--num-layers", "4", "--global-batch-size", "8", "--micro-batch-size", "1"],
+                      ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"]),  # deferred W GEMMs
 }
 
 
