@@ -134,6 +134,7 @@ RUN_LAYOUTS = {  # name: (world, the model's flags, the layout's flags)
                                 "--sequence-parallel", "--expert-tensor-parallel-size", "2"]),
     "selective-recompute": (1, [], ["--recompute-granularity", "selective"]),
     "moe-layer-recompute": (1, MOE, ["--moe-layer-recompute"]),
+    "moe-ep2": (2, MOE, ["--expert-model-parallel-size", "2"]),  # each expert's rows of two micro-batches
     "moe-zb-h1-pp2": (2, MOE + ["--num-layers", "4", "--global-batch-size", "8", "--micro-batch-size", "1"],
                       ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"]),  # deferred W GEMMs
 }
@@ -150,6 +151,8 @@ def test_each_layout_equals_the_single_process_fp8_run(layout, recipe):
     world, model, extra = RUN_LAYOUTS[layout]
     ref, ref_params = _run(1, _argv(recipe, model))
     got, params = _run(world, _argv(recipe, model + extra))
+    if "--expert-model-parallel-size" in extra:  # the gathered parameters hold this rank's experts only:
+        params = ref_params = None  # the losses and the gradient norm (all experts' gradients) say it
     assert_same_run(ref, got, rtol=1e-4, grad_norm_rtol=1e-5, params=params, ref_params=ref_params)
 
 
@@ -210,6 +213,13 @@ FP8_MOE_LAYOUTS = {  # name: (world, tp, cp, ep, etp, sp): each rank's share of 
     "tp2-etp2-sp": (2, 2, 1, 1, 2, True),  # experts split over TP, tokens gathered
     "cp2": (2, 1, 2, 1, 1, False),  # whole experts, each CP rank routing its chunk
     "ep2-cp2": (2, 1, 2, 2, 1, False),  # EP over the CP ranks: an expert's tokens on its owner
+    # EP over DP: an expert's rows of two micro-batches, quantized one micro-batch at a time
+    "ep2": (2, 1, 1, 2, 1, False),
+    "ep4": (4, 1, 1, 4, 1, False),
+    "ep2-dp4": (4, 1, 1, 2, 1, False),
+    "ep2-tp2-etp1-sp": (4, 2, 1, 2, 1, True),
+    "ep2-tp2-etp2-sp": (4, 2, 1, 2, 2, True),
+    "ep2-cp2-dp2": (4, 1, 2, 2, 1, False),
 }
 
 

@@ -10,7 +10,8 @@ numerics: the features over TP (row-parallel inputs and weights, column-parallel
 expert's ffn slice at ETP = TP), the tokens over CP (and an expert's tokens over the TP ranks that
 each route their own share at ETP = 1; over CP unless EP hands every CP rank's tokens to the
 expert's one owner). The per-tensor amax is reduced over all of them (a replicated tensor keeps its
-value). Only the layers built with the path are FP8 (attention and MLP linears, experts, shared
+value). Where EP over data-parallel ranks hands an expert the tokens of several micro-batches (the
+call's `batches`), each micro-batch's rows get their own scale, as in the single-process run. Only the layers built with the path are FP8 (attention and MLP linears, experts, shared
 experts), less a weight marked `keep_precision` (the output layer); the embedding, norms and router
 are not built with it. The experts' grouped GEMM is the loop of dense FP8 GEMMs over the experts
 (torch._scaled_grouped_mm has no CPU kernel in torch 2.13).
@@ -71,8 +72,9 @@ class Float8GemmPath(GemmPath):
     # the experts' GEMMs run as the loop over experts (experts.py), one dense FP8 GEMM each
     grouped_kernel = False
 
-    def new_call(self):
-        return {}  # forward records where the GEMM's dimensions are split, and whether it stays plain
+    def new_call(self, batches=None):
+        # forward records where the GEMM's dimensions are split, and whether it stays plain
+        return {"batches": batches}
 
     def _splits(self, w):
         """(the dimension of the 2-D weight `w` that TP splits or None, the groups splitting the tokens),
@@ -96,12 +98,29 @@ class Float8GemmPath(GemmPath):
                 self.dims.comm.all_reduce(amax, group, op=dist.ReduceOp.MAX)
         return reduce if groups else None
 
+    def _by_batch(self, batches, groups):
+        """reduce(amax [M,1] per row): each row's amax becomes its micro-batch's (over `groups` too)."""
+        rows, n = batches
+
+        def reduce(amax):
+            per_batch = amax.new_zeros(n).scatter_reduce(0, rows, amax.view(-1), "amax")
+            if groups:
+                self._reducer(groups)(per_batch)
+            amax.copy_(per_batch[rows].view_as(amax))
+        return reduce
+
     def _mm(self, a, b, dtypes, k_groups, out_dtype, call):
         """a [M,K] @ b [K,N] in fp8; k_groups: the groups splitting K (a rowwise amax spans them);
         a tensorwise amax spans every group splitting any dimension of the GEMM."""
         rowwise = self.recipe == "rowwise"
         tp = [self.dims.tp_group] if self.dims is not None and self.dims.tp > 1 else []
         reduce = self._reducer(k_groups if rowwise else tp + call["tokens"])
+        if call["batches"] is not None and not rowwise:
+            # an expert's rows (tokens) of several micro-batches: one scale per micro-batch, as in
+            # the single-process run, which quantizes one micro-batch at a time
+            qa, sa = quantize(a, dtypes[0], 1, self.margin, self._by_batch(call["batches"], tp + call["tokens"]))
+            qb, sb = quantize(b, dtypes[1], None, self.margin, reduce)
+            return scaled_mm(qa, qb, sa, sb.expand(1, b.shape[1]), out_dtype)
         qa, sa = quantize(a, dtypes[0], 1 if rowwise else None, self.margin, reduce)
         qb, sb = quantize(b, dtypes[1], 0 if rowwise else None, self.margin, reduce)
         return scaled_mm(qa, qb, sa, sb, out_dtype)
@@ -131,5 +150,9 @@ class Float8GemmPath(GemmPath):
         if call["plain"]:
             return super().weight_grad(call, g, x)
         # contracted over the tokens (SP inputs are gathered again, CP's stay split)
-        return self._mm(g.reshape(-1, g.shape[-1]).t(), x.reshape(-1, x.shape[-1]),
-                        (self.grad_dtype, FORMATS["e4m3"]), call["tokens"], g.dtype, call)
+        g, x = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+        if call["batches"] is None:
+            return self._mm(g.t(), x, (self.grad_dtype, FORMATS["e4m3"]), call["tokens"], g.dtype, call)
+        (rows, n), one = call["batches"], dict(call, batches=None)  # each micro-batch quantized alone, summed
+        return sum(self._mm(g[rows == i].t(), x[rows == i], (self.grad_dtype, FORMATS["e4m3"]), call["tokens"],
+                            g.dtype, one) for i in range(n))

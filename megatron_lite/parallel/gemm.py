@@ -49,8 +49,9 @@ class GemmPath:
         self.deferrable, self.deferring = deferrable, False
         self.queue: list = []
 
-    def new_call(self):
-        """What one GEMM call's forward leaves to its backward: nothing here."""
+    def new_call(self, batches=None):
+        """What one GEMM call's forward leaves to its backward: nothing here. `batches`: (the
+        micro-batch of each input row, how many) where the rows come from several (EP over DP)."""
         return None
 
     # --- the primitives: x the input, w the weight [out, in], g the output gradient ----------------
