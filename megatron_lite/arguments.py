@@ -55,7 +55,6 @@ UNSUPPORTED_FLAGS = {"--tp-comm-overlap": "Transformer Engine's userbuffers"}
 # The FP8 recipe's parts not built yet (--fp8-format / --fp8-recipe / --fp8-margin are config fields).
 FP8_NOT_YET = {"--fp8-amax-history-len": "FP8 delayed scaling's amax history",
                "--fp8-amax-compute-algo": "FP8 delayed scaling's amax history",
-               "--fp8-param-gather": "ZeRO all-gathering FP8 weights",
                "--first-last-layers-bf16": "bf16 first and last layers in an FP8 run",
                "--num-layers-at-start-in-bf16": "bf16 first and last layers in an FP8 run",
                "--num-layers-at-end-in-bf16": "bf16 first and last layers in an FP8 run"}

@@ -368,6 +368,8 @@ class TrainingConfig:
     fp8_recipe: Optional[str] = arg(None, "FP8 scaling: tensorwise or rowwise (delayed, blockwise, mxfp8: not yet)",
                                     choices=["tensorwise", "rowwise", "delayed", "blockwise", "mxfp8"])
     fp8_margin: int = arg(0, "FP8 scale = fp8 max / amax / 2^margin")
+    fp8_param_gather: bool = arg(False, "ZeRO-1/2 all-gather the FP8 GEMMs' updated weights in FP8 (half of "
+                                        "bf16's bytes); main params stay fp32", store="true")
     loss_scale: Optional[float] = arg(None, "constant fp16 loss scale; None: dynamic")
     initial_loss_scale: float = arg(2.0 ** 32, "first dynamic fp16 loss scale")
     min_loss_scale: float = arg(1.0, "smallest dynamic fp16 loss scale")
@@ -613,6 +615,7 @@ class Config:
         if t.fp8_format is None:
             _require(t.fp8_recipe is None, f"--fp8-recipe {t.fp8_recipe} needs --fp8-format e4m3|hybrid")
             _require(t.fp8_margin == 0, f"--fp8-margin {t.fp8_margin} needs --fp8-format e4m3|hybrid")
+            _require(not t.fp8_param_gather, "--fp8-param-gather needs --fp8-format e4m3|hybrid")
             return
         _require(t.fp8_margin >= 0, f"--fp8-margin ({t.fp8_margin}) must be >= 0: the scale is fp8 max / amax / "
                                     f"2^margin, and a negative margin saturates the largest values")
@@ -622,6 +625,11 @@ class Config:
                                           "use tensorwise or rowwise")
         _require(t.fp8_recipe in ("tensorwise", "rowwise"),
                  f"--fp8-recipe {t.fp8_recipe} is not implemented yet: use tensorwise or rowwise")
+        if t.fp8_param_gather:  # fp8_param_gather.py
+            _require(t.fp8_recipe == "tensorwise", f"--fp8-param-gather needs --fp8-recipe tensorwise (one FP8 copy of "
+                     f"a weight; {t.fp8_recipe} scales it differently for each of its GEMMs)")
+            _require(p.zero_stage in (1, 2), f"--fp8-param-gather needs --use-distributed-optimizer or --zero-stage "
+                     f"1|2 (at --zero-stage {p.zero_stage} {'nothing is gathered' if p.zero_stage == 0 else 'not yet'})")
         ep = p.expert_model_parallel_size
         if moe is not None and moe.num_experts and p.cp > 1:  # fp8.py: an expert's tokens, whole or reduced over CP
             _require(ep == 1 or ep % p.cp == 0, f"FP8 MoE with --expert-model-parallel-size {ep} and "

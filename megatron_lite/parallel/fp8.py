@@ -132,6 +132,7 @@ class Float8GemmPath(GemmPath):
         call["plain"] = getattr(w, "keep_precision", False)
         if call["plain"]:
             return super().forward(call, x, w, bias)
+        (w if w._base is None else w._base).fp8_gemm = True  # its ZeRO gathers may move FP8 (fp8_param_gather.py)
         call["split"], call["tokens"] = self._splits(w)
         k_split = self._tp_if(call["split"] == 1)  # row parallel: x and W split along the contracted dimension
         e4m3 = FORMATS["e4m3"]
