@@ -368,7 +368,7 @@ class TrainingConfig:
     fp8_recipe: Optional[str] = arg(None, "FP8 scaling: tensorwise or rowwise (delayed, blockwise, mxfp8: not yet)",
                                     choices=["tensorwise", "rowwise", "delayed", "blockwise", "mxfp8"])
     fp8_margin: int = arg(0, "FP8 scale = fp8 max / amax / 2^margin")
-    fp8_param_gather: bool = arg(False, "ZeRO-1/2 all-gather the FP8 GEMMs' updated weights in FP8 (half of "
+    fp8_param_gather: bool = arg(False, "ZeRO-1/2/3 all-gather the FP8 GEMMs' updated weights in FP8 (half of "
                                         "bf16's bytes); main params stay fp32", store="true")
     loss_scale: Optional[float] = arg(None, "constant fp16 loss scale; None: dynamic")
     initial_loss_scale: float = arg(2.0 ** 32, "first dynamic fp16 loss scale")
@@ -628,8 +628,8 @@ class Config:
         if t.fp8_param_gather:  # fp8_param_gather.py
             _require(t.fp8_recipe == "tensorwise", f"--fp8-param-gather needs --fp8-recipe tensorwise (one FP8 copy of "
                      f"a weight; {t.fp8_recipe} scales it differently for each of its GEMMs)")
-            _require(p.zero_stage in (1, 2), f"--fp8-param-gather needs --use-distributed-optimizer or --zero-stage "
-                     f"1|2 (at --zero-stage {p.zero_stage} {'nothing is gathered' if p.zero_stage == 0 else 'not yet'})")
+            _require(p.zero_stage > 0, "--fp8-param-gather needs --use-distributed-optimizer or --zero-stage 1|2|3 "
+                                       "(at --zero-stage 0 nothing is gathered)")
         ep = p.expert_model_parallel_size
         if moe is not None and moe.num_experts and p.cp > 1:  # fp8.py: an expert's tokens, whole or reduced over CP
             _require(ep == 1 or ep % p.cp == 0, f"FP8 MoE with --expert-model-parallel-size {ep} and "

@@ -152,8 +152,6 @@ def _without_package_flags(argv):
             continue
         skip = False
         out.append(tok)
-    if "--use-megatron-fsdp" in out and "--fp8-param-gather" in out:  # FP8 gathers at ZeRO-3: not built yet
-        out.remove("--fp8-param-gather")
     return out + (["--fp8-recipe", "tensorwise"] if "--fp8-format" in out and "--fp8-recipe" not in out else [])
 
 
