@@ -42,6 +42,7 @@ class Layout:
     first_stage_layers: Optional[int] = None
     last_stage_layers: Optional[int] = None
     fp8: Optional[str] = None  # the FP8 recipe of the layers' GEMMs (--fp8-recipe); None: none in FP8
+    fp8_param_gather: bool = False  # ZeRO gathers the FP8 GEMMs' weights in FP8
 
     @property
     def world_size(self) -> int:
@@ -83,7 +84,7 @@ class Layout:
         if self.recompute:
             parts.append(f"recompute {self.recompute}")
         if self.fp8:
-            parts.append(f"FP8 {self.fp8}")
+            parts.append(f"FP8 {self.fp8}" + (" + FP8 param gather" if self.fp8_param_gather else ""))
         if self.pp > 1:
             parts.append(self.pipeline_schedule)
         parts.append(f"mbs {self.micro_batch_size} x {self.num_microbatches} micro-batches")
@@ -115,4 +116,4 @@ def from_config(cfg: Config, world_size: int) -> Layout:
                   optimizer_cpu_offload=t.optimizer_cpu_offload, optimizer_offload_fraction=t.optimizer_offload_fraction,
                   first_stage_layers=p.decoder_first_pipeline_num_layers,
                   last_stage_layers=p.decoder_last_pipeline_num_layers,
-                  fp8=t.fp8_recipe if t.fp8_format else None)
+                  fp8=t.fp8_recipe if t.fp8_format else None, fp8_param_gather=t.fp8_param_gather)

@@ -30,7 +30,7 @@ from ..transformer.model_counts import MicroBatch, model_counts
 from .activations import element_size
 from .hardware import Hardware
 from .layout import Layout
-from .state import rank_buckets, stage_chunks
+from .state import gathered_bytes, rank_bucket_params, stage_chunks
 
 SIM_MAX_MICROBATCHES = 64  # longer schedules: the idle time of a schedule with fewer (it stops growing)
 
@@ -139,7 +139,9 @@ def step_time(cfg: ModelConfig, lay: Layout, hw: Hardware, inventory, pp_rank: i
         rows = a * tokens_mb // lay.tp * cfg.moe.moe_router_topk * cfg.hidden_size
         ep = 4 * (lay.ep - 1) / lay.ep * rows * moe_layers * m / _bw(hw, lay.tp * lay.ep)
 
-    plans = rank_buckets(cfg.num_layers, lay, pp_rank, inventory)
+    buckets = rank_bucket_params(cfg.num_layers, lay, pp_rank, inventory)
+    plans = [b for b, _ in buckets]
+    gathered = {id(b): gathered_bytes(b, params, lay.fp8_param_gather) for b, params in buckets}
     d, g = lay.dp * lay.cp, element_size(lay.grad_dtype)
     dense = [b for b in plans if not b.expert]
     expert = [b for b in plans if b.expert]
@@ -151,7 +153,7 @@ def step_time(cfg: ModelConfig, lay: Layout, hw: Hardware, inventory, pp_rank: i
             continue
         bw = _bw(hw, lay.world_size // lay.pp if n == d else lay.tp * lay.dp * lay.cp)
         grad_full = sum(b.numel for b in group) * g
-        param_full = sum(b.numel * element_size(b.dtype) for b in group)
+        param_full = sum(gathered[id(b)] for b in group)
         frac = (n - 1) / n
         if lay.zero_stage == 0:
             reduce, gather = 2 * frac * grad_full / bw, 0.0
