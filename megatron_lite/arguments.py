@@ -57,7 +57,7 @@ UNSUPPORTED_FLAGS = {"--tp-comm-overlap": "Transformer Engine's userbuffers",
                      "--disable-straggler-on-startup": "a straggler report toggled on at run time (its controller "
                                                        "port); --log-straggler reports from the second step"}
 # The FP8 recipe's parts not built yet (--fp8-format / --fp8-recipe / --fp8-margin are config fields).
-FP8_NOT_YET = {"--fp8-param-gather": "ZeRO all-gathering FP8 weights"}
+FP8_NOT_YET: dict = {}  # (every FP8 flag of Megatron-LM is implemented)
 UNSUPPORTED_FLAGS.update({flag: f"{what}, not implemented yet" for flag, what in FP8_NOT_YET.items()})
 # Flags that need a package or a device megatron-lite does not use: one line naming what is missing.
 NEEDS_PACKAGE_FLAGS = {

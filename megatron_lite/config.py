@@ -480,6 +480,8 @@ class TrainingConfig:
                                        store="true")
     num_layers_at_start_in_bf16: int = arg(1, "with --first-last-layers-bf16: first layers kept out of FP8")
     num_layers_at_end_in_bf16: int = arg(1, "with --first-last-layers-bf16: last layers kept out of FP8")
+    fp8_param_gather: bool = arg(False, "ZeRO-1/2/3 all-gather the FP8 GEMMs' updated weights in FP8 (half of "
+                                        "bf16's bytes); main params stay fp32", store="true")
     loss_scale: Optional[float] = arg(None, "constant fp16 loss scale; None: dynamic")
     initial_loss_scale: float = arg(2.0 ** 32, "first dynamic fp16 loss scale")
     min_loss_scale: float = arg(1.0, "smallest dynamic fp16 loss scale")
@@ -793,20 +795,34 @@ class Config:
                         ("--num-layers-at-end-in-bf16", t.num_layers_at_end_in_bf16)):
             _require(t.first_last_layers_bf16 or n == 1, f"{flag} needs --first-last-layers-bf16")
             _require(0 <= n <= most, f"{flag} ({n}) must be between 0 and the layers per pipeline stage ({most})")
-        if moe is not None and moe.num_experts:
-            _require(t.fp8_recipe != "delayed", "FP8 delayed scaling with MoE layers is not implemented yet (the "
-                                                "experts' amax histories): use --fp8-recipe tensorwise, rowwise or "
-                                                "blockwise")
-        _require(p.cp == 1, "FP8 with --context-parallel-size > 1 is not implemented yet (the amax is not reduced "
-                            "over CP): drop one of them")
+        if t.fp8_param_gather:  # fp8_param_gather.py
+            _require(t.fp8_recipe == "tensorwise", f"--fp8-param-gather needs --fp8-recipe tensorwise (one FP8 copy of "
+                     f"a weight; {t.fp8_recipe} scales it differently for each of its GEMMs)")
+            _require(p.zero_stage > 0, "--fp8-param-gather needs --use-distributed-optimizer or --zero-stage 1|2|3 "
+                                       "(at --zero-stage 0 nothing is gathered)")
         # MLA's replicated down-projections see partial input gradients on each TP rank (summed after): FP8
         # would quantize the partial sums, not the single process's whole gradient.
         _require(not (self.model.multi_latent_attention and p.tp > 1),
                  "FP8 with --multi-latent-attention at --tensor-model-parallel-size > 1 is not implemented yet (it "
                  "would not reproduce the single-process run): use TP 1, or drop one of them")
+        ep = p.expert_model_parallel_size
+        if moe is not None and moe.num_experts and p.cp > 1:  # fp8.py: an expert's tokens, whole or reduced over CP
+            _require(ep == 1 or ep % p.cp == 0, f"FP8 MoE with --expert-model-parallel-size {ep} and "
+                     f"--context-parallel-size {p.cp}: EP must be 1 or a multiple of CP (so an expert's tokens "
+                     f"are on one rank or split over whole CP groups)")
+        if t.fp8_recipe in ("tensorwise", "rowwise"):
+            return
+        # Delayed and blockwise scaling are proven at TP / SP / DP / PP for dense layers only so far.
+        recipe = f"FP8 {t.fp8_recipe} scaling"
         if moe is not None and moe.num_experts:
-            _require(not moe.moe_grouped_gemm, "FP8 with --moe-grouped-gemm is not implemented yet: drop one of them")
-            _require(p.tp == 1, "FP8 with MoE at --tensor-model-parallel-size > 1 is not implemented yet")
+            _require(t.fp8_recipe != "delayed", f"{recipe} with MoE layers is not implemented yet (the experts' amax "
+                                                f"histories): use --fp8-recipe tensorwise, rowwise or blockwise")
+            _require(not moe.moe_grouped_gemm, f"{recipe} with --moe-grouped-gemm is not implemented yet: use "
+                                               f"--fp8-recipe tensorwise or rowwise")
+            _require(p.tp == 1, f"{recipe} with MoE at --tensor-model-parallel-size > 1 is not implemented yet: use "
+                                f"--fp8-recipe tensorwise or rowwise")
+        _require(p.cp == 1, f"{recipe} with --context-parallel-size > 1 is not implemented yet: use --fp8-recipe "
+                            f"tensorwise or rowwise")
 
     def _validate_pipeline(self, num_microbatches: int) -> None:
         from .parallel.pipeline.partition import LayerSplit, stage_layer_ranges

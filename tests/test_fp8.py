@@ -125,6 +125,61 @@ def test_tp2_sp_equals_the_single_process_fp8_run(recipe):
     assert_same_run(ref, got, rtol=1e-4, grad_norm_rtol=1e-6, params=params, ref_params=ref_params)
 
 
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2"]
+RUN_LAYOUTS = {  # name: (world, the model's flags, the layout's flags)
+    "cp2": (2, [], ["--context-parallel-size", "2"]),
+    "dp2-zero1": (2, [], ["--zero-stage", "1"]),  # each rank one of the reference's two micro-batches
+    "dp2-zero3": (2, [], ["--zero-stage", "3"]),  # the GEMMs see the gathered weight: its scale is the full one's
+    "moe-tp2-sp": (2, MOE, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "moe-grouped-tp2-etp2-sp": (2, MOE + ["--moe-grouped-gemm"], ["--tensor-model-parallel-size", "2",
+                                "--sequence-parallel", "--expert-tensor-parallel-size", "2"]),
+    "selective-recompute": (1, [], ["--recompute-granularity", "selective"]),
+    "moe-layer-recompute": (1, MOE, ["--moe-layer-recompute"]),
+    "moe-ep2": (2, MOE, ["--expert-model-parallel-size", "2"]),  # each expert's rows of two micro-batches
+    "moe-zb-h1-pp2": (2, MOE + ["--num-layers", "4", "--global-batch-size", "8", "--micro-batch-size", "1"],
+                      ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"]),  # deferred W GEMMs
+}
+
+
+def _one_recipe_each(layouts):
+    """(layout, recipe) for each layout and recipe; the default suite runs one recipe per layout."""
+    return [pytest.param(name, recipe, marks=() if (i + j) % 2 == 0 else pytest.mark.slow)
+            for i, name in enumerate(layouts) for j, recipe in enumerate(["tensorwise", "rowwise"])]
+
+
+@pytest.mark.parametrize("layout,recipe", _one_recipe_each(RUN_LAYOUTS))
+def test_each_layout_equals_the_single_process_fp8_run(layout, recipe):
+    world, model, extra = RUN_LAYOUTS[layout]
+    ref, ref_params = _run(1, _argv(recipe, model))
+    got, params = _run(world, _argv(recipe, model + extra))
+    if "--expert-model-parallel-size" in extra:  # the gathered parameters hold this rank's experts only:
+        params = ref_params = None  # the losses and the gradient norm (all experts' gradients) say it
+    assert_same_run(ref, got, rtol=1e-4, grad_norm_rtol=1e-5, params=params, ref_params=ref_params)
+
+
+@pytest.mark.parametrize("stage,extra,world", [(1, [], 2), (2, ["--overlap-param-gather"], 2), (1, MOE, 2), (3, [], 2),
+                                               pytest.param(1, ["--tensor-model-parallel-size", "2",
+                                                                "--sequence-parallel"], 4, marks=pytest.mark.slow)])
+def test_fp8_param_gather_moves_fp8_bytes_and_equals_the_plain_gather(stage, extra, world):
+    """DP2 ZeRO-1/2/3 (+ overlapped gather, + MoE: experts gathered over DP too): the gathered FP8
+    weights give the run of the plain gather to fp32 rounding (the parameters read back are the
+    owners' exact ones), and the parameter all-gathers move one byte per element of an FP8 GEMM's
+    weight instead of four (fp32 params), the other parameters as before."""
+    argv = _argv("tensorwise", extra + ["--zero-stage", str(stage), "--log-comm-volume"])
+    ref, ref_params = _run(world, argv)
+    got, params = _run(world, argv + ["--fp8-param-gather"])
+    assert_same_run(ref, got, rtol=1e-5, grad_norm_rtol=1e-5, params=params, ref_params=ref_params)
+    fp8_numel = sum(v.numel() for k, v in ref_params.items()
+                    if k.endswith(("linear_q.weight", "linear_kv.weight", "linear_proj.weight", "linear_fc1.weight",
+                                   "linear_fc2.weight", "experts.weight1", "experts.weight2")))
+    fp8_numel //= world // 2  # a TP rank gathers its slices (the norms whole)
+    saved = ref[-1]["comm_bytes"]["all_gather"] - got[-1]["comm_bytes"]["all_gather"]
+    # 3 bytes an FP8 element per gather (ZeRO-3: forward and backward), less what padding the
+    # uneven parts of each bucket to one size costs (a few elements)
+    most = 3 * fp8_numel * (2 if stage == 3 else 1)
+    assert 0.98 * most <= saved <= most, (saved, most)
+
+
 def test_zero_bubble_pp2_equals_the_single_process_fp8_run():
     extra = ["--num-layers", "4", "--global-batch-size", "8", "--micro-batch-size", "1"]
     ref, ref_params = _run(1, _argv("tensorwise", extra))
@@ -165,9 +220,52 @@ def test_cli_trains_in_fp8_and_says_so(tmp_path):
      "error: --fp8-recipe mxfp8 needs Blackwell (sm100) GPUs and Transformer Engine's MXFP8 kernels: use tensorwise, "
      "rowwise, delayed or blockwise"),
     (["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--fp8-param-gather"],
-     "error: --fp8-param-gather (ZeRO all-gathering FP8 weights, not implemented yet) is not supported by "
-     "megatron-lite; remove it from the command line"),
+     "error: --fp8-param-gather needs --use-distributed-optimizer or --zero-stage 1|2|3 (at --zero-stage 0 nothing "
+     "is gathered)"),
+    (["--fp8-format", "e4m3", "--fp8-recipe", "rowwise", "--fp8-param-gather", "--use-distributed-optimizer"],
+     "error: --fp8-param-gather needs --fp8-recipe tensorwise (one FP8 copy of a weight; rowwise scales it "
+     "differently for each of its GEMMs)"),
 ])
 def test_refused_fp8_flags_give_one_line(flags, line):
     proc = _cli(*flags, "--train-iters", "1")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == line and "Traceback" not in proc.stderr
+
+
+# --- MoE: the experts' GEMMs in FP8 at every layout ----------------------------------------------
+FP8_MOE_LAYOUTS = {  # name: (world, tp, cp, ep, etp, sp): each rank's share of one replica's tokens
+    "tp2-etp1-sp": (2, 2, 1, 1, 1, True),  # whole experts, each TP rank routing its own tokens
+    "tp2-etp1": (2, 2, 1, 1, 1, False),
+    "tp2-etp2-sp": (2, 2, 1, 1, 2, True),  # experts split over TP, tokens gathered
+    "cp2": (2, 1, 2, 1, 1, False),  # whole experts, each CP rank routing its chunk
+    "ep2-cp2": (2, 1, 2, 2, 1, False),  # EP over the CP ranks: an expert's tokens on its owner
+    # EP over DP: an expert's rows of two micro-batches, quantized one micro-batch at a time
+    "ep2": (2, 1, 1, 2, 1, False),
+    "ep4": (4, 1, 1, 4, 1, False),
+    "ep2-dp4": (4, 1, 1, 2, 1, False),
+    "ep2-tp2-etp1-sp": (4, 2, 1, 2, 1, True),
+    "ep2-tp2-etp2-sp": (4, 2, 1, 2, 2, True),
+    "ep2-cp2-dp2": (4, 1, 2, 2, 1, False),
+}
+
+
+@pytest.mark.parametrize("layout,recipe", _one_recipe_each(FP8_MOE_LAYOUTS))
+def test_fp8_moe_layer_at_each_layout_equals_the_single_process_layer(layout, recipe):
+    """Experts (grouped GEMM: the FP8 loop), shared expert and its gate; the router stays precise."""
+    from test_moe_parallel import DEEPSEEK_LIKE, MIXTRAL_LIKE, check_layout
+    cp = FP8_MOE_LAYOUTS[layout][2]
+    cfg_kw = dict(DEEPSEEK_LIKE if cp > 1 else MIXTRAL_LIKE, moe_grouped_gemm=True)
+    check_layout(cfg_kw, FP8_MOE_LAYOUTS[layout], fp8=("hybrid", recipe), rtol=1e-4)
+
+
+def test_fp8_moe_with_ep_not_a_multiple_of_cp_is_refused():
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.errors import ConfigError
+    from models.zoo import zoo
+    argv = TINY + LLAMA_SWITCHES + MOE + ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise",
+                                          "--context-parallel-size", "4", "--expert-model-parallel-size", "2"]
+    cfg = parse_args(argv, zoo()).finalize(8)
+    with pytest.raises(ConfigError, match=r"^FP8 MoE with --expert-model-parallel-size 2 and --context-parallel-size "
+                                          r"4: EP must be 1 or a multiple of CP"):
+        cfg.validate(8)
+    cfg.parallel.expert_model_parallel_size = 4
+    cfg.validate(8)

@@ -6,6 +6,7 @@ micro-batch (so DP x 1 micro-batch logs what 1 x DP micro-batches does)."""
 import pytest
 import torch
 
+from megatron_lite.parallel.fp8 import Float8GemmPath
 from megatron_lite.parallel.state import ParallelDims
 from megatron_lite.testing import assert_close, run_distributed
 from tests.moe_helpers import build_layer, full_grads, full_state, load_full_state
@@ -44,10 +45,15 @@ def _forward_backward(layer, x, probe):
     return y.detach(), xf.grad, xa.grad
 
 
-def _reference(rank, world, cfg_kw, replicas):
+def _gemm(dims, fp8):
+    """The layer's GemmPath: FP8 (test_fp8) with `fp8` = (format, recipe), else the default."""
+    return Float8GemmPath(dims, *fp8) if fp8 else None
+
+
+def _reference(rank, world, cfg_kw, replicas, fp8=None):
     """EP 1 in one process; each replica's batch is one more micro-batch, gradients summed."""
     dims = ParallelDims().build_groups()
-    layer, tracker = build_layer(cfg_kw, dims, H)
+    layer, tracker = build_layer(cfg_kw, dims, H, gemm=_gemm(dims, fp8))
     load_full_state(layer, full_state(layer, seed=3))
     out, grads = [], {n: 0 for n, _ in layer.named_parameters()}
     for r in range(replicas):
@@ -58,9 +64,9 @@ def _reference(rank, world, cfg_kw, replicas):
     return out, grads, tracker.reduce(dims)
 
 
-def _parallel(rank, world, cfg_kw, tp, cp, ep, etp, sp):
+def _parallel(rank, world, cfg_kw, tp, cp, ep, etp, sp, fp8=None):
     dims = ParallelDims.from_world(tp=tp, cp=cp, ep=ep, etp=etp)
-    layer, tracker = build_layer(cfg_kw, dims, H, sequence_parallel=sp)
+    layer, tracker = build_layer(cfg_kw, dims, H, sequence_parallel=sp, gemm=_gemm(dims, fp8))
     load_full_state(layer, full_state(layer, seed=3))
     x, probe = (_local(t, cp, dims.cp_rank, tp, dims.tp_rank, sp) for t in _replica_data(dims.dp_rank))
     y, x_grad, aux_x_grad = _forward_backward(layer, x, probe)
@@ -82,12 +88,12 @@ LAYOUTS = {  # name: (world, tp, cp, ep, etp, sp)
 _REFERENCES = {}
 
 
-def _reference_run(cfg_kw, replicas):
+def _reference_run(cfg_kw, replicas, fp8=None):
     """The single-process run (expert loop, alltoall at EP 1), cached per config."""
     cfg_kw = dict(cfg_kw, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False)
-    key = (tuple(sorted(cfg_kw.items())), replicas)
+    key = (tuple(sorted(cfg_kw.items())), replicas, fp8)
     if key not in _REFERENCES:
-        _REFERENCES[key] = run_distributed(_reference, 1, cfg_kw, replicas)[0]
+        _REFERENCES[key] = run_distributed(_reference, 1, cfg_kw, replicas, fp8)[0]
     return _REFERENCES[key]
 
 
@@ -104,19 +110,26 @@ def _check_metrics(got, ref):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("dispatcher,grouped", [("alltoall", True), ("allgather", False)])
 def test_layer_matches_single_process(layout, dispatcher, grouped):
-    world, tp, cp, ep, etp, sp = LAYOUTS[layout]
+    cp = LAYOUTS[layout][2]
     # Under CP the DeepSeek-style router: per-sequence aux loss over the CP-split sequence.
     cfg_kw = dict(DEEPSEEK_LIKE if cp > 1 else MIXTRAL_LIKE, moe_token_dispatcher_type=dispatcher,
                   moe_grouped_gemm=grouped)
-    ref_out, ref_grads, ref_metrics = _reference_run(cfg_kw, world // (tp * cp))
-    for r in run_distributed(_parallel, world, cfg_kw, tp, cp, ep, etp, sp):
+    check_layout(cfg_kw, LAYOUTS[layout])
+
+
+def check_layout(cfg_kw, layout, fp8=None, rtol=1e-5):
+    """Every rank's output, input gradients, parameter gradients and statistics at `layout` equal
+    the single-process layer's (with the GemmPath of `fp8`, see _gemm)."""
+    world, tp, cp, ep, etp, sp = layout
+    ref_out, ref_grads, ref_metrics = _reference_run(cfg_kw, world // (tp * cp), fp8)
+    for r in run_distributed(_parallel, world, cfg_kw, tp, cp, ep, etp, sp, fp8):
         y, x_grad, aux_x_grad = (_local(t, cp, r["cp_rank"], tp, r["tp_rank"], sp) for t in ref_out[r["dp_rank"]])
-        assert_close(r["y"], y, rtol=1e-5, what="output")
-        assert_close(r["x_grad"], x_grad, rtol=1e-5, what="input grad")
+        assert_close(r["y"], y, rtol=rtol, what="output")
+        assert_close(r["x_grad"], x_grad, rtol=rtol, what="input grad")
         assert aux_x_grad.abs().sum() > 0
-        assert_close(r["aux_x_grad"], aux_x_grad, rtol=1e-5, what="aux-loss input grad")
+        assert_close(r["aux_x_grad"], aux_x_grad, rtol=rtol, what="aux-loss input grad")
         for name, g in ref_grads.items():
-            assert_close(r["grads"][name], g, rtol=1e-5, what=f"grad {name}")
+            assert_close(r["grads"][name], g, rtol=rtol, what=f"grad {name}")
         _check_metrics(r["metrics"], ref_metrics)
 
 

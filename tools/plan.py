@@ -98,6 +98,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         hw = _hardware(args)
         if args.world_size < 1:
             raise ConfigError(f"--world-size ({args.world_size}) must be >= 1: the GPUs of the run")
+        if cfg.training.fp8_format and not hw.fp8_rate:
+            raise ConfigError(f"--fp8-format needs FP8 tensor cores, which the {args.gpu} lacks: drop --fp8-format "
+                              f"or plan for --gpu H100 / H200")
         _prepare(cfg, args, argv)
         if not args.search:  # the layout of the flags must fill the world, as the trainer requires
             cfg.parallel.validate(args.world_size, cfg.model, cfg.training.seq_length)

@@ -238,7 +238,8 @@ class GradientSync:
                  bucket_size: Optional[int] = None, overlap_grad_reduce: bool = False,
                  overlap_param_gather: bool = False, grad_dtype: torch.dtype = torch.float32,
                  units: Optional[List[List[nn.Module]]] = None, dp_groups: Optional[Tuple[object, object]] = None,
-                 reducer=None, grad_reduce_once_per_step: bool = False, reshard_after_forward: bool = True):
+                 reducer=None, grad_reduce_once_per_step: bool = False, reshard_after_forward: bool = True,
+                 param_gather=None):
         """`units` (ZeRO-3): per chunk, the modules whose parameters are gathered and freed
         together (a model's transformer layers); the rest of a chunk is one more unit.
         `dp_groups` (distributed-optimizer instances): (shard group, replica group) of the dense
@@ -248,10 +249,11 @@ class GradientSync:
         micro-batches and reduce it once (less traffic, no gradient memory sharded during the
         step) instead of once per micro-batch; stages 0-1 always reduce once per step.
         `reshard_after_forward` (ZeRO-3): False keeps each unit gathered from its first use to the
-        end of the step (zero3.py)."""
+        end of the step (zero3.py). `param_gather` (--fp8-param-gather, stages 1-2): its start(bucket) gathers a bucket's updated params
+        instead of the plain all-gather (None where it does not apply)."""
         from .zero3 import ShardedParams, unit_params  # zero3 builds on Bucket: import late
 
-        self.dims, self.stage = dims, zero_stage
+        self.dims, self.stage, self.param_gather = dims, zero_stage, param_gather
         self.reducer = reducer if reducer is not None else PlainReducer(dims.comm)
         # The group dense buckets are sharded and reduced over, and (distributed-optimizer
         # instances only) the group each reduced shard is then summed over (None: one member).
@@ -470,7 +472,9 @@ class GradientSync:
         if self.stage not in (1, 2):
             return
         for b in self.buckets:
-            b.param_handle = self.dims.comm.all_gather(b.param_data, b.param_data[b.shard], b.group, async_op=True)
+            pending = self.param_gather.start(b) if self.param_gather is not None else None
+            b.param_handle = pending or self.dims.comm.all_gather(b.param_data, b.param_data[b.shard], b.group,
+                                                                  async_op=True)
         if not self.overlap_param_gather:
             self.wait_param_gather()
 
@@ -486,9 +490,13 @@ class GradientSync:
     @contextmanager
     def gathered_params(self):
         """Full, current parameters inside the block (collective over DP at ZeRO-3), e.g. to read
-        or save them; at ZeRO-3 they are sharded again on exit."""
+        or save them; at ZeRO-3 they are sharded again on exit. With --fp8-param-gather the other
+        ranks' shards are FP8 values: gathered again exactly from their owners."""
         self.wait_param_gather()
         if self.zero3 is None:
+            if self.param_gather is not None and self.stage in (1, 2):
+                for b in self.buckets:
+                    self.dims.comm.all_gather(b.param_data, b.param_data[b.shard], b.group)
             yield
             return
         self.zero3.gather_all()

@@ -5,12 +5,16 @@ in the operands' dtype; on the CPU the equivalent fp32 GEMM of the dequantised o
 Scale = fp8 max / amax / 2^margin per tensor (`tensorwise`), or per row of the left operand and
 per column of the right one, along the contracted dimension (`rowwise`, scales [M,1] x [1,N]).
 `--fp8-format hybrid` quantizes output gradients to e5m2, everything else to e4m3. An amax over a
-dimension split across TP ranks (row-parallel inputs and weights, column-parallel gradients,
-sequence-parallel activations) is MAX-all-reduced over the TP group, so the layout does not change
-the numerics. The per-tensor amax is reduced for every tensor (a replicated one keeps its value).
-Only the layers built with the path are FP8 (attention and MLP linears, experts), less a weight
-marked `keep_precision` (the output layer, and with --first-last-layers-bf16 those layers' weights);
-the embedding, norms and router are not built with it.
+dimension split across ranks is MAX-all-reduced over those ranks, so the layout does not change the
+numerics: the features over TP (row-parallel inputs and weights, column-parallel gradients, an
+expert's ffn slice at ETP = TP), the tokens over CP (and an expert's tokens over the TP ranks that
+each route their own share at ETP = 1; over CP unless EP hands every CP rank's tokens to the
+expert's one owner). The per-tensor amax is reduced over all of them (a replicated tensor keeps its
+value). Where EP over data-parallel ranks hands an expert the tokens of several micro-batches (the
+call's `batches`), each micro-batch's rows get their own scale, as in the single-process run. Only the layers built with the path are FP8 (attention and MLP linears, experts, shared
+experts), less a weight marked `keep_precision` (the output layer, and with --first-last-layers-bf16
+those layers' weights); the embedding, norms and router are not built with it. The experts' grouped GEMM is the loop of dense FP8 GEMMs over the experts
+(torch._scaled_grouped_mm has no CPU kernel in torch 2.13).
 
 `delayed` (fp8_delayed.py) scales each tensor by a scale from its amax history, a recipe state
 keyed by the weight's global name (`bind`); `blockwise` (fp8_blocks.py) scales 1x128 tiles of
@@ -113,23 +117,63 @@ class Float8GemmPath(GemmPath):
         return (f"{recipe} ({fmt}, margin {self.margin}) in the attention and MLP linears "
                 f"({gemms}){layers}; embedding, output layer, norms and router in {dtype}")
 
-    def new_call(self):
-        return {}  # forward records which dimension of the weight TP splits, and whether it stays plain
+    # the experts' GEMMs run as the loop over experts (experts.py), one dense FP8 GEMM each
+    grouped_kernel = False
 
-    def _reduce(self, amax):
-        self.dims.comm.all_reduce(amax, self.dims.tp_group, op=dist.ReduceOp.MAX)
+    def new_call(self, batches=None):
+        # forward records where the GEMM's dimensions are split, and whether it stays plain
+        return {"batches": batches}
 
-    def _mm(self, a, b, dtypes, reduce, out_dtype, call=None, roles=("input", "weight")):
-        """a [M,K] @ b [K,N] in fp8; reduce[i]: operand i's amax spans ranks (split K, or tensorwise);
-        roles: which of the GEMM's tensors a and b are (delayed scaling's histories, blocks)."""
+    def _splits(self, w):
+        """(the dimension of the 2-D weight `w` that TP splits or None, the groups splitting the tokens),
+        from w's ShardSpec or that of the stacked experts' weight it is one expert of."""
+        spec, shift = getattr(w, "shard_spec", None), 0
+        if spec is None and w._base is not None:
+            spec, shift = getattr(w._base, "shard_spec", None), w._base.dim() - w.dim()
+        split = next((s.dim - shift for s in spec.splits if s.axis == "tp"), None) if spec else None
+        d = self.dims
+        if d is None:
+            return split, []
+        expert = spec is not None and spec.split("ep") is not None
+        tokens = [d.cp_group] if d.cp > 1 and not (expert and d.ep > 1) else []  # EP % CP == 0 (config)
+        if expert and d.tp > 1 and d.etp == 1:
+            tokens.append(d.tp_group)  # every TP rank routes its share of the tokens to whole experts
+        return split, tokens
+
+    def _reducer(self, groups):
+        def reduce(amax):
+            for group in groups:  # MAX over each in turn: the MAX over all of them
+                self.dims.comm.all_reduce(amax, group, op=dist.ReduceOp.MAX)
+        return reduce if groups else None
+
+    def _by_batch(self, batches, groups):
+        """reduce(amax [M,1] per row): each row's amax becomes its micro-batch's (over `groups` too)."""
+        rows, n = batches
+
+        def reduce(amax):
+            per_batch = amax.new_zeros(n).scatter_reduce(0, rows, amax.view(-1), "amax")
+            if groups:
+                self._reducer(groups)(per_batch)
+            amax.copy_(per_batch[rows].view_as(amax))
+        return reduce
+
+    def _mm(self, a, b, dtypes, k_groups, out_dtype, call, roles=("input", "weight")):
+        """a [M,K] @ b [K,N] in fp8; k_groups: the groups splitting K (a rowwise amax spans them); a
+        tensorwise amax spans every group splitting any dimension of the GEMM. roles: which of the
+        GEMM's tensors a and b are (delayed scaling's histories, blocks)."""
         if self.recipe == "blockwise":  # blocks hold whole in a TP shard (bind): no amax spans ranks
             return blockwise_mm(a, b, dtypes, roles[1] == "weight", self.margin, out_dtype)
         rowwise = self.recipe == "rowwise"
-        split = self.dims is not None and self.dims.tp > 1
-        qa, sa = self._quantize(a, dtypes[0], 1 if rowwise else None,
-                                self._reduce if split and (reduce[0] or not rowwise) else None, call, roles[0])
-        qb, sb = self._quantize(b, dtypes[1], 0 if rowwise else None,
-                                self._reduce if split and (reduce[1] or not rowwise) else None, call, roles[1])
+        tp = [self.dims.tp_group] if self.dims is not None and self.dims.tp > 1 else []
+        reduce = self._reducer(k_groups if rowwise else tp + call["tokens"])
+        if call["batches"] is not None and not rowwise:
+            # an expert's rows (tokens) of several micro-batches: one scale per micro-batch, as in
+            # the single-process run, which quantizes one micro-batch at a time
+            qa, sa = quantize(a, dtypes[0], 1, self.margin, self._by_batch(call["batches"], tp + call["tokens"]))
+            qb, sb = quantize(b, dtypes[1], None, self.margin, reduce)
+            return scaled_mm(qa, qb, sa, sb.expand(1, b.shape[1]), out_dtype)
+        qa, sa = self._quantize(a, dtypes[0], 1 if rowwise else None, reduce, call, roles[0])
+        qb, sb = self._quantize(b, dtypes[1], 0 if rowwise else None, reduce, call, roles[1])
         return scaled_mm(qa, qb, sa, sb, out_dtype)
 
     def _quantize(self, t, dtype, dim, reduce, call, role):
@@ -141,6 +185,9 @@ class Float8GemmPath(GemmPath):
         scale = self.delayed.scale_of(name, role)
         return quantize(t, dtype, None, self.margin, reduce if scale is None else None, scale)
 
+    def _tp_if(self, split):
+        return [self.dims.tp_group] if split and self.dims is not None and self.dims.tp > 1 else []
+
     def forward(self, call, x, w, bias=None):
         # an expert's weight is a view of the stacked parameter (a parameter may be a view of a buffer)
         param = w if isinstance(w, torch.nn.Parameter) or w._base is None else w._base
@@ -150,33 +197,33 @@ class Float8GemmPath(GemmPath):
         if self.delayed is not None:
             call["name"] = getattr(w, "fp8_name", None)
             assert call["name"] is not None, "delayed scaling: bind() the model to the GEMM path first"
-        spec = getattr(w, "shard_spec", None)
-        call["split"] = next((s.dim for s in spec.splits if s.axis == "tp"), None) if spec else None
-        k_split = call["split"] == 1  # row parallel: x and W split along the contracted dimension
+        (w if w._base is None else w._base).fp8_gemm = True  # its ZeRO gathers may move FP8 (fp8_param_gather.py)
+        call["split"], call["tokens"] = self._splits(w)
+        k_split = self._tp_if(call["split"] == 1)  # row parallel: x and W split along the contracted dimension
         e4m3 = FORMATS["e4m3"]
-        y = self._mm(x.reshape(-1, x.shape[-1]), w.t(), (e4m3, e4m3), (k_split, k_split), x.dtype, call)
+        y = self._mm(x.reshape(-1, x.shape[-1]), w.t(), (e4m3, e4m3), k_split, x.dtype, call)
         y = y.reshape(*x.shape[:-1], w.shape[0]).detach()  # not a view: callers may modify it in place
         return y if bias is None else y + bias
 
     def input_grad(self, call, g, w):
         if call["plain"]:
             return super().input_grad(call, g, w)
-        n_split = call["split"] == 0  # column parallel: g and W split along the output features
-        g2 = self._mm(g.reshape(-1, g.shape[-1]), w, (self.grad_dtype, FORMATS["e4m3"]), (n_split, n_split), g.dtype,
-                      call, ("grad", "weight"))
+        n_split = self._tp_if(call["split"] == 0)  # column parallel: g and W split along the output features
+        g2 = self._mm(g.reshape(-1, g.shape[-1]), w, (self.grad_dtype, FORMATS["e4m3"]), n_split, g.dtype, call,
+                      ("grad", "weight"))
         return g2.reshape(*g.shape[:-1], w.shape[1])
 
     def weight_grad(self, call, g, x):
         if call["plain"]:
             return super().weight_grad(call, g, x)
-        # contracted over the tokens, which every TP rank holds whole (SP inputs are gathered)
-        return self._mm(g.reshape(-1, g.shape[-1]).t(), x.reshape(-1, x.shape[-1]),
-                        (self.grad_dtype, FORMATS["e4m3"]), (False, False), g.dtype, call, ("grad", "input"))
-
-    def grouped_forward(self, call, x, w, offs):
-        raise NotImplementedError("FP8 grouped GEMM")  # refused at configuration (--moe-grouped-gemm)
-
-    grouped_input_grad = grouped_weight_grad = grouped_forward
+        # contracted over the tokens (SP inputs are gathered again, CP's stay split)
+        g, x = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+        if call["batches"] is None:
+            return self._mm(g.t(), x, (self.grad_dtype, FORMATS["e4m3"]), call["tokens"], g.dtype, call,
+                            ("grad", "input"))
+        (rows, n), one = call["batches"], dict(call, batches=None)  # each micro-batch quantized alone, summed
+        return sum(self._mm(g[rows == i].t(), x[rows == i], (self.grad_dtype, FORMATS["e4m3"]), call["tokens"],
+                            g.dtype, one, ("grad", "input")) for i in range(n))
 
 
 def _layer_of(name: str):

@@ -45,12 +45,15 @@ class GemmPath:
     """Today's math in the operands' dtype. `deferrable`: built for a zero-bubble schedule, whose
     executor sets `deferring` around each B pass."""
 
+    grouped_kernel = True  # grouped_* are one kernel; False: the experts' GEMMs loop over the experts
+
     def __init__(self, deferrable: bool = False):
         self.deferrable, self.deferring = deferrable, False
         self.queue: list = []
 
-    def new_call(self):
-        """What one GEMM call's forward leaves to its backward: nothing here."""
+    def new_call(self, batches=None):
+        """What one GEMM call's forward leaves to its backward: nothing here. `batches`: (the
+        micro-batch of each input row, how many) where the rows come from several (EP over DP)."""
         return None
 
     # --- the primitives: x the input, w the weight [out, in], g the output gradient ----------------

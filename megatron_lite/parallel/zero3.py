@@ -85,6 +85,7 @@ class ShardedParams:
                  reshard_after_forward: bool = True):
         self.sync, self.reshard = sync, reshard_after_forward
         self.in_backward = False
+        self.exact = False  # gather the owners' exact params even under --fp8-param-gather
         self.units: List[_Unit] = []
         self.unit_of = {}
         for units in chunk_units:
@@ -107,12 +108,15 @@ class ShardedParams:
 
     # --- gather / free -----------------------------------------------------------------------
     def _gather(self, u: _Unit) -> None:
+        """Under --fp8-param-gather FP8 weights, unless `exact` (gather_all: to read the params)."""
+        fp8 = None if self.exact else self.sync.param_gather
         for part in u.parts:
             if part.full is not None:
                 continue
             b = part.bucket
             part.full = torch.empty(b.numel, dtype=b.dtype, device=b.device)
-            part.handle = self.sync.dims.comm.all_gather(part.full, b.param_shard, b.group, async_op=True)
+            pending = fp8.start(b, part.full, b.param_shard) if fp8 is not None else None
+            part.handle = pending or self.sync.dims.comm.all_gather(part.full, b.param_shard, b.group, async_op=True)
 
     def _ensure(self, u: _Unit) -> None:
         self._gather(u)
@@ -135,8 +139,12 @@ class ShardedParams:
         u.arrived = 0
 
     def gather_all(self) -> None:
-        for u in self.units:
-            self._ensure(u)
+        self.exact = True
+        try:
+            for u in self.units:
+                self._ensure(u)
+        finally:
+            self.exact = False
 
     def release_all(self) -> None:
         for u in self.units:
@@ -176,5 +184,6 @@ class ShardedParams:
 
     def _end_backward(self) -> None:
         self.in_backward = False
+        self.exact = False  # gather the owners' exact params even under --fp8-param-gather
         if self.reshard:
             self.release_all()

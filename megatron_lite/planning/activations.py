@@ -298,7 +298,19 @@ def step_memory(cfg: ModelConfig, lay: Layout, pp_rank: int, inventory, tp_rank:
             buffers["gathered_params"] = _walk(order, costs, deferred)[0] - peak
         else:  # every unit of every chunk, from its first use to the step's end
             buffers["gathered_params"] = sum(sum(units) for units in chunks)
+    if lay.fp8:
+        buffers["fp8_operands"] = _fp8_operands(cfg, lay, w)
     return StepMemoryEstimate(peak, inflight, buffers)
+
+
+def _fp8_operands(cfg: ModelConfig, lay: Layout, w: Widths) -> int:
+    """FP8 current scaling (parallel/fp8.py) keeps no FP8 copy: autograd saves the input and the
+    weight as they are, and each GEMM quantizes its two operands (one byte an element) for its own
+    time. The largest such pair: fc1's (or an expert's, or QKV's, if wider), over its three GEMMs."""
+    ffn = max(w.f, cfg.moe.moe_ffn_hidden_size // lay.etp if cfg.moe is not None else 0)
+    out = max((2 if cfg.swiglu else 1) * ffn, w.q + 2 * w.kv)
+    x, g, weight = w.tokens * w.h, w.tokens * out, out * w.h
+    return max(x + weight, g + weight, g + x)
 
 
 def _unit_param_bytes(cfg, lay, pp_rank, inventory) -> List[List[int]]:

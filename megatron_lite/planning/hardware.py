@@ -23,6 +23,7 @@ class Hardware:
     hbm_gbps: float  # memory bandwidth, for the optimizer step
     gpus_per_node: int = 8
     reserved_bytes: int = 3 * GiB  # CUDA context, NCCL buffers, allocator fragmentation
+    fp8_rate: float = 2.0  # dense FP8 GEMM rate over bf16's (Hopper: 1979 / 989 TFLOP/s); 0: no FP8 tensor cores
 
     def with_(self, **kw) -> "Hardware":
         return replace(self, **kw)
@@ -35,7 +36,7 @@ class Hardware:
 GPUS = {
     "H100": Hardware("H100-SXM 80GB", 80 * GiB, 989.0, 600.0, 360.0, 40.0, 50.0, 1.0, 3000.0),
     "H200": Hardware("H200-SXM 141GB", 141 * GiB, 989.0, 600.0, 360.0, 40.0, 50.0, 1.0, 4300.0),
-    "A100": Hardware("A100-SXM 80GB", 80 * GiB, 312.0, 200.0, 230.0, 20.0, 25.0, 1.0, 2000.0),
+    "A100": Hardware("A100-SXM 80GB", 80 * GiB, 312.0, 200.0, 230.0, 20.0, 25.0, 1.0, 2000.0, fp8_rate=0.0),
 }
 
 

@@ -43,6 +43,8 @@ class Layout:
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0
     split: LayerSplit = LayerSplit()  # layers per virtual stage when not even
+    fp8: Optional[str] = None  # the FP8 recipe of the layers' GEMMs (--fp8-recipe); None: none in FP8
+    fp8_param_gather: bool = False  # ZeRO gathers the FP8 GEMMs' weights in FP8
 
     @property
     def world_size(self) -> int:
@@ -88,6 +90,8 @@ class Layout:
             parts.append("SP")
         if self.recompute:
             parts.append(f"recompute {self.recompute}")
+        if self.fp8:
+            parts.append(f"FP8 {self.fp8}" + (" + FP8 param gather" if self.fp8_param_gather else ""))
         if self.pp > 1:
             parts.append(self.pipeline_schedule)
         parts.append(f"mbs {self.micro_batch_size} x {self.num_microbatches} micro-batches")
@@ -118,4 +122,5 @@ def from_config(cfg: Config, world_size: int) -> Layout:
                   overlap_grad_reduce=p.overlap_grad_reduce, overlap_param_gather=p.overlap_param_gather,
                   grad_reduce_once_per_step=p.grad_reduce_once_per_step,
                   reshard_after_forward=p.reshard_after_forward, optimizer_cpu_offload=t.optimizer_cpu_offload, optimizer_offload_fraction=t.optimizer_offload_fraction,
-                  split=LayerSplit.of(p))
+                  split=LayerSplit.of(p), fp8=t.fp8_recipe if t.fp8_format else None,
+                  fp8_param_gather=t.fp8_param_gather)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Tuple
 
+import torch
+
 from ..parallel.bucket_plan import BucketPlan, ParamInfo, offloaded_buckets, plan_buckets, state_bytes
 from ..parallel.pipeline.placement import StagePlacement
 from .layout import Layout
@@ -21,11 +23,30 @@ def stage_chunks(num_layers: int, lay: Layout, pp_rank: int) -> List[Tuple[Tuple
 
 
 def rank_buckets(num_layers: int, lay: Layout, pp_rank: int, inventory: Inventory) -> List[BucketPlan]:
-    plans: List[BucketPlan] = []
+    return [plan for plan, _ in rank_bucket_params(num_layers, lay, pp_rank, inventory)]
+
+
+def rank_bucket_params(num_layers: int, lay: Layout, pp_rank: int,
+                       inventory: Inventory) -> List[Tuple[BucketPlan, List[ParamInfo]]]:
+    """rank_buckets, each with its parameters' ParamInfo."""
+    out = []
     for layer_range, pre, post in stage_chunks(num_layers, lay, pp_rank):
         params = inventory(layer_range, pre, post, lay.tp, lay.ep, lay.etp)
-        plans += plan_buckets(params, lay.zero_stage, lay.buckets, lay.dp * lay.cp, lay.edp)
-    return plans
+        out += [(plan, [params[i] for i in plan.params])
+                for plan in plan_buckets(params, lay.zero_stage, lay.buckets, lay.dp * lay.cp, lay.edp)]
+    return out
+
+
+FP8_GEMM_WEIGHTS = (".linear_q.weight", ".linear_kv.weight", ".linear_qkv.weight", ".linear_proj.weight",
+                    ".linear_fc1.weight", ".linear_fc2.weight", ".experts.weight1", ".experts.weight2")
+
+
+def gathered_bytes(plan: BucketPlan, params: List[ParamInfo], fp8_param_gather: bool) -> int:
+    """Bytes of the bucket's full parameters as its all-gather moves them: with --fp8-param-gather
+    one byte an element of an FP8 GEMM's weight (parallel/fp8_param_gather.py)."""
+    elt = torch.empty((), dtype=plan.dtype).element_size()
+    fp8 = sum(p.numel for p in params if p.name.endswith(FP8_GEMM_WEIGHTS)) if fp8_param_gather else 0
+    return plan.numel * elt - fp8 * (elt - 1)
 
 
 def rank_state_bytes(num_layers: int, lay: Layout, pp_rank: int, inventory: Inventory) -> Dict[str, int]:

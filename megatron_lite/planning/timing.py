@@ -13,7 +13,9 @@ What overlaps (and so counts only where it sticks out):
 TP collectives, Ulysses and expert all-to-alls are on the critical path (no TP comm overlap here).
 FLOPs are what the layer types report (transformer/counts.py), in the MFU convention of
 training/flops.py (6N + 12 L H Q T per token, MoE counting the active experts), plus what
-recomputation redoes.
+recomputation redoes. With FP8 (parallel/fp8.py) the layers' weight GEMMs run at the hardware's
+FP8 rate; the attention core and the output layer stay at the bf16 rate (the casts and amax
+reductions are not counted).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from ..transformer.model_counts import MicroBatch, model_counts
 from .activations import element_size
 from .hardware import Hardware
 from .layout import Layout
-from .state import rank_buckets, stage_chunks
+from .state import gathered_bytes, rank_bucket_params, stage_chunks
 
 SIM_MAX_MICROBATCHES = 64  # longer schedules: the idle time of a schedule with fewer (it stops growing)
 
@@ -95,14 +97,16 @@ def step_time(cfg: ModelConfig, lay: Layout, hw: Hardware, inventory, pp_rank: i
     counts = model_counts(cfg, MicroBatch(seq_length=lay.seq_length))  # forward FLOPs per token
     attention = 3 * sum(layer.core_flops for layer in counts.layers)  # the core's, forward and backward
     logits = 3 * (counts.output.flops + counts.mtp.flops)  # the output GEMM and MTP's modules (last stage)
-    per_layer = (per_token - logits) / cfg.num_layers
+    core = attention / cfg.num_layers
+    # per token and layer, in FLOPs at the bf16 rate: FP8 weight GEMMs count 1 / fp8_rate of theirs
+    per_layer = ((per_token - logits) / cfg.num_layers - core) / (hw.fp8_rate if lay.fp8 else 1.0) + core
     redo = 0.0  # recomputed forward FLOPs per token and layer (a forward is a third of forward + backward)
     if lay.recompute == "full":
         per_chunk = cfg.num_layers // (p * v)
         share = 1.0 if lay.recompute_method == "uniform" else min(1.0, lay.recompute_num_layers / per_chunk)
         redo = share * per_layer / 3
     elif lay.recompute == "selective":
-        redo = attention / cfg.num_layers / 3
+        redo = core / 3
     # The pipeline runs at the pace of its busiest rank: the one with the output layer (and the
     # loss) does that GEMM, and the multi-token prediction modules, on top of its layers.
     work = []
@@ -150,7 +154,9 @@ def step_time(cfg: ModelConfig, lay: Layout, hw: Hardware, inventory, pp_rank: i
         rows = a * tokens_mb // lay.tp * cfg.moe.moe_router_topk * cfg.hidden_size
         ep = 4 * (lay.ep - 1) / lay.ep * rows * moe_layers * m / _bw(hw, lay.tp * lay.ep)
 
-    plans = rank_buckets(cfg.num_layers, lay, pp_rank, inventory)
+    buckets = rank_bucket_params(cfg.num_layers, lay, pp_rank, inventory)
+    plans = [b for b, _ in buckets]
+    gathered = {id(b): gathered_bytes(b, params, lay.fp8_param_gather) for b, params in buckets}
     d, g = lay.dp * lay.cp, element_size(lay.grad_dtype)
     dense = [b for b in plans if not b.expert]
     expert = [b for b in plans if b.expert]
@@ -162,7 +168,7 @@ def step_time(cfg: ModelConfig, lay: Layout, hw: Hardware, inventory, pp_rank: i
             continue
         bw = _bw(hw, lay.world_size // lay.pp if n == d else lay.tp * lay.dp * lay.cp)
         grad_full = sum(b.numel for b in group) * g
-        param_full = sum(b.numel * element_size(b.dtype) for b in group)
+        param_full = sum(gathered[id(b)] for b in group)
         frac = (n - 1) / n
         if lay.zero_stage == 0:
             reduce, gather = 2 * frac * grad_full / bw, 0.0

@@ -130,6 +130,7 @@ class DispatchState:
     out_splits: Optional[List[int]] = None
     etp_sizes: Optional[List[int]] = None
     chunk_sizes: Optional[torch.Tensor] = None  # [sources, local experts] rows at the experts
+    batches: Optional[tuple] = None  # (micro-batch of each expert row, how many): EP over DP brings several
 
 
 class AllToAllDispatcher:
@@ -155,6 +156,11 @@ class AllToAllDispatcher:
         # Rows arrive grouped by (source rank, local expert): regroup by local expert.
         state.chunk_sizes = received.reshape(-1, self.num_local_experts)
         rows = sort_chunks(rows, state.chunk_sizes)
+        replicas = self.ep // min(self.ep, self.dims.cp)  # EP spans whole CP groups (or is 1)
+        if replicas > 1:  # source s = etp_src * EP + ep_src, from the data-parallel replica ep_src // CP
+            source = torch.arange(state.chunk_sizes.shape[0]) % self.ep // (self.ep // replicas)
+            which = source.repeat(self.num_local_experts).to(rows.device)
+            state.batches = (which.repeat_interleave(state.chunk_sizes.t().reshape(-1).to(rows.device)), replicas)
         return rows, state.chunk_sizes.sum(0).tolist(), state
 
     def _exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
@@ -185,6 +191,7 @@ class AllGatherDispatcher:
 
     def dispatch(self, tokens: torch.Tensor, routing: Routing):
         probs, routing_map = routing.probs, routing.routing_map
+        per_source = tokens.shape[0]
         if group_size(self.group) > 1:
             # Each rank's experts give partial gradients of the gathered tokens: reduce-scatter.
             comm = self.dims.comm
@@ -194,7 +201,13 @@ class AllGatherDispatcher:
         first = self.dims.ep_rank * self.num_local_experts
         local = slice(first, first + self.num_local_experts)
         rows, weights, token_idx, counts = permute(tokens, routing_map[:, local], probs[:, local])
-        return rows, counts.tolist(), DispatchState(weights, token_idx, tokens.shape[0], tokens.dtype)
+        state = DispatchState(weights, token_idx, tokens.shape[0], tokens.dtype)
+        if group_size(self.group) > 1:  # the tokens of group rank i are rows [i n, (i + 1) n) of the gathered ones
+            replica = [self.dims.coords(r)[2] for r in self.dims.group_ranks["etp_ep"]]  # EP over DP: several
+            if len(set(replica)) > 1:
+                which = torch.tensor([sorted(set(replica)).index(d) for d in replica], device=rows.device)
+                state.batches = (which[token_idx // per_source], len(set(replica)))
+        return rows, counts.tolist(), state
 
     def combine(self, expert_output: torch.Tensor, state: DispatchState) -> torch.Tensor:
         # Sum in the weights' dtype across ranks (k > 1 experts, ETP partials), then cast.

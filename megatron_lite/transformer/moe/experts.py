@@ -53,14 +53,15 @@ class _ExpertsLinear(torch.autograd.Function):
     gradient may be deferred (zero-bubble's W pass)."""
 
     @staticmethod
-    def forward(ctx, x, w, gemm, tokens_per_expert, grouped):
+    def forward(ctx, x, w, gemm, tokens_per_expert, grouped, batches):
         ctx.save_for_backward(x, w)
         ctx.gemm, ctx.weight, ctx.sizes, ctx.grouped = gemm, w, tokens_per_expert, grouped
         if grouped:
             ctx.offs = torch.tensor(tokens_per_expert, device=x.device).cumsum(0).to(torch.int32)
             ctx.call = gemm.new_call()
             return gemm.grouped_forward(ctx.call, x, w, ctx.offs)
-        ctx.calls = [gemm.new_call() for _ in tokens_per_expert]
+        rows = batches[0].split(tokens_per_expert) if batches else [None] * len(tokens_per_expert)
+        ctx.calls = [gemm.new_call((r, batches[1])) if batches else gemm.new_call() for r in rows]
         return torch.cat([gemm.forward(c, xe, w[e]) for e, (c, xe) in enumerate(zip(ctx.calls, x.split(ctx.sizes)))])
 
     @staticmethod
@@ -81,12 +82,13 @@ class _ExpertsLinear(torch.autograd.Function):
             def weight_grad():
                 return (torch.stack([gemm.weight_grad(c, ge, xe) for c, ge, xe in pieces]),)
         grad_w, = gemm.param_grads((ctx.weight,), weight_grad) if need[1] else (None,)
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, None, None, None, None
 
 
 def experts_linear(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: List[int], gemm: GemmPath,
-                   grouped: bool) -> torch.Tensor:
-    return gemm_apply(_ExpertsLinear, gemm, x, w, gemm, tokens_per_expert, grouped)
+                   grouped: bool, batches=None) -> torch.Tensor:
+    """`batches`: (the micro-batch of each row of x, how many) where EP brings rows of several."""
+    return gemm_apply(_ExpertsLinear, gemm, x, w, gemm, tokens_per_expert, grouped and gemm.grouped_kernel, batches)
 
 
 class GroupedExperts(nn.Module):
@@ -125,10 +127,11 @@ class GroupedExperts(nn.Module):
                 raise ConfigError(f"moe_grouped_gemm needs the {name} ({size}) to be a multiple of {align} for "
                                   f"{dtype} (16-byte rows): change it or drop --moe-grouped-gemm")
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: List[int]) -> torch.Tensor:
-        """x [N, H] sorted by local expert, tokens_per_expert [E_local] -> [N, H]."""
+    def forward(self, x: torch.Tensor, tokens_per_expert: List[int], batches=None) -> torch.Tensor:
+        """x [N, H] sorted by local expert, tokens_per_expert [E_local] -> [N, H]; `batches`: see
+        experts_linear (the dispatcher's)."""
         def linear(inp, w):
-            return experts_linear(inp, w, tokens_per_expert, self.gemm, self.grouped_gemm)
+            return experts_linear(inp, w, tokens_per_expert, self.gemm, self.grouped_gemm, batches)
         return linear(activation_fn(linear(x, self.weight1), self.swiglu, self.activation, self.glu), self.weight2)
 
 

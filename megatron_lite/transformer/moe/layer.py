@@ -82,7 +82,7 @@ class MoELayer(nn.Module):
         tokens = local.reshape(s * b, h)
         routing = self.router(tokens, s, b)
         rows, tokens_per_expert, state = self.dispatcher.dispatch(tokens, routing)
-        out = self.dispatcher.combine(self.experts(rows, tokens_per_expert), state)
+        out = self.dispatcher.combine(self.experts(rows, tokens_per_expert, state.batches), state)
         out = self._all_tokens(out.view(s, b, h))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
