@@ -156,8 +156,9 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage: Optional[int] = arg(None, "layers per model chunk (sets the virtual size)")
     decoder_first_pipeline_num_layers: Optional[int] = arg(None, "layers of the first pipeline stage (uneven split)")
     decoder_last_pipeline_num_layers: Optional[int] = arg(None, "layers of the last pipeline stage (uneven split)")
-    pipeline_schedule: Optional[str] = arg(None, "pipeline schedule; None: 1f1b, or interleaved with virtual stages",
-                                           choices=["gpipe", "1f1b", "interleaved", "zb-h1"])
+    pipeline_schedule: Optional[str] = arg(None, "pipeline schedule; None: 1f1b, or interleaved with virtual stages; "
+                                                 "zb-v: zero-bubble V (two chunks per rank, V placement)",
+                                           choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"])
     sequence_parallel: bool = arg(False, "split norms and dropout along the sequence over TP", store="true")
     zero_stage: int = arg(0, "ZeRO stage: 1 shards the optimizer state over DP, 2 also the gradients, 3 also "
                              "the parameters (--use-distributed-optimizer: 1)", choices=[0, 1, 2, 3])
@@ -176,6 +177,18 @@ class ParallelConfig:
     @property
     def tp(self) -> int:
         return self.tensor_model_parallel_size
+
+    @property
+    def vpp(self) -> int:
+        """Model chunks per pipeline rank (the V schedules imply two)."""
+        from .parallel.pipeline.schedules import schedule_vpp
+        return schedule_vpp(self.pipeline_schedule, self.virtual_pipeline_model_parallel_size)
+
+    @property
+    def pp_placement(self) -> str:
+        """Which pipeline rank runs each virtual stage (parallel/pipeline/placement.py)."""
+        from .parallel.pipeline.schedules import schedule_placement
+        return schedule_placement(self.pipeline_schedule)
 
     def cp_a2a_size(self) -> int:
         """The all-to-all group size of hierarchical CP (a2a+p2p), 0 without it."""
@@ -635,17 +648,18 @@ class Config:
         p = self.parallel
         vpp = p.virtual_pipeline_model_parallel_size or 1
         _require(vpp == 1 or p.pp > 1, f"virtual pipeline stages ({vpp}) need --pipeline-model-parallel-size > 1")
+        if p.pp > 1 or p.pipeline_schedule is not None:
+            validate_schedule_args(p.pipeline_schedule or default_schedule(vpp), p.pp, num_microbatches, vpp,
+                                   self.model.num_layers)
+        vpp = p.vpp if p.pp > 1 else 1
         ranges = stage_layer_ranges(self.model.num_layers, p.pp, vpp, p.decoder_first_pipeline_num_layers,
-                                    p.decoder_last_pipeline_num_layers)
+                                    p.decoder_last_pipeline_num_layers, p.pp_placement)
         t = self.training
         if t.recompute_granularity == "full":
             most = max(end - start for start, end in ranges)
             _require(t.recompute_num_layers <= most,
                      f"--recompute-num-layers ({t.recompute_num_layers}) exceeds the {most} layers of a model chunk "
                      f"({self.model.num_layers} layers over {p.pp * vpp} pipeline stages); use at most {most}")
-        if p.pp > 1 or p.pipeline_schedule is not None:
-            validate_schedule_args(p.pipeline_schedule or default_schedule(vpp), p.pp, num_microbatches, vpp,
-                                   self.model.num_layers)
 
     def to_dict(self) -> dict:
         return {f.name: asdict(getattr(self, f.name)) for f in fields(self)}

@@ -19,7 +19,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron_lite import config as C
-from megatron_lite.errors import ConfigError
 from megatron_lite.parallel.gemm import keep_precision
 from megatron_lite.parallel.random import recompute
 from megatron_lite.parallel.sharding import replicated, set_spec, with_tie
@@ -262,13 +261,6 @@ def build_model(cfg: C.ModelConfig, ctx, *, seed: int = 1234, device=None, first
     if isinstance(ctx, ParallelDims):
         ctx = BuildContext(ctx, **context)
     dims = ctx.dims
-    first_rank, last_rank = dims.placement.end_ranks()
-    if not cfg.untie_embeddings_and_output_weights and dims.placement.num_stages > 1 and first_rank == last_rank:
-        # Two chunks of one rank would hold the embedding and its tied output copy, and nothing sums
-        # their gradients there (the embedding group is one rank): the copies would drift apart.
-        raise ConfigError(f"tied embeddings need the first and last pipeline stages on different ranks; the "
-                          f"{dims.placement.kind} placement puts both on rank {first_rank}: pass "
-                          f"--untie-embeddings-and-output-weights")
     if any(cfg.moe_layers()):  # on every rank, MoE layers on its stages or not: the metrics are collective
         moe_hooks(cfg, ctx)
     device = torch.device(device if device is not None else ctx.device if ctx.device is not None else "cpu")

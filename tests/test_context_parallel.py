@@ -12,7 +12,8 @@ from megatron_lite.parallel.state import ParallelDims
 from megatron_lite.testing import assert_close, assert_same_run, run_distributed
 from megatron_lite.transformer.spec import BuildContext
 from models.gpt import build_model, gpt_forward_step
-from training_utils import LLAMA_SWITCHES, TINY, merged_params, records_of, train_and_gather, train_in_process
+from training_utils import (LLAMA_SWITCHES, TINY, merged_params, records_of, single_process_reference, train_and_gather,
+                            train_in_process)
 
 BASE = TINY + ["--global-batch-size", "4", "--train-iters", "5"]
 DOCS = ["--reset-attention-mask", "--reset-position-ids"]
@@ -20,26 +21,17 @@ COMM = {"p2p": ["--cp-comm-type", "p2p"], "a2a": ["--cp-comm-type", "a2a"],
         "all_gather": ["--cp-comm-type", "allgather"],
         "a2a+p2p": ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"]}
 CASES = [(ct, cp) for ct in ("p2p", "a2a", "all_gather") for cp in (2, 4)] + [("a2a+p2p", 4)]
-_REFS = {}
 
 
 def _family(name):
     return LLAMA_SWITCHES if name == "llama" else []
 
 
-def _reference(argv):
-    key = tuple(argv)
-    if key not in _REFS:
-        results = run_distributed(train_and_gather, 1, argv)
-        _REFS[key] = records_of([r[0] for r in results]), merged_params(results)
-    return _REFS[key]
-
-
 def _assert_like_cp1(argv, world, extra):
     """Losses and grad norms to 1e-5; the final weights to 1e-4 (after 5 Adam steps, whose
     normalized updates amplify rounding differences in near-zero gradient elements; the
     gradients themselves are held to 1e-5 by test_loss_and_gradients_equal_cp1)."""
-    ref, ref_params = _reference(argv)
+    ref, ref_params = single_process_reference(argv)
     results = run_distributed(train_and_gather, world, argv + extra)
     assert_same_run(ref, records_of([r[0] for r in results]), grad_norm_rtol=1e-6, what=" ".join(extra))
     assert_same_run(ref, records_of([r[0] for r in results]), rtol=1e-4, params=merged_params(results),

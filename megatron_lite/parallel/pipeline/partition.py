@@ -7,12 +7,13 @@ from ...errors import ConfigError
 
 
 def stage_layer_ranges(num_layers: int, pp: int, vpp: int = 1, first: Optional[int] = None,
-                       last: Optional[int] = None) -> List[Tuple[int, int]]:
-    """[start, end) of global layer indices for each virtual stage, in virtual-stage order
-    (virtual stage = chunk * pp + pp_rank). Even split, or `first`/`last` layers on the first/last
-    stage and the rest even over the middle ones (no virtual stages then)."""
+                       last: Optional[int] = None, placement: str = "loop") -> List[Tuple[int, int]]:
+    """[start, end) of global layer indices for each virtual stage, in virtual-stage order. Even
+    split, or `first`/`last` layers on the first/last stage and the rest even over the middle ones
+    (no virtual stages then, except under the V placement, where both ends sit on rank 0 and the
+    embedding and the loss already weigh on it: fewer layers there balance the V)."""
     if first is not None or last is not None:
-        if vpp > 1:
+        if vpp > 1 and placement != "V":
             raise ConfigError("--decoder-first/last-pipeline-num-layers cannot be combined with virtual "
                               "pipeline stages; use one or the other")
         if pp == 1:
@@ -20,7 +21,7 @@ def stage_layer_ranges(num_layers: int, pp: int, vpp: int = 1, first: Optional[i
         for what, n in (("first", first), ("last", last)):
             if n is not None and n < 0:
                 raise ConfigError(f"--decoder-{what}-pipeline-num-layers ({n}) must be >= 0")
-        sizes = [None] * pp
+        sizes = [None] * (pp * vpp)
         if first is not None:
             sizes[0] = first
         if last is not None:
@@ -30,7 +31,7 @@ def stage_layer_ranges(num_layers: int, pp: int, vpp: int = 1, first: Optional[i
         if rest < 0 or (middle == 0 and rest != 0) or (middle and rest % middle):
             raise ConfigError(
                 f"num_layers ({num_layers}) minus the first ({first}) and last ({last}) stage layers must "
-                f"split evenly over the {middle} remaining pipeline stages; adjust the layer counts")
+                f"split evenly over the {middle} remaining (virtual) pipeline stages; adjust the layer counts")
         if middle and rest == 0:  # a middle stage without parameters: nothing to build or optimize
             raise ConfigError(f"num_layers ({num_layers}) minus the first ({first}) and last ({last}) stage layers "
                               f"leaves no layer for the {middle} middle pipeline stages; lower those counts")

@@ -67,5 +67,5 @@ class StagePlacement:
     def rank_chunks(self, rank: int, num_layers: int, first_stage_layers: Optional[int] = None,
                     last_stage_layers: Optional[int] = None) -> List[Tuple[Tuple[int, int], bool, bool]]:
         """(layer range, is first stage, is last stage) of each local chunk of `rank`."""
-        ranges = stage_layer_ranges(num_layers, self.pp, self.vpp, first_stage_layers, last_stage_layers)
+        ranges = stage_layer_ranges(num_layers, self.pp, self.vpp, first_stage_layers, last_stage_layers, self.kind)
         return [(ranges[self.stage(rank, c)], self.is_first(rank, c), self.is_last(rank, c)) for c in range(self.vpp)]

@@ -3,15 +3,16 @@
 One executor runs any of these lists and `simulator.py` replays the very same lists, so the
 schedule is defined once, here, as data.
 
-Stages. With p pipeline ranks and v model chunks per rank (v > 1 only for "interleaved"), a
-StagePlacement (placement.py) says which (rank, local chunk) runs virtual stage s. Every schedule
-here is written for the "loop" placement (chunk c on rank r is stage c * p + r); `place_comm`
-and the simulator take any placement.
+Stages. With p pipeline ranks and v model chunks per rank (v > 1 for "interleaved" and the V
+schedules), a StagePlacement (placement.py) says which (rank, local chunk) runs virtual stage s.
+The schedules are written for the "loop" placement (chunk c on rank r is stage c * p + r) except
+those of V_SCHEDULES, written for "V" with two chunks (`schedule_placement`); `place_comm` and
+the simulator take any placement.
 
 Actions (`Action(kind, microbatch, chunk)`, chunk = the LOCAL chunk index on this rank):
   F        forward of (microbatch, chunk).
-  B        backward for inputs only (the input gradient); zb-h1 only.
-  W        backward for weights only (needs the B of the same microbatch/chunk); zb-h1 only.
+  B        backward for inputs only (the input gradient); ZERO_BUBBLE schedules only.
+  W        backward for weights only (needs the B of the same microbatch/chunk); ZERO_BUBBLE only.
   BW       the whole backward (inputs and weights) in one pass: gpipe, 1f1b and interleaved
            use it, so their executor runs one plain autograd backward. Costs B + W.
   RECV_F   receive the input activation of F(mb, chunk) from the previous virtual stage.
@@ -58,8 +59,9 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 from megatron_lite.errors import ConfigError
 from megatron_lite.parallel.pipeline.placement import StagePlacement
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-ZERO_BUBBLE = ("zb-h1",)  # schedules that split backward into B and W (deferred weight gradients)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+ZERO_BUBBLE = ("zb-h1", "zb-v")  # schedules that split backward into B and W (deferred weight gradients)
+V_SCHEDULES = ("zb-v",)  # written for the V placement with two chunks per rank
 COMPUTE_KINDS = ("F", "B", "W", "BW")
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 # Unit costs used to place communication in the lists (the lists do not depend on real costs).
@@ -187,9 +189,68 @@ def _zb_h1(p: int, m: int, r: int) -> List[Action]:
     return order + [Action("W", j) for j in range(next_w, m)]
 
 
+def _zb_v(p: int, m: int) -> List[List[Action]]:
+    """ZB-V (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", section 6) on the V placement:
+    rank r holds stage r (chunk 0) and stage 2p-1-r (chunk 1), B is split from W.
+
+    The orders come from a greedy replay at unit costs (F = B = W = 1 per chunk), every rank
+    choosing at each free moment: a ready B (chunk 0 first: it feeds the end of the backward),
+    else a ready F (chunk 1 first: it finishes a micro-batch) while the rank holds fewer than
+    2p chunk activations (F started, B not done: p full stages, 1F1B's peak), chunk 1's F even
+    then (it runs only for a micro-batch whose chunk 0 is held, so the cap cannot deadlock),
+    else its oldest pending W. W's fill the warm-up and cool-down idle time. At F = B = W and
+    m >= 2p this reaches the lower bound 6m + p - 1 (the last rank waits p - 1 forwards for its
+    first input and never idles after): bubble (p - 1) / 6m, half of ZB-H1's."""
+    stages, cap = 2 * p, 2 * p
+    home = [(r, 0) for r in range(p)] + [(r, 1) for r in reversed(range(p))]  # stage -> (rank, chunk)
+    stage_of = {rc: s for s, rc in enumerate(home)}
+    done: Dict[Tuple[str, int, int], int] = {}  # (F|B, mb, stage) -> end time
+    orders: List[List[Action]] = [[] for _ in range(p)]
+    next_f, next_b = [[0, 0] for _ in range(p)], [[0, 0] for _ in range(p)]  # per chunk, in mb order
+    pending_w: List[List[Action]] = [[] for _ in range(p)]
+    live = [0] * p
+    t, left = 0, 6 * m * p
+
+    def ready(kind: str, r: int, c: int) -> bool:
+        i, s = (next_f if kind == "F" else next_b)[r][c], stage_of[(r, c)]
+        if i >= m:
+            return False
+        if kind == "F":
+            return s == 0 or done.get(("F", i, s - 1), t + 1) <= t
+        return done.get(("F", i, s), t + 1) <= t and (s == stages - 1 or done.get(("B", i, s + 1), t + 1) <= t)
+
+    while left:
+        finished = []
+        for r in range(p):
+            b = [c for c in (0, 1) if ready("B", r, c)]
+            f = [c for c in (1, 0) if ready("F", r, c) and (live[r] < cap or c == 1)]
+            if b:
+                a = Action("B", next_b[r][b[0]], b[0])
+                next_b[r][b[0]] += 1
+                pending_w[r].append(Action("W", a.microbatch, a.chunk))
+                live[r] -= 1
+            elif f:
+                a = Action("F", next_f[r][f[0]], f[0])
+                next_f[r][f[0]] += 1
+                live[r] += 1
+            elif pending_w[r]:
+                a = pending_w[r].pop(0)
+            else:
+                continue
+            orders[r].append(a)
+            finished.append((a.kind, a.microbatch, stage_of[(r, a.chunk)]))
+            left -= 1
+        for key in finished:
+            done[key] = t + 1
+        t += 1
+    return orders
+
+
 def compute_orders(name: str, pp_size: int, num_microbatches: int, vpp: int = 1) -> List[List[Action]]:
     """Compute actions only, per rank, in execution order."""
     p, m = pp_size, num_microbatches
+    if name == "zb-v":
+        return _zb_v(p, m)
     if name == "interleaved":
         return [_interleaved(p, m, r, vpp) for r in range(p)]
     make = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "zb-h1": _zb_h1}[name]
@@ -283,10 +344,20 @@ def default_schedule(vpp: Optional[int]) -> str:
     return "interleaved" if (vpp or 1) > 1 else "1f1b"
 
 
+def schedule_placement(name: str) -> str:
+    """The StagePlacement kind a schedule's lists are written for."""
+    return "V" if name in V_SCHEDULES else "loop"
+
+
+def schedule_vpp(name: Optional[str], vpp: Optional[int]) -> int:
+    """Model chunks per rank: the V schedules imply two when none are given."""
+    return 2 if name in V_SCHEDULES and vpp in (None, 1) else (1 if vpp is None else vpp)
+
+
 def validate_schedule_args(name: str, pp_size: int, num_microbatches: int, vpp: Optional[int] = 1,
                            num_layers: Optional[int] = None) -> None:
     """Raise ConfigError (one line: the values and the fix) if the schedule cannot run."""
-    p, m, v = pp_size, num_microbatches, 1 if vpp is None else vpp
+    p, m, v = pp_size, num_microbatches, schedule_vpp(name, vpp)
 
     def need(cond: bool, msg: str) -> None:
         if not cond:
@@ -296,7 +367,12 @@ def validate_schedule_args(name: str, pp_size: int, num_microbatches: int, vpp: 
     need(p >= 1, f"pipeline_model_parallel_size ({p}) must be >= 1")
     need(m >= 1, f"number of micro-batches ({m}) must be >= 1; raise --global-batch-size")
     need(v >= 1, f"virtual pipeline size ({v}) must be >= 1")
-    if name == "interleaved":
+    if name in V_SCHEDULES:
+        need(p >= 2, f"schedule {name!r} needs pipeline_model_parallel_size >= 2 (got {p}): its V places two "
+                     f"model chunks per rank down the ranks and back; raise --pipeline-model-parallel-size")
+        need(v == 2, f"schedule {name!r} runs exactly two model chunks per rank (got virtual pipeline size {v}); "
+                     f"drop --num-layers-per-virtual-pipeline-stage / --virtual-pipeline-model-parallel-size")
+    elif name == "interleaved":
         need(v > 1, f"schedule 'interleaved' needs virtual pipeline size > 1 (got {v}); "
                     f"set --num-layers-per-virtual-pipeline-stage or use --pipeline-schedule 1f1b")
         need(p >= 2, f"schedule 'interleaved' needs pipeline_model_parallel_size >= 2 (got {p}); "
@@ -312,7 +388,7 @@ def validate_schedule_args(name: str, pp_size: int, num_microbatches: int, vpp: 
     if num_layers is not None:
         need(num_layers >= p * v, f"num_layers ({num_layers}) must be >= pipeline stages ({p}) x virtual "
                                   f"stages ({v}) = {p * v}; lower the pipeline sizes or add layers")
-        if v > 1:
+        if v > 1 and name not in V_SCHEDULES:  # V: the partition decides (uneven ends allowed)
             need(num_layers % (p * v) == 0, f"num_layers ({num_layers}) must be divisible by pipeline stages "
                                             f"({p}) x virtual stages ({v}) = {p * v}; change --num-layers or "
                                             f"--num-layers-per-virtual-pipeline-stage")
@@ -320,6 +396,7 @@ def validate_schedule_args(name: str, pp_size: int, num_microbatches: int, vpp: 
 
 def build_schedule(name: str, pp_size: int, num_microbatches: int, vpp: Optional[int] = 1) -> List[List[Action]]:
     """Per-rank action lists (compute + comm) for one training step. See the module docstring."""
-    vpp = 1 if vpp is None else vpp
+    vpp = schedule_vpp(name, vpp)
     validate_schedule_args(name, pp_size, num_microbatches, vpp)
-    return place_comm(compute_orders(name, pp_size, num_microbatches, vpp), StagePlacement(pp_size, vpp))
+    placement = StagePlacement(pp_size, vpp, schedule_placement(name))
+    return place_comm(compute_orders(name, pp_size, num_microbatches, vpp), placement)
