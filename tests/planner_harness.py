@@ -91,6 +91,8 @@ LAYOUTS = [
     ("B  DP1 recompute selective", 1, MODEL_B + ["--recompute-granularity", "selective"]),
     ("B  PP2 1f1b", 2, MODEL_B + ["--pipeline-model-parallel-size", "2"] + GBS8),
     ("B  PP2 zb-h1", 2, MODEL_B + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"] + GBS8),
+    ("B  PP2 zb-v (V placement)", 2, MODEL_B + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-v"]
+     + GBS8),
     ("B  PP2 VPP2 interleaved", 2, MODEL_B + ["--pipeline-model-parallel-size", "2",
                                               "--num-layers-per-virtual-pipeline-stage", "1"] + GBS8),
     ("B  CP2 ring", 2, MODEL_B + ["--context-parallel-size", "2"]),

@@ -189,68 +189,64 @@ def _zb_h1(p: int, m: int, r: int) -> List[Action]:
     return order + [Action("W", j) for j in range(next_w, m)]
 
 
-def _zb_v(p: int, m: int) -> List[List[Action]]:
+def _zb_v(p: int, m: int, r: int) -> List[Action]:
     """ZB-V (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", section 6) on the V placement:
     rank r holds stage r (chunk 0) and stage 2p-1-r (chunk 1), B is split from W.
 
-    The orders come from a greedy replay at unit costs (F = B = W = 1 per chunk), every rank
-    choosing at each free moment: a ready B (chunk 0 first: it feeds the end of the backward),
-    else a ready F (chunk 1 first: it finishes a micro-batch) while the rank holds fewer than
-    2p chunk activations (F started, B not done: p full stages, 1F1B's peak), chunk 1's F even
-    then (it runs only for a micro-batch whose chunk 0 is held, so the cap cannot deadlock),
-    else its oldest pending W. W's fill the warm-up and cool-down idle time. At F = B = W and
-    m >= 2p this reaches the lower bound 6m + p - 1 (the last rank waits p - 1 forwards for its
-    first input and never idles after): bubble (p - 1) / 6m, half of ZB-H1's."""
-    stages, cap = 2 * p, 2 * p
-    home = [(r, 0) for r in range(p)] + [(r, 1) for r in reversed(range(p))]  # stage -> (rank, chunk)
-    stage_of = {rc: s for s, rc in enumerate(home)}
-    done: Dict[Tuple[str, int, int], int] = {}  # (F|B, mb, stage) -> end time
-    orders: List[List[Action]] = [[] for _ in range(p)]
-    next_f, next_b = [[0, 0] for _ in range(p)], [[0, 0] for _ in range(p)]  # per chunk, in mb order
-    pending_w: List[List[Action]] = [[] for _ in range(p)]
-    live = [0] * p
-    t, left = 0, 6 * m * p
+    Warm-up: 2(p-r)-1 forwards of chunk 0, r pairs (F chunk 1, F chunk 0), then p-r triples
+    F B W of chunk 1. Steady: F B W of chunk 0, then of chunk 1, per micro-batch. Cool-down: the
+    remaining B's, chunk 1 before chunk 0, then all their W's, which fill the drain. Every W
+    follows its B before the next F, so a rank holds at most 2p chunk activations until W (p
+    whole stages: 1F1B's peak). At F = B = W and m >= 2p - 1 the makespan is 6m + p - 1, the
+    least possible (the last rank waits p - 1 forwards for its first input and never idles
+    after): bubble (p - 1) / 6m, half of ZB-H1's, -> 0 as m grows; from m = p it is never worse
+    than ZB-H1 (below p it can be worse than 1F1B: validate_schedule_args refuses it)."""
+    order: List[Action] = []
+    done = {"F0": 0, "F1": 0, "B0": 0, "B1": 0}  # actions issued per kind and chunk, in mb order
 
-    def ready(kind: str, r: int, c: int) -> bool:
-        i, s = (next_f if kind == "F" else next_b)[r][c], stage_of[(r, c)]
-        if i >= m:
-            return False
-        if kind == "F":
-            return s == 0 or done.get(("F", i, s - 1), t + 1) <= t
-        return done.get(("F", i, s), t + 1) <= t and (s == stages - 1 or done.get(("B", i, s + 1), t + 1) <= t)
+    def add(kind: str, chunk: int, with_w: bool = False) -> None:
+        i = done[f"{kind}{chunk}"]
+        done[f"{kind}{chunk}"] += 1
+        order.append(Action(kind, i, chunk))
+        if with_w:
+            order.append(Action("W", i, chunk))
 
-    while left:
-        finished = []
-        for r in range(p):
-            b = [c for c in (0, 1) if ready("B", r, c)]
-            f = [c for c in (1, 0) if ready("F", r, c) and (live[r] < cap or c == 1)]
-            if b:
-                a = Action("B", next_b[r][b[0]], b[0])
-                next_b[r][b[0]] += 1
-                pending_w[r].append(Action("W", a.microbatch, a.chunk))
-                live[r] -= 1
-            elif f:
-                a = Action("F", next_f[r][f[0]], f[0])
-                next_f[r][f[0]] += 1
-                live[r] += 1
-            elif pending_w[r]:
-                a = pending_w[r].pop(0)
-            else:
-                continue
-            orders[r].append(a)
-            finished.append((a.kind, a.microbatch, stage_of[(r, a.chunk)]))
-            left -= 1
-        for key in finished:
-            done[key] = t + 1
-        t += 1
-    return orders
+    def can_f1() -> bool:  # chunk 1 of a micro-batch follows its chunk 0 (on the last rank too)
+        return done["F1"] < done["F0"]
+
+    for _ in range(min(m, 2 * (p - r) - 1)):
+        add("F", 0)
+    for _ in range(r):
+        if can_f1():
+            add("F", 1)
+        if done["F0"] < m:
+            add("F", 0)
+    for _ in range(p - r):
+        if can_f1():
+            add("F", 1)
+            add("B", 1, with_w=True)
+    while done["F0"] < m or can_f1():
+        if done["F0"] < m:
+            add("F", 0)
+        if done["B0"] < done["F0"]:
+            add("B", 0, with_w=True)
+        if can_f1():
+            add("F", 1)
+            add("B", 1, with_w=True)
+    drain: List[Action] = []
+    while done["B0"] < m or done["B1"] < m:
+        for c in (1, 0):
+            if done[f"B{c}"] < m:
+                drain.append(Action("W", done[f"B{c}"], c))
+                add("B", c)
+    return order + drain
 
 
 def compute_orders(name: str, pp_size: int, num_microbatches: int, vpp: int = 1) -> List[List[Action]]:
     """Compute actions only, per rank, in execution order."""
     p, m = pp_size, num_microbatches
     if name == "zb-v":
-        return _zb_v(p, m)
+        return [_zb_v(p, m, r) for r in range(p)]
     if name == "interleaved":
         return [_interleaved(p, m, r, vpp) for r in range(p)]
     make = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "zb-h1": _zb_h1}[name]
@@ -372,6 +368,9 @@ def validate_schedule_args(name: str, pp_size: int, num_microbatches: int, vpp: 
                      f"model chunks per rank down the ranks and back; raise --pipeline-model-parallel-size")
         need(v == 2, f"schedule {name!r} runs exactly two model chunks per rank (got virtual pipeline size {v}); "
                      f"drop --num-layers-per-virtual-pipeline-stage / --virtual-pipeline-model-parallel-size")
+        need(m >= p, f"schedule {name!r} needs at least as many micro-batches ({m}) as pipeline stages ({p}): "
+                     f"with fewer its warm-up runs dry and it can idle more than 1F1B; raise --global-batch-size "
+                     f"or use --pipeline-schedule 1f1b")
     elif name == "interleaved":
         need(v > 1, f"schedule 'interleaved' needs virtual pipeline size > 1 (got {v}); "
                     f"set --num-layers-per-virtual-pipeline-stage or use --pipeline-schedule 1f1b")
