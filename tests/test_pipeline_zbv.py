@@ -3,6 +3,9 @@ action lists are complete and deadlock-free for every p >= 2 and m >= p, reach t
 of the makespan at F = B = W from m = 2p - 1 (bubble (p - 1) / 6m, half of ZB-H1's, -> 0) at
 1F1B's peak of activations (counted until W), and whole training runs match the single-process run for tied (GPT-2, both ends
 on rank 0) and untied (Llama) embeddings, with recomputation, uneven stages, MoE, CP and ZeRO-1."""
+import subprocess
+import sys
+
 import pytest
 
 from megatron_lite.errors import ConfigError
@@ -10,7 +13,8 @@ from megatron_lite.parallel.pipeline.placement import StagePlacement
 from megatron_lite.parallel.pipeline.schedules import build_schedule, validate_schedule_args
 from megatron_lite.parallel.pipeline.simulator import check_schedule, simulate
 from megatron_lite.testing import assert_same_run, run_distributed
-from training_utils import LLAMA_SWITCHES, merged_params, records_of, single_process_reference, train_and_gather
+from training_utils import (LLAMA_SWITCHES, ROOT, losses_of, merged_params, records_of, single_process_reference,
+                            train_and_gather, train_in_process)
 
 
 def _v(p):
@@ -167,9 +171,6 @@ def test_zb_v_with_experts_at_ep2_defers_their_weight_gradients(family):
 
 
 def test_cli_compares_every_schedule_and_draws_each(tmp_path):
-    import subprocess
-    import sys
-    from training_utils import ROOT
     out = subprocess.run([sys.executable, "tools/pipeline_schedule.py", "--pp", "4", "--microbatches", "8",
                           "--schedule", "all", "--png", str(tmp_path / "t.png")],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -181,3 +182,18 @@ def test_cli_compares_every_schedule_and_draws_each(tmp_path):
     pytest.importorskip("matplotlib")
     for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"):
         assert (tmp_path / f"t-{name}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_checkpoint_of_zb_v_loads_at_pp1_and_back(tmp_path):
+    """GPT-2 (tied): a zb-v PP2 checkpoint (both embedding copies on rank 0) resumes on one
+    process, and a one-process checkpoint resumes under zb-v, each continuing the straight run."""
+    argv = BASE + ["--train-iters", "6"]
+    ref = single_process_reference(argv)[0]
+    pp2 = ["--pipeline-model-parallel-size", "2"] + ZBV
+    for saver, world_s, loader, world_l, name in ((pp2, 2, [], 1, "v"), ([], 1, pp2, 2, "one")):
+        ckpt = str(tmp_path / name)
+        first = losses_of(run_distributed(train_in_process, world_s, argv + saver + ["--save", ckpt,
+                                                                                  "--exit-interval", "3"]))
+        second = losses_of(run_distributed(train_in_process, world_l, argv + loader + ["--load", ckpt]))
+        assert_same_run([{"lm_loss": r["lm_loss"]} for r in ref], [{"lm_loss": x} for x in first + second],
+                        rtol=1e-5, what=name)
