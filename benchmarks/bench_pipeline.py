@@ -57,7 +57,6 @@ SCHEDULES = [  # (label, pp, schedule, vpp)
     ("zb-h1", PP, "zb-h1", 1),
     ("zb-v (V, vpp 2)", PP, "zb-v", 2),
 ]
-THEORY = {"interleaved": "(p-1)/(v m)", "zb-h1": "(p-1)/(3m)", "zb-v": "(p-1)/(6m) for m >= 2p-1"}
 
 
 def theory(schedule: str, p: int, m: int, v: int) -> float:

@@ -59,7 +59,7 @@ def _theory(name: str, p: int, m: int, v: int) -> str:
     if name == "zb-h1":
         return f"(p-1)/(3m) = {(p - 1) / (3 * m):.4f}"
     if name == "zb-v":
-        return f"(p-1)/(6m) = {(p - 1) / (6 * m):.4f} (reached for m >= 2p; 0 as m grows)"
+        return f"(p-1)/(6m) = {(p - 1) / (6 * m):.4f} (reached for m >= 2p - 1; 0 as m grows)"
     return f"(p-1)/m = {(p - 1) / m:.4f}"
 
 
