@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Pipeline schedules on CPU: step time and bubble of PP=4 with m=8 micro-batches for gpipe, 1f1b,
 interleaved (vpp 2), zb-h1 and zb-v (two chunks per rank, V placement), against PP=1 of the same
-model in the same run; and the simulator's bubble at F = B = W over pp and m (no training).
+model in the same run; and the simulator's bubble at F = B = W over pp and m (no training), with
+dualpipe-v (its F/B pairs serialized) too.
 
     python benchmarks/bench_pipeline.py              # real compute: GPT-2 style, 8 layers, h 512
     python benchmarks/bench_pipeline.py --emulate    # sleep-based stage costs on a tiny model
@@ -60,9 +61,9 @@ SCHEDULES = [  # (label, pp, schedule, vpp)
 
 
 def theory(schedule: str, p: int, m: int, v: int) -> float:
-    """Unit-cost bubble (idle / busy per rank) of each schedule (zb-v: from m >= 2p - 1)."""
-    return {"interleaved": (p - 1) / (v * m), "zb-h1": (p - 1) / (3 * m), "zb-v": (p - 1) / (6 * m)}.get(
-        schedule, (p - 1) / m)
+    """Unit-cost bubble (idle / busy per rank) of each schedule (zb-v, dualpipe-v: from m >= 2p - 1)."""
+    return {"interleaved": (p - 1) / (v * m), "zb-h1": (p - 1) / (3 * m), "zb-v": (p - 1) / (6 * m),
+            "dualpipe-v": (p - 1) / (6 * m)}.get(schedule, (p - 1) / m)
 
 
 def simulated(schedule: str, p: int, m: int, vpp: int, costs=(1.0, 1.0, 1.0), comm_cost: float = 0.0):
@@ -75,7 +76,7 @@ def simulated(schedule: str, p: int, m: int, vpp: int, costs=(1.0, 1.0, 1.0), co
 
 def simulate_table() -> None:
     """Max bubble per rank at F = B = W per layer (a chunk of v per rank costs 1/v: the same model)."""
-    rows = [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)]
+    rows = [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2), ("dualpipe-v", 2)]
     print("| pp | m | " + " | ".join(n + (" (v 2)" if v > 1 else "") for n, v in rows) + " |")
     print("|---|---|" + "---|" * len(rows))
     for p in (4, 8, 16):
@@ -90,6 +91,12 @@ def simulate_table() -> None:
                 res = simulated(name, p, m, v, costs=(1 / v,) * 3)[2]
                 cells.append(f"{max(res.bubble):.4f}")
             print(f"| {p} | {m} | " + " | ".join(cells) + " |")
+    print("\npp 4, m 16, other F,B,W costs per layer (the lists are made for equal costs):\n")
+    print("| F,B,W | " + " | ".join(n for n, _ in rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    for costs in ((1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 0.5), (1, 1.5, 0.5)):
+        cells = [f"{max(simulated(n, 4, 16, v, costs=tuple(c / v for c in costs))[2].bubble):.4f}" for n, v in rows]
+        print(f"| {','.join(f'{c:g}' for c in costs)} | " + " | ".join(cells) + " |")
 
 
 def model_flags(args) -> List[str]:

@@ -157,8 +157,9 @@ class ParallelConfig:
     decoder_first_pipeline_num_layers: Optional[int] = arg(None, "layers of the first pipeline stage (uneven split)")
     decoder_last_pipeline_num_layers: Optional[int] = arg(None, "layers of the last pipeline stage (uneven split)")
     pipeline_schedule: Optional[str] = arg(None, "pipeline schedule; None: 1f1b, or interleaved with virtual stages; "
-                                                 "zb-v: zero-bubble V (two chunks per rank, V placement)",
-                                           choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"])
+                                                 "zb-v: zero-bubble V, dualpipe-v: DualPipe-V (two chunks per rank, "
+                                                 "V placement)",
+                                           choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v"])
     sequence_parallel: bool = arg(False, "split norms and dropout along the sequence over TP", store="true")
     zero_stage: int = arg(0, "ZeRO stage: 1 shards the optimizer state over DP, 2 also the gradients, 3 also "
                              "the parameters (--use-distributed-optimizer: 1)", choices=[0, 1, 2, 3])

@@ -82,13 +82,30 @@ def test_other_costs_replay_without_deadlock(costs):
 @pytest.mark.parametrize("args,match", [
     (("zb-v", 1, 4, 1), r"'zb-v' needs pipeline_model_parallel_size >= 2 \(got 1\)"),
     (("zb-v", 4, 8, 3), r"'zb-v' runs exactly two model chunks per rank \(got virtual pipeline size 3\)"),
-    (("zb-v", 4, 3, 2), r"'zb-v' needs at least as many micro-batches \(3\) as pipeline stages \(4\)"),
+    (("zb-v", 4, 3, 2), r"'zb-v' needs at least 4 micro-batches with 4 pipeline ranks \(got 3\)"),
+    (("dualpipe-v", 4, 6, 2), r"'dualpipe-v' needs at least 7 micro-batches with 4 pipeline ranks \(got 6\)"),
+    (("dualpipe-v", 1, 6, 2), r"'dualpipe-v' needs pipeline_model_parallel_size >= 2"),
 ])
 def test_validation_errors(args, match):
     with pytest.raises(ConfigError, match=match) as err:
         validate_schedule_args(*args)
     assert "\n" not in str(err.value)
     validate_schedule_args("zb-v", 4, 4, None, num_layers=10)  # vpp implied, 10 layers over 8 stages: the partition's call
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_dualpipe_v_lists_bubble_and_memory(p):
+    """DualPipe-V with its F/B pairs serialized (backward first): complete and deadlock-free lists
+    for m >= 2p - 1, the same least makespan 6m + p - 1 as zb-v at F = B = W, and at most 2p
+    chunk activations per rank (1F1B's p whole stages; DeepSeek's table gives one more for
+    overlapped pairs, whose forward allocates before their backward frees)."""
+    for m in range(2 * p - 1, 3 * p + 1):
+        lists = build_schedule("dualpipe-v", p, m)
+        check_schedule(lists, _v(p))
+        kinds = [a.kind for lst in lists for a in lst]
+        assert kinds.count("F") == 2 * p * m and kinds.count("B") == kinds.count("W") > 0 and "BW" in kinds
+        res = simulate(lists, placement=_v(p))
+        assert res.makespan == 6 * m + p - 1 and max(res.peak_in_flight) == 2 * p, m
 
 
 def test_uneven_ends_need_the_v_placement():
@@ -105,10 +122,10 @@ BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
         "--attention-dropout", "0", "--hidden-dropout", "0", "--lr", "3e-3", "--eval-iters", "0"]
 ZBV = ["--pipeline-schedule", "zb-v"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2"]
-def _assert_like_single_process(base, world, extra, trace=False, keep=lambda name: True):
+def _assert_like_single_process(base, world, extra, trace=False, keep=lambda name: True, schedule="zb-v"):
     """Losses (1e-5), grad norms (1e-6) and the final parameters whose names `keep` accepts."""
     ref, ref_params = single_process_reference(base)
-    results = run_distributed(train_and_gather, world, base + ZBV + extra, trace)
+    results = run_distributed(train_and_gather, world, base + ["--pipeline-schedule", schedule] + extra, trace)
     params = {k: v for k, v in merged_params(results).items() if keep(k)}
     assert_same_run(ref, records_of([r[0] for r in results]), rtol=1e-5, grad_norm_rtol=1e-6, params=params,
                     ref_params={k: v for k, v in ref_params.items() if keep(k)}, what=" ".join(extra))
@@ -124,6 +141,13 @@ def test_gpt2_tied_pp2_matches_single_process_in_schedule_order():
                                                      "--distributed-timeout-minutes", "0.25"], trace=True)
     for _, _, trace, pp_rank in results:
         assert trace == build_schedule("zb-v", 2, 4)[pp_rank] * 3
+
+
+def test_dualpipe_v_gpt2_tied_pp2_matches_single_process_in_schedule_order():
+    results = _assert_like_single_process(BASE, 2, ["--pipeline-model-parallel-size", "2"], trace=True,
+                                          schedule="dualpipe-v")
+    for _, _, trace, pp_rank in results:
+        assert trace == build_schedule("dualpipe-v", 2, 4)[pp_rank] * 3
 
 
 LAYOUTS = {
@@ -160,14 +184,28 @@ def test_zb_v_layouts_match_single_process(family, layout, recompute):
     _assert_like_single_process(_base(family, extra), world, extra + RECOMPUTE[recompute])
 
 
+DUALPIPE_LAYOUTS = {**LAYOUTS, "pp4-m8": (4, LAYOUTS["pp4"][1] + ["--global-batch-size", "8"])}  # m >= 2p - 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,layout,recompute", [("llama", "pp2", "none"), ("gpt2", "pp4-m8", "none"),
+                                                     ("llama", "pp4-m8", "selective"), ("gpt2", "pp2", "full"),
+                                                     ("llama", "pp2-dp2-zero1", "none"), ("gpt2", "pp2-cp2", "none")])
+def test_dualpipe_v_layouts_match_single_process(family, layout, recompute):
+    world, extra = DUALPIPE_LAYOUTS[layout]
+    _assert_like_single_process(_base(family, extra), world, extra + RECOMPUTE[recompute], schedule="dualpipe-v")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_zb_v_with_experts_at_ep2_defers_their_weight_gradients(family):
-    """MoE at PP2 x EP2: the experts' weight GEMMs queue in B and run in W through the GemmPath.
+    """MoE at PP2 x EP2, zb-v and dualpipe-v: the experts' weight GEMMs queue in B and run in W through the GemmPath.
     The final weights compared are the dense ones (each EP rank holds half the experts, which
     the harness does not gather); the experts' show in the losses and grad norms."""
     extra = ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--global-batch-size", "8"]
-    _assert_like_single_process(_base(family, extra) + MOE, 4, extra, keep=lambda name: ".experts." not in name)
+    for schedule in ("zb-v", "dualpipe-v"):
+        _assert_like_single_process(_base(family, extra) + MOE, 4, extra, keep=lambda name: ".experts." not in name,
+                                    schedule=schedule)
 
 
 def test_cli_compares_every_schedule_and_draws_each(tmp_path):

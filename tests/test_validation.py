@@ -50,7 +50,7 @@ CASES = [
          "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "4"],
      ["two model chunks per rank (got virtual pipeline size 4)"]),
     (4, ["--pipeline-model-parallel-size", "4", "--num-layers", "8", "--pipeline-schedule", "zb-v",
-         "--micro-batch-size", "1", "--global-batch-size", "3"], ["micro-batches (3)", "pipeline stages (4)"]),
+         "--micro-batch-size", "1", "--global-batch-size", "3"], ["at least 4 micro-batches", "(got 3)"]),
     (2, ["--pipeline-model-parallel-size", "2", "--num-layers", "8", "--pipeline-schedule", "zb-v",
          "--decoder-first-pipeline-num-layers", "3", "--global-batch-size", "4"], ["first (3)", "(virtual) pipeline"]),
     # values that must not be silently replaced or crash deep inside

@@ -32,7 +32,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--vpp", type=int, default=1, help="model chunks per rank (virtual stages)")
     ap.add_argument("--microbatches", type=int, default=8, help="micro-batches per step")
     ap.add_argument("--schedule", default=None, help=f"one of {', '.join(SCHEDULES)}, or all; default: "
-                    "interleaved if --vpp > 1 else 1f1b (zb-v: two chunks per rank, V placement)")
+                    "interleaved if --vpp > 1 else 1f1b (zb-v, dualpipe-v: two chunks per rank, V placement)")
     ap.add_argument("--costs", default="1,1,1", help="F,B,W cost of one chunk's action (BW = B + W)")
     ap.add_argument("--comm-cost", type=float, default=0.0, help="time of one p2p transfer")
     ap.add_argument("--comm", default="lazy", choices=COMM_MODES,
@@ -58,7 +58,7 @@ def _theory(name: str, p: int, m: int, v: int) -> str:
         return f"(p-1)/(v*m) = {(p - 1) / (v * m):.4f}"
     if name == "zb-h1":
         return f"(p-1)/(3m) = {(p - 1) / (3 * m):.4f}"
-    if name == "zb-v":
+    if name in ("zb-v", "dualpipe-v"):
         return f"(p-1)/(6m) = {(p - 1) / (6 * m):.4f} (reached for m >= 2p - 1; 0 as m grows)"
     return f"(p-1)/m = {(p - 1) / m:.4f}"
 

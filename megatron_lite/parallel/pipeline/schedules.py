@@ -59,9 +59,9 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 from megatron_lite.errors import ConfigError
 from megatron_lite.parallel.pipeline.placement import StagePlacement
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
-ZERO_BUBBLE = ("zb-h1", "zb-v")  # schedules that split backward into B and W (deferred weight gradients)
-V_SCHEDULES = ("zb-v",)  # written for the V placement with two chunks per rank
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v")
+ZERO_BUBBLE = ("zb-h1", "zb-v", "dualpipe-v")  # schedules that split backward into B and W (deferred weight gradients)
+V_SCHEDULES = ("zb-v", "dualpipe-v")  # written for the V placement with two chunks per rank
 COMPUTE_KINDS = ("F", "B", "W", "BW")
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 # Unit costs used to place communication in the lists (the lists do not depend on real costs).
@@ -242,11 +242,73 @@ def _zb_v(p: int, m: int, r: int) -> List[Action]:
     return order + drain
 
 
+def _dualpipe_v(p: int, m: int, r: int) -> List[Action]:
+    """DualPipe-V (DeepSeek's DualPipe cut in half onto the V placement, as torchtitan runs it),
+    its overlapped pairs run one after the other: the eight phases of rank r are
+      1. 2(p-r-1) F of chunk 0          5. p-r-1 x (BW 1, then the pair BW 0 / F 1)
+      2. r+1 x (F 0, F 1)               6. r+1 x (B 1, B 0), W deferred from the middle on
+      3. p-r-1 x (B 1, W, F 1)          7. p-r-1 x (W, B 0 with W deferred)
+      4. m-2p+r+1 x (pair BW 1 / F 0, pair BW 0 / F 1)   8. r+1 W
+    A pair puts its backward first: serialized, that keeps the makespan at 6m + p - 1 for
+    F = B = W (the lower bound, as zb-v) and the activations at 2p chunks; with its forward
+    first, the chain of pairs across ranks stalls one unit per micro-batch. Deferred W's run
+    oldest first. Needs m >= 2p - 1 (phase 4 on rank 0)."""
+    order: List[Action] = []
+    done = {"F0": 0, "F1": 0, "B0": 0, "B1": 0}
+    weights: List[Action] = []
+
+    def f(c: int) -> None:
+        order.append(Action("F", done[f"F{c}"], c))
+        done[f"F{c}"] += 1
+
+    def b(c: int, defer_w: bool = False) -> None:
+        i = done[f"B{c}"]
+        done[f"B{c}"] += 1
+        order.append(Action("B" if defer_w else "BW", i, c))
+        if defer_w:
+            weights.append(Action("W", i, c))
+
+    def w() -> None:
+        order.append(weights.pop(0))
+
+    for _ in range(2 * (p - r - 1)):
+        f(0)
+    for _ in range(r + 1):
+        f(0)
+        f(1)
+    for _ in range(p - r - 1):
+        b(1, defer_w=True)
+        w()
+        f(1)
+    for _ in range(m - 2 * p + r + 1):
+        b(1)
+        f(0)
+        b(0)
+        f(1)
+    for _ in range(p - r - 1):
+        b(1)
+        b(0)
+        f(1)
+    defer = False
+    for i in range(r + 1):  # the second half of these backwards defer W (odd ranks from a B 1)
+        defer = defer or (i == (r + 1) // 2 and r % 2 == 1)
+        b(1, defer)
+        defer = defer or (i == (r + 1) // 2 and r % 2 == 0)
+        b(0, defer)
+    for _ in range(p - r - 1):
+        w()
+        b(0, defer_w=True)
+    while weights:
+        w()
+    return order
+
+
 def compute_orders(name: str, pp_size: int, num_microbatches: int, vpp: int = 1) -> List[List[Action]]:
     """Compute actions only, per rank, in execution order."""
     p, m = pp_size, num_microbatches
-    if name == "zb-v":
-        return [_zb_v(p, m, r) for r in range(p)]
+    if name in V_SCHEDULES:
+        make_v = _zb_v if name == "zb-v" else _dualpipe_v
+        return [make_v(p, m, r) for r in range(p)]
     if name == "interleaved":
         return [_interleaved(p, m, r, vpp) for r in range(p)]
     make = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "zb-h1": _zb_h1}[name]
@@ -368,9 +430,9 @@ def validate_schedule_args(name: str, pp_size: int, num_microbatches: int, vpp: 
                      f"model chunks per rank down the ranks and back; raise --pipeline-model-parallel-size")
         need(v == 2, f"schedule {name!r} runs exactly two model chunks per rank (got virtual pipeline size {v}); "
                      f"drop --num-layers-per-virtual-pipeline-stage / --virtual-pipeline-model-parallel-size")
-        need(m >= p, f"schedule {name!r} needs at least as many micro-batches ({m}) as pipeline stages ({p}): "
-                     f"with fewer its warm-up runs dry and it can idle more than 1F1B; raise --global-batch-size "
-                     f"or use --pipeline-schedule 1f1b")
+        least = p if name == "zb-v" else 2 * p - 1
+        need(m >= least, f"schedule {name!r} needs at least {least} micro-batches with {p} pipeline ranks (got {m}): "
+                         f"with fewer its warm-up runs dry; raise --global-batch-size or use --pipeline-schedule 1f1b")
     elif name == "interleaved":
         need(v > 1, f"schedule 'interleaved' needs virtual pipeline size > 1 (got {v}); "
                     f"set --num-layers-per-virtual-pipeline-stage or use --pipeline-schedule 1f1b")
