@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Pipeline schedules on CPU: step time and bubble of PP=4 with m=8 micro-batches for gpipe, 1f1b,
-interleaved (vpp 2), zb-h1 and zb-v (two chunks per rank, V placement), against PP=1 of the same
-model in the same run; and the simulator's bubble at F = B = W over pp and m (no training), with
-dualpipe-v (its F/B pairs serialized) too.
+interleaved (vpp 2), zb-h1, zb-v and dualpipe-v (two chunks per rank, V placement; dualpipe-v's F/B
+pairs serialized), against PP=1 of the same model in the same run; and the simulator's bubble at
+F = B = W over pp and m (no training).
 
     python benchmarks/bench_pipeline.py              # real compute: GPT-2 style, 8 layers, h 512
     python benchmarks/bench_pipeline.py --emulate    # sleep-based stage costs on a tiny model
@@ -57,6 +57,7 @@ SCHEDULES = [  # (label, pp, schedule, vpp)
     ("interleaved (vpp 2)", PP, "interleaved", 2),
     ("zb-h1", PP, "zb-h1", 1),
     ("zb-v (V, vpp 2)", PP, "zb-v", 2),
+    ("dualpipe-v (V, vpp 2)", PP, "dualpipe-v", 2),
 ]
 
 
@@ -168,7 +169,7 @@ def measure(label: str, pp: int, schedule: str, vpp: int, args) -> dict:
     argv = model_flags(args) + ["--pipeline-model-parallel-size", str(pp)]
     if pp > 1:
         argv += ["--pipeline-schedule", schedule]
-        if vpp > 1 and schedule == "interleaved":  # zb-v implies its two chunks
+        if vpp > 1 and schedule == "interleaved":  # the V schedules imply their two chunks
             argv += ["--virtual-pipeline-model-parallel-size", str(vpp)]
     pad = None
     if args.emulate:
