@@ -209,16 +209,17 @@ def test_zb_v_with_experts_at_ep2_defers_their_weight_gradients(family):
 
 
 def test_cli_compares_every_schedule_and_draws_each(tmp_path):
-    out = subprocess.run([sys.executable, "tools/pipeline_schedule.py", "--pp", "4", "--microbatches", "8",
+    out = subprocess.run([sys.executable, "tools/pipeline_schedule.py", "--pp", "2", "--microbatches", "4",
                           "--schedule", "all", "--png", str(tmp_path / "t.png")],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     table = out.stdout.split("\n\n")[0]
-    assert "zb-v           2       25.5      0.0625  4" in table  # 6m + p - 1 at half-stage chunk costs
-    assert "1f1b           1         33      0.3750  4" in table
-    assert "(p-1)/(6m) = 0.0625" in out.stdout and "F7.1" in out.stdout
+    assert "zb-v           2       12.5      0.0417  2" in table  # 6m + p - 1 at half-stage chunk costs
+    assert "dualpipe-v     2       12.5      0.0417  2" in table
+    assert "1f1b           1         15      0.2500  2" in table
+    assert "(p-1)/(6m) = 0.0417" in out.stdout and "F3.1" in out.stdout
     pytest.importorskip("matplotlib")
-    for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"):
+    for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v"):
         assert (tmp_path / f"t-{name}.png").read_bytes()[:4] == b"\x89PNG"
 
 
