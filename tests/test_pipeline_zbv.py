@@ -158,6 +158,8 @@ LAYOUTS = {
                        "--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "1"]),
     "pp2-dp2-zero1": (4, ["--pipeline-model-parallel-size", "2", "--zero-stage", "1", "--global-batch-size", "8"]),
     "pp2-cp2": (4, ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"]),
+    "pp2-dp2-zero2-overlap": (4, ["--pipeline-model-parallel-size", "2", "--zero-stage", "2", "--overlap-grad-reduce",
+                                  "--global-batch-size", "8"]),  # the tied buckets wait for the local sum
 }
 RECOMPUTE = {"none": [], "full": ["--recompute-granularity", "full", "--recompute-method", "uniform",
                                   "--recompute-num-layers", "1"], "selective": ["--recompute-granularity", "selective"]}
