@@ -1,8 +1,9 @@
-"""ZB-V (zero-bubble V schedule, two chunks per rank on the V placement, B split from W): the
-action lists are complete and deadlock-free for every p >= 2 and m >= p, reach the lower bound
-of the makespan at F = B = W from m = 2p - 1 (bubble (p - 1) / 6m, half of ZB-H1's, -> 0) at
-1F1B's peak of activations (counted until W), and whole training runs match the single-process run for tied (GPT-2, both ends
-on rank 0) and untied (Llama) embeddings, with recomputation, uneven stages, MoE, CP and ZeRO-1."""
+"""ZB-V and DualPipe-V (two chunks per rank on the V placement, B split from W): the action lists
+are complete and deadlock-free for every p >= 2 and m >= the schedule's minimum, reach the lower
+bound of the makespan at F = B = W from m = 2p - 1 (bubble (p - 1) / 6m, half of ZB-H1's, -> 0)
+at 1F1B's peak of activations (zb-v: counted until W), and whole training runs match the
+single-process run for tied (GPT-2, both ends on rank 0) and untied (Llama) embeddings, with
+recomputation, uneven stages, MoE at EP2, CP2, ZeRO-1/2 and a checkpoint across layouts."""
 import subprocess
 import sys
 
