@@ -91,7 +91,7 @@ def test_validation_errors(args, match):
     with pytest.raises(ConfigError, match=match) as err:
         validate_schedule_args(*args)
     assert "\n" not in str(err.value)
-    validate_schedule_args("zb-v", 4, 4, None, num_layers=10)  # vpp implied, 10 layers over 8 stages: the partition's call
+    validate_schedule_args("zb-v", 4, 4, None, num_layers=10)  # vpp implied; 10 layers over 8 stages: the partition
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 8])
