@@ -107,7 +107,7 @@ class _Totals:
 
 
 class _ListExecutor(PipelineExecutor):
-    """The executor on hand-written per-rank lists (no schedule name yields a V list yet)."""
+    """The executor on hand-written per-rank lists (a V-placed GPipe, which no schedule name yields)."""
 
     def __init__(self, lists, *args):
         super().__init__(*args)
