@@ -1,9 +1,12 @@
 #!/usr/bin/env python
 """Pipeline schedules on CPU: step time and bubble of PP=4 with m=8 micro-batches for gpipe, 1f1b,
-interleaved (vpp 2) and zb-h1, against PP=1 of the same model in the same run.
+interleaved (vpp 2), zb-h1, zb-v and dualpipe-v (two chunks per rank, V placement; dualpipe-v's F/B
+pairs serialized), against PP=1 of the same model in the same run; and the simulator's bubble at
+F = B = W over pp and m (no training).
 
     python benchmarks/bench_pipeline.py              # real compute: GPT-2 style, 8 layers, h 512
     python benchmarks/bench_pipeline.py --emulate    # sleep-based stage costs on a tiny model
+    python benchmarks/bench_pipeline.py --simulate   # bubble table for pp 4/8/16, m 8-64
 
 Every configuration trains warm-up + measured steps with the project's Trainer in forked gloo ranks
 (one torch thread each). In those ranks only, the benchmark wraps PipelineExecutor.run and
@@ -17,7 +20,7 @@ clock, so forked ranks' stamps compare) and busy = its compute actions' time: th
 megatron_lite.parallel.pipeline.simulator. The simulator's bubble replays the same action lists
 with the measured mean F, B, W (BW when fused) per chunk and no transfer time; "implied p2p" (--emulate)
 is the transfer time at which that replay matches the measured makespan. Unit-cost theory: (p-1)/m,
-(p-1)/(v m), (p-1)/(3m).
+(p-1)/(v m), (p-1)/(3m), (p-1)/(6m) (zb-v).
 
 --emulate pads every compute action with time.sleep to a fixed duration (layers in the chunk x
 --unit-ms x its F/B/W weight from --costs; BW = B + W). Ranks then mostly sleep, so four of them
@@ -39,7 +42,10 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 import torch  # noqa: E402
 
-from megatron_lite.parallel.pipeline.schedules import build_schedule  # noqa: E402
+from megatron_lite.errors import ConfigError  # noqa: E402
+from megatron_lite.parallel.pipeline.placement import StagePlacement  # noqa: E402
+from megatron_lite.parallel.pipeline.schedules import (  # noqa: E402
+    build_schedule, schedule_placement, schedule_vpp, validate_schedule_args)
 from megatron_lite.parallel.pipeline.simulator import simulate  # noqa: E402
 from megatron_lite.testing import run_distributed  # noqa: E402
 
@@ -50,7 +56,48 @@ SCHEDULES = [  # (label, pp, schedule, vpp)
     ("1f1b", PP, "1f1b", 1),
     ("interleaved (vpp 2)", PP, "interleaved", 2),
     ("zb-h1", PP, "zb-h1", 1),
+    ("zb-v (V, vpp 2)", PP, "zb-v", 2),
+    ("dualpipe-v (V, vpp 2)", PP, "dualpipe-v", 2),
 ]
+
+
+def theory(schedule: str, p: int, m: int, v: int) -> float:
+    """Unit-cost bubble (idle / busy per rank) of each schedule (zb-v, dualpipe-v: from m >= 2p - 1)."""
+    return {"interleaved": (p - 1) / (v * m), "zb-h1": (p - 1) / (3 * m), "zb-v": (p - 1) / (6 * m),
+            "dualpipe-v": (p - 1) / (6 * m)}.get(schedule, (p - 1) / m)
+
+
+def simulated(schedule: str, p: int, m: int, vpp: int, costs=(1.0, 1.0, 1.0), comm_cost: float = 0.0):
+    """(lists, simulator result) of a schedule at per-chunk costs, on the placement it is written for."""
+    vpp = schedule_vpp(schedule, vpp)
+    lists = build_schedule(schedule, p, m, vpp)
+    placement = StagePlacement(p, vpp, schedule_placement(schedule))
+    return lists, placement, simulate(lists, costs=costs, comm_cost=comm_cost, placement=placement)
+
+
+def simulate_table() -> None:
+    """Max bubble per rank at F = B = W per layer (a chunk of v per rank costs 1/v: the same model)."""
+    rows = [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2), ("dualpipe-v", 2)]
+    print("| pp | m | " + " | ".join(n + (" (v 2)" if v > 1 else "") for n, v in rows) + " |")
+    print("|---|---|" + "---|" * len(rows))
+    for p in (4, 8, 16):
+        for m in (8, 16, 32, 64):
+            cells = []
+            for name, v in rows:
+                try:
+                    validate_schedule_args(name, p, m, v)
+                except ConfigError:
+                    cells.append("-")
+                    continue
+                res = simulated(name, p, m, v, costs=(1 / v,) * 3)[2]
+                cells.append(f"{max(res.bubble):.4f}")
+            print(f"| {p} | {m} | " + " | ".join(cells) + " |")
+    print("\npp 4, m 16, other F,B,W costs per layer (the lists are made for equal costs):\n")
+    print("| F,B,W | " + " | ".join(n for n, _ in rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    for costs in ((1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 0.5), (1, 1.5, 0.5)):
+        cells = [f"{max(simulated(n, 4, 16, v, costs=tuple(c / v for c in costs))[2].bubble):.4f}" for n, v in rows]
+        print(f"| {','.join(f'{c:g}' for c in costs)} | " + " | ".join(cells) + " |")
 
 
 def model_flags(args) -> List[str]:
@@ -105,15 +152,16 @@ def _worker(rank: int, world: int, argv: List[str], pad: Optional[Dict[str, floa
             "loss": history[-1]["lm_loss"]}
 
 
-def implied_latency(lists, costs, makespan: float) -> float:
+def implied_latency(lists, placement, costs, makespan: float) -> float:
     """The per-transfer p2p time (simulator comm_cost) at which the replay's makespan equals the
     measured one: how much of the excess bubble the critical path's transfers would explain."""
     lo, hi = 0.0, makespan
-    if simulate(lists, costs=costs).makespan >= makespan:
+    if simulate(lists, costs=costs, placement=placement).makespan >= makespan:
         return 0.0
     for _ in range(30):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if simulate(lists, costs=costs, comm_cost=mid).makespan < makespan else (lo, mid)
+        fast = simulate(lists, costs=costs, comm_cost=mid, placement=placement).makespan < makespan
+        lo, hi = (mid, hi) if fast else (lo, mid)
     return lo
 
 
@@ -121,7 +169,7 @@ def measure(label: str, pp: int, schedule: str, vpp: int, args) -> dict:
     argv = model_flags(args) + ["--pipeline-model-parallel-size", str(pp)]
     if pp > 1:
         argv += ["--pipeline-schedule", schedule]
-        if vpp > 1:
+        if vpp > 1 and schedule == "interleaved":  # the V schedules imply their two chunks
             argv += ["--virtual-pipeline-model-parallel-size", str(vpp)]
     pad = None
     if args.emulate:
@@ -147,12 +195,12 @@ def measure(label: str, pp: int, schedule: str, vpp: int, args) -> dict:
     if pp > 1:
         out["bubble"] = [statistics.median(b) for b in bubbles]
         sim_costs = (cost["F"], cost["B"], cost["W"]) if "W" in cost else (cost["F"], cost["BW"], 0.0)
-        lists = build_schedule(schedule, pp, M, vpp)
-        out["sim"] = statistics.mean(simulate(lists, costs=sim_costs).bubble)
+        lists, placement, res = simulated(schedule, pp, M, vpp, sim_costs)
+        out["sim"] = statistics.mean(res.bubble)
         # Real compute on shared cores: action times depend on how many ranks run at once, so a
         # replay with mean costs does not model the makespan and no latency can be inferred.
-        out["latency"] = implied_latency(lists, sim_costs, out["fb_s"]) if args.emulate else None
-        out["theory"] = {"interleaved": (pp - 1) / (vpp * M), "zb-h1": (pp - 1) / (3 * M)}.get(schedule, (pp - 1) / M)
+        out["latency"] = implied_latency(lists, placement, sim_costs, out["fb_s"]) if args.emulate else None
+        out["theory"] = theory(schedule, pp, M, vpp)
     return out
 
 
@@ -191,7 +239,11 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--only", default=None, help="comma-separated schedules, e.g. gpipe,zb-h1 (PP=1 always runs)")
+    ap.add_argument("--simulate", action="store_true", help="only the simulator's bubble table (pp 4/8/16, m 8-64)")
     args = ap.parse_args(argv)
+    if args.simulate:
+        simulate_table()
+        return 0
     torch.set_num_threads(1)
     wanted = None if args.only is None else set(args.only.split(","))
     rows = [measure(*s, args) for s in SCHEDULES if wanted is None or s[1] == 1 or s[2] in wanted]

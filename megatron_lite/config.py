@@ -248,8 +248,10 @@ class ParallelConfig:
     account_for_loss_in_pipeline_split: bool = arg(
         False, "count the loss as a layer of the even pipeline split (the last stage gets one layer fewer)",
         store="true")
-    pipeline_schedule: Optional[str] = arg(None, "pipeline schedule; None: 1f1b, or interleaved with virtual stages",
-                                           choices=["gpipe", "1f1b", "interleaved", "zb-h1"])
+    pipeline_schedule: Optional[str] = arg(None, "pipeline schedule; None: 1f1b, or interleaved with virtual stages; "
+                                                 "zb-v: zero-bubble V, dualpipe-v: DualPipe-V (two chunks per rank, "
+                                                 "V placement)",
+                                           choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v"])
     sequence_parallel: bool = arg(False, "split norms and dropout along the sequence over TP", store="true")
     zero_stage: int = arg(0, "ZeRO stage: 1 shards the optimizer state over DP, 2 also the gradients, 3 also "
                              "the parameters (--use-distributed-optimizer: 1)", choices=[0, 1, 2, 3])
@@ -278,6 +280,18 @@ class ParallelConfig:
     @property
     def tp(self) -> int:
         return self.tensor_model_parallel_size
+
+    @property
+    def vpp(self) -> int:
+        """Model chunks per pipeline rank (the V schedules imply two)."""
+        from .parallel.pipeline.schedules import schedule_vpp
+        return schedule_vpp(self.pipeline_schedule, self.virtual_pipeline_model_parallel_size)
+
+    @property
+    def pp_placement(self) -> str:
+        """Which pipeline rank runs each virtual stage (parallel/pipeline/placement.py)."""
+        from .parallel.pipeline.schedules import schedule_placement
+        return schedule_placement(self.pipeline_schedule)
 
     def cp_a2a_size(self) -> int:
         """The all-to-all group size of hierarchical CP (a2a+p2p), 0 without it."""
@@ -836,16 +850,17 @@ class Config:
         split = LayerSplit.of(p)
         _require(split.even or p.pp > 1, "--pipeline-model-parallel-layout, --decoder-first/last-pipeline-num-layers "
                                          "and --account-for-*-in-pipeline-split need --pipeline-model-parallel-size > 1")
-        ranges = stage_layer_ranges(self.model.num_layers, p.pp, vpp, split)
+        if p.pp > 1 or p.pipeline_schedule is not None:
+            validate_schedule_args(p.pipeline_schedule or default_schedule(vpp), p.pp, num_microbatches, vpp,
+                                   self.model.num_layers if split.even else None)  # the split checked its own
+        vpp = p.vpp if p.pp > 1 else 1
+        ranges = stage_layer_ranges(self.model.num_layers, p.pp, vpp, split, p.pp_placement)
         t = self.training
         if t.recompute_granularity == "full":
             most = max(end - start for start, end in ranges)
             _require(t.recompute_num_layers <= most,
                      f"--recompute-num-layers ({t.recompute_num_layers}) exceeds the {most} layers of a model chunk "
                      f"({self.model.num_layers} layers over {p.pp * vpp} pipeline stages); use at most {most}")
-        if p.pp > 1 or p.pipeline_schedule is not None:
-            validate_schedule_args(p.pipeline_schedule or default_schedule(vpp), p.pp, num_microbatches, vpp,
-                                   self.model.num_layers if split.even else None)  # the split checked its own
 
     def to_dict(self) -> dict:
         return {f.name: asdict(getattr(self, f.name)) for f in fields(self)}

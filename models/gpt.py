@@ -20,7 +20,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron_lite import config as C
-from megatron_lite.errors import ConfigError
 from megatron_lite.parallel.gemm import keep_precision
 from megatron_lite.parallel.pipeline.partition import LayerSplit
 from megatron_lite.parallel.random import recompute
@@ -303,15 +302,13 @@ def build_model(cfg: C.ModelConfig, ctx, *, seed: int = 1234, device=None, first
         ctx = BuildContext(ctx, **context)
     dims = ctx.dims
     first_rank, last_rank = dims.placement.end_ranks()
-    tied = not cfg.untie_embeddings_and_output_weights
-    if (tied or cfg.mtp_depth) and dims.placement.num_stages > 1 and first_rank == last_rank:
-        # Two chunks of one rank would hold the embedding and its copy on the last stage (the tied
-        # output layer, or MTP's embedding), and nothing sums their gradients there (the embedding
-        # group is one rank): the copies would drift apart.
-        what = "tied embeddings need" if tied else "--mtp-num-layers (the embedding on the last stage) needs"
-        fix = "pass --untie-embeddings-and-output-weights" if tied else "use a placement that is not V-shaped"
-        raise ConfigError(f"{what} the first and last pipeline stages on different ranks; the {dims.placement.kind} "
-                          f"placement puts both on rank {first_rank}: {fix}")
+    if cfg.mtp_depth and dims.placement.num_stages > 1 and first_rank == last_rank:
+        # Two chunks of one rank would hold the embedding and MTP's copy of it on the last stage, and
+        # nothing sums their gradients there: the copies would drift apart. (A tied output layer's
+        # copies on one rank are summed: grads.sum_local_tie_copies.)
+        raise ConfigError(f"--mtp-num-layers (the embedding on the last stage) needs the first and last pipeline "
+                          f"stages on different ranks; the {dims.placement.kind} placement puts both on rank "
+                          f"{first_rank}: use a placement that is not V-shaped")
     if any(cfg.moe_layers()):  # on every rank, MoE layers on its stages or not: the metrics are collective
         moe_hooks(cfg, ctx)
     device = torch.device(device if device is not None else ctx.device if ctx.device is not None else "cpu")

@@ -103,6 +103,10 @@ LAYOUTS = [
     ("B  DP1 recompute selective", 1, MODEL_B + ["--recompute-granularity", "selective"]),
     ("B  PP2 1f1b", 2, MODEL_B + ["--pipeline-model-parallel-size", "2"] + GBS8),
     ("B  PP2 zb-h1", 2, MODEL_B + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"] + GBS8),
+    ("B  PP2 zb-v (V placement)", 2, MODEL_B + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-v"]
+     + GBS8),
+    ("A  PP2 dualpipe-v (V, tied)", 2, MODEL_A + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+                                                  "dualpipe-v"] + GBS8),
     ("B  PP2 VPP2 interleaved", 2, MODEL_B + ["--pipeline-model-parallel-size", "2",
                                               "--num-layers-per-virtual-pipeline-stage", "1"] + GBS8),
     ("B  PP2 layout E|tt|tt|L", 2, MODEL_B + ["--pipeline-model-parallel-size", "2",

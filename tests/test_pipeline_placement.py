@@ -77,14 +77,17 @@ LLAMA4 = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_gro
 
 
 
-def test_tied_embeddings_with_both_ends_on_one_rank_are_refused():
-    """Under V the embedding and its tied output copy would be two chunks of rank 0, whose gradients
-    nothing sums (the embedding group is that one rank): a clear error, not drifting copies."""
-    from megatron_lite.errors import ConfigError
+def test_tied_embeddings_with_both_ends_on_one_rank_hold_two_copies_there():
+    """Under V the embedding and its tied output copy are two chunks of rank 0: both built, the
+    copy marked as such (GradientSync sums their gradients on the rank; tests/test_pipeline_zbv.py
+    trains it like one process)."""
+    from megatron_lite.parallel.sharding import spec_of
     tied = ModelConfig(**dict(LLAMA4, untie_embeddings_and_output_weights=False))
-    with pytest.raises(ConfigError, match="untie-embeddings-and-output-weights"):
-        build_model(tied, ParallelDims(pp=2, vpp=2, pp_placement="V", rank=0), seed=3, materialize=False)
-    build_model(tied, ParallelDims(pp=2, vpp=2, rank=0), seed=3, materialize=False)  # loop: ends apart
+    first, last = build_model(tied, ParallelDims(pp=2, vpp=2, pp_placement="V", rank=0), seed=3, materialize=False)
+    emb, out = first.embedding.word_embeddings.weight, last.output_layer.weight
+    assert spec_of(emb).tie.primary and not spec_of(out).tie.primary and spec_of(emb).tie.name == spec_of(out).tie.name
+    assert not hasattr(first, "output_layer") and not hasattr(last, "embedding")
+
 
 def _batches(m):
     gen = torch.Generator().manual_seed(0)
@@ -104,7 +107,7 @@ class _Totals:
 
 
 class _ListExecutor(PipelineExecutor):
-    """The executor on hand-written per-rank lists (no schedule name yields a V list yet)."""
+    """The executor on hand-written per-rank lists (a V-placed GPipe, which no schedule name yields)."""
 
     def __init__(self, lists, *args):
         super().__init__(*args)

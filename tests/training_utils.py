@@ -74,6 +74,20 @@ def train_and_gather(rank, world, argv, trace=False):
     return history, params, (executor.trace if trace and executor is not None else None), trainer.dims.pp_rank
 
 
+_SINGLE = {}
+
+
+def single_process_reference(argv):
+    """(records, final params by global name) of the single-process run of `argv`, run once per
+    test session."""
+    from megatron_lite.testing import run_distributed
+    key = tuple(argv)
+    if key not in _SINGLE:
+        results = run_distributed(train_and_gather, 1, list(argv))
+        _SINGLE[key] = records_of([r[0] for r in results]), merged_params(results)
+    return _SINGLE[key]
+
+
 def merged_params(results):
     out = {}
     for _, params, _, _ in results:

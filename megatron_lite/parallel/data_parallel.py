@@ -62,7 +62,7 @@ import torch.nn as nn
 
 from .comm import Communicator
 from .bucket_plan import BucketPlan, ParamInfo, padded, plan_buckets, state_bytes
-from .grads import finalize_model_grads
+from .grads import finalize_model_grads, sum_local_tie_copies
 from .sharding import spec_of
 from .state import ParallelDims, group_rank, group_size
 from .tiled_init import materialize_, param_device, swap_in
@@ -446,6 +446,13 @@ class GradientSync:
 
     def finish(self) -> None:
         """After the last micro-batch's backward: every bucket reduced; stages 2-3 keep only shards."""
+        if self.dims.pp > 1 and len(set(self.dims.placement.end_ranks())) == 1:
+            # Both tied copies on this rank, in two chunks' buckets: neither bucket has been
+            # launched (tied buckets are deferred), so sum them before any reduction.
+            for b in self.buckets:
+                if b.deferred and b.grad_data is None:
+                    self._alloc_grad(b)
+            sum_local_tie_copies(p for b in self.buckets if b.deferred for p in b.params)
         for b in self.buckets:
             if not b.launched:
                 self._launch(b, final=True)

@@ -51,3 +51,21 @@ def finalize_model_grads(params: Iterable[nn.Parameter], dims: ParallelDims) -> 
         dims.comm.all_reduce(flat, group)
         for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(piece.view_as(g))
+
+
+def sum_local_tie_copies(params: Iterable[nn.Parameter]) -> None:
+    """Sum the gradients of a tied weight's copies held by this one rank (the V placement puts
+    the first and the last pipeline stage, the embedding and the output layer, on rank 0), as the
+    all-reduce over the embedding group does when they sit on two ranks. Each copy then holds
+    the sum, so both take the same update and stay equal."""
+    copies: Dict[str, List[torch.Tensor]] = {}
+    for p in params:
+        tie, g = spec_of(p).tie, _grad_of(p)
+        if tie is not None and g is not None:
+            copies.setdefault(tie.name, []).append(g)
+    for name in sorted(copies):
+        grads = copies[name]
+        if len(grads) > 1:
+            total = torch.stack(grads).sum(0)
+            for g in grads:
+                g.copy_(total)

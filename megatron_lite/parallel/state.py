@@ -279,11 +279,13 @@ class ParallelDims:
 
     @classmethod
     def from_world(cls, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, vpp: int = 1,
-                   cp_a2a: int = 0, etp: int = 1, timeout: Optional[timedelta] = None) -> "ParallelDims":
+                   cp_a2a: int = 0, etp: int = 1, timeout: Optional[timedelta] = None,
+                   pp_placement: str = "loop") -> "ParallelDims":
         """Derive DP from the initialized world and build the groups (or a single-process layout)."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         dims = cls(tp=tp, cp=cp, dp=world // (tp * cp * pp), pp=pp, ep=ep, vpp=vpp, cp_a2a=cp_a2a, etp=etp,
-                   rank=dist.get_rank() if dist.is_initialized() else 0, timeout=timeout)
+                   rank=dist.get_rank() if dist.is_initialized() else 0, timeout=timeout,
+                   pp_placement=pp_placement if pp > 1 else "loop")
         return dims.build_groups()
 
 

@@ -43,7 +43,7 @@ import torch
 
 from ..config import ModelConfig
 from ..parallel.bucket_plan import BucketPlan, ParamInfo, plan_buckets
-from ..parallel.pipeline.schedules import Action, compute_orders
+from ..parallel.pipeline.schedules import ZERO_BUBBLE, Action, compute_orders
 from ..transformer.model_counts import MicroBatch, loss_chunk_tokens, model_counts
 from .layout import Layout
 from .state import rank_buckets, stage_chunks
@@ -157,7 +157,7 @@ def chunk_costs(cfg: ModelConfig, lay: Layout, pp_rank: int, tp_rank: int = 0) -
             loss_fwd, bwd_t = _loss_transients(cfg, lay, w, padded_here)
             fwd_t = max(fwd_t, loss_fwd)
         deferred = 0
-        if lay.pipeline_schedule == "zb-h1":
+        if lay.pipeline_schedule in ZERO_BUBBLE:
             deferred = _linear_io(cfg, w) * w.tokens * (hi - lo)
             if post:  # the output layer's input and the logits' gradient
                 deferred += w.a * (w.h + w.vocab) * w.tokens

@@ -111,7 +111,7 @@ def from_config(cfg: Config, world_size: int) -> Layout:
     p, t = cfg.parallel, cfg.training
     dp = p.data_parallel_size(world_size)
     gbs = t.global_batch_size if t.global_batch_size is not None else t.micro_batch_size * dp
-    return Layout(tp=p.tp, pp=p.pp, vpp=p.virtual_pipeline_model_parallel_size or 1, cp=p.cp,
+    return Layout(tp=p.tp, pp=p.pp, vpp=p.vpp if p.pp > 1 else 1, cp=p.cp,
                   ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size, dp=dp, zero_stage=p.zero_stage,
                   sequence_parallel=p.sequence_parallel, cp_comm_type=p.cp_comm_type[0],
                   recompute=t.recompute_granularity,

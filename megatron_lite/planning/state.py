@@ -10,6 +10,7 @@ import torch
 
 from ..parallel.bucket_plan import BucketPlan, ParamInfo, offloaded_buckets, plan_buckets, state_bytes
 from ..parallel.pipeline.placement import StagePlacement
+from ..parallel.pipeline.schedules import schedule_placement
 from .layout import Layout
 
 # (layer_range, pre_process, post_process, tp, ep, etp) -> the chunk's trainable parameters
@@ -18,7 +19,7 @@ Inventory = Callable[..., List[ParamInfo]]
 
 def stage_chunks(num_layers: int, lay: Layout, pp_rank: int) -> List[Tuple[Tuple[int, int], bool, bool]]:
     """(layer range, pre_process, post_process) of each model chunk of pipeline rank `pp_rank`."""
-    placement = StagePlacement(lay.pp, lay.vpp)  # every schedule the planner weighs is written for loop
+    placement = StagePlacement(lay.pp, lay.vpp, schedule_placement(lay.pipeline_schedule))
     return placement.rank_chunks(pp_rank, num_layers, lay.split)
 
 

@@ -25,7 +25,8 @@ from typing import Dict, Optional, Tuple
 
 from ..config import ModelConfig
 from ..parallel.pipeline.partition import stage_sizes
-from ..parallel.pipeline.schedules import compute_orders
+from ..parallel.pipeline.placement import StagePlacement
+from ..parallel.pipeline.schedules import compute_orders, schedule_placement
 from ..parallel.pipeline.simulator import simulate
 from ..training.flops import flops_per_token
 from ..transformer.model_counts import MicroBatch, model_counts
@@ -48,7 +49,7 @@ def pipeline_idle(schedule: str, p: int, m: int, v: int, backward_cost: float,
     step = p if schedule == "interleaved" else 1
     sim_m = m if m <= SIM_MAX_MICROBATCHES else max(p, SIM_MAX_MICROBATCHES // step * step)
     res = simulate(compute_orders(schedule, p, sim_m, v), costs=(1.0, backward_cost - 1.0, 1.0), comm="ideal",
-                   stage_weights=stage_weights)
+                   stage_weights=stage_weights, placement=StagePlacement(p, v, schedule_placement(schedule)))
     idle = res.makespan - max(res.busy)  # the warm-up and cool-down: independent of m once m >= p
     return idle / (max(res.busy) * m / sim_m)
 

@@ -114,7 +114,7 @@ class Trainer:
         self.cfg, self.device, self.forward_step = cfg, device, forward_step
         m, p, t = cfg.model, cfg.parallel, cfg.training
         self.dims = ParallelDims.from_world(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.expert_model_parallel_size,
-                                            vpp=p.virtual_pipeline_model_parallel_size or 1, cp_a2a=p.cp_a2a_size(),
+                                            vpp=p.vpp, pp_placement=p.pp_placement, cp_a2a=p.cp_a2a_size(),
                                             etp=p.expert_tensor_parallel_size,
                                             timeout=timedelta(minutes=t.distributed_timeout_minutes))
         dims = self.dims

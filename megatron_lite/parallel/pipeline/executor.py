@@ -41,7 +41,7 @@ class PipelineExecutor:
                  gemm: Optional[GemmPath] = None):
         self.chunks, self.dims, self.schedule, self.device = chunks, dims, schedule, device
         self.placement, self.rank = dims.placement, dims.pp_rank
-        self.gemm = gemm  # the chunks' weight GEMMs defer into it during B (zb-h1)
+        self.gemm = gemm  # the chunks' weight GEMMs defer into it during B (zb-h1, zb-v)
         self.trace: Optional[List[Action]] = None  # set to [] to record the executed actions
         self._lists: Dict[Tuple[int, bool], List[Action]] = {}
         self._warmed_up = False

@@ -121,8 +121,28 @@ def _accounted_sizes(num_layers: int, stages: int, split: LayerSplit) -> List[in
     return sizes
 
 
-def stage_sizes(num_layers: int, pp: int, vpp: int = 1, split: Optional[LayerSplit] = None) -> List[int]:
-    """Layers of each virtual stage (virtual stage = chunk * pp + pp_rank)."""
+def _v_first_last_sizes(num_layers: int, stages: int, first: Optional[int], last: Optional[int]) -> List[int]:
+    """The V placement: `first` / `last` layers on the first / last virtual stage (both on rank 0, which
+    also holds the embedding and the loss: fewer layers there balance the V), the rest even."""
+    for what, n in (("first", first), ("last", last)):
+        if n is not None and n < 0:
+            raise ConfigError(f"--decoder-{what}-pipeline-num-layers ({n}) must be >= 0")
+    sizes = [None] * stages
+    if first is not None:
+        sizes[0] = first
+    if last is not None:
+        sizes[-1] = last
+    rest = num_layers - sum(s for s in sizes if s is not None)
+    middle = sum(1 for s in sizes if s is None)
+    if rest < 0 or (middle == 0 and rest != 0) or (middle and rest % middle):
+        raise ConfigError(f"num_layers ({num_layers}) minus the first ({first}) and last ({last}) stage layers must "
+                          f"split evenly over the {middle} remaining (virtual) pipeline stages; adjust the layer counts")
+    return [s if s is not None else rest // middle for s in sizes]
+
+
+def stage_sizes(num_layers: int, pp: int, vpp: int = 1, split: Optional[LayerSplit] = None,
+                placement: str = "loop") -> List[int]:
+    """Layers of each virtual stage, in virtual-stage order (`placement`: loop or V, StagePlacement's)."""
     split = split or LayerSplit()
     stages = pp * vpp
     accounted = split.account_for_embedding or split.account_for_loss
@@ -135,6 +155,8 @@ def stage_sizes(num_layers: int, pp: int, vpp: int = 1, split: Optional[LayerSpl
         if len(sizes) != stages:
             raise ConfigError(f"--pipeline-model-parallel-layout has {len(sizes)} stages but pipeline "
                               f"size ({pp}) x virtual stages ({vpp}) = {stages}; drop the virtual-stage flags")
+    elif uneven and placement == "V":
+        sizes = _v_first_last_sizes(num_layers, stages, split.first, split.last)
     elif uneven:
         sizes = _first_last_sizes(num_layers, pp, vpp, split.first, split.last)
     elif accounted:
@@ -152,11 +174,11 @@ def stage_sizes(num_layers: int, pp: int, vpp: int = 1, split: Optional[LayerSpl
     return sizes
 
 
-def stage_layer_ranges(num_layers: int, pp: int, vpp: int = 1,
-                       split: Optional[LayerSplit] = None) -> List[Tuple[int, int]]:
+def stage_layer_ranges(num_layers: int, pp: int, vpp: int = 1, split: Optional[LayerSplit] = None,
+                       placement: str = "loop") -> List[Tuple[int, int]]:
     """[start, end) of global layer indices for each virtual stage, in virtual-stage order."""
     ranges, start = [], 0
-    for s in stage_sizes(num_layers, pp, vpp, split):
+    for s in stage_sizes(num_layers, pp, vpp, split, placement):
         ranges.append((start, start + s))
         start += s
     return ranges

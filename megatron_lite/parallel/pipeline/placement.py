@@ -68,5 +68,5 @@ class StagePlacement:
                     split: Optional[LayerSplit] = None) -> List[Tuple[Tuple[int, int], bool, bool]]:
         """(layer range, is first stage, is last stage) of each local chunk of `rank`; `split`: the
         layers per virtual stage when not even (partition.py)."""
-        ranges = stage_layer_ranges(num_layers, self.pp, self.vpp, split)
+        ranges = stage_layer_ranges(num_layers, self.pp, self.vpp, split, self.kind)
         return [(ranges[self.stage(rank, c)], self.is_first(rank, c), self.is_last(rank, c)) for c in range(self.vpp)]

@@ -3,15 +3,16 @@
 One executor runs any of these lists and `simulator.py` replays the very same lists, so the
 schedule is defined once, here, as data.
 
-Stages. With p pipeline ranks and v model chunks per rank (v > 1 only for "interleaved"), a
-StagePlacement (placement.py) says which (rank, local chunk) runs virtual stage s. Every schedule
-here is written for the "loop" placement (chunk c on rank r is stage c * p + r); `place_comm`
-and the simulator take any placement.
+Stages. With p pipeline ranks and v model chunks per rank (v > 1 for "interleaved" and the V
+schedules), a StagePlacement (placement.py) says which (rank, local chunk) runs virtual stage s.
+The schedules are written for the "loop" placement (chunk c on rank r is stage c * p + r) except
+those of V_SCHEDULES, written for "V" with two chunks (`schedule_placement`); `place_comm` and
+the simulator take any placement.
 
 Actions (`Action(kind, microbatch, chunk)`, chunk = the LOCAL chunk index on this rank):
   F        forward of (microbatch, chunk).
-  B        backward for inputs only (the input gradient); zb-h1 only.
-  W        backward for weights only (needs the B of the same microbatch/chunk); zb-h1 only.
+  B        backward for inputs only (the input gradient); ZERO_BUBBLE schedules only.
+  W        backward for weights only (needs the B of the same microbatch/chunk); ZERO_BUBBLE only.
   BW       the whole backward (inputs and weights) in one pass: gpipe, 1f1b and interleaved
            use it, so their executor runs one plain autograd backward. Costs B + W.
   RECV_F   receive the input activation of F(mb, chunk) from the previous virtual stage.
@@ -58,8 +59,9 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 from megatron_lite.errors import ConfigError
 from megatron_lite.parallel.pipeline.placement import StagePlacement
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-ZERO_BUBBLE = ("zb-h1",)  # schedules that split backward into B and W (deferred weight gradients)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v")
+ZERO_BUBBLE = ("zb-h1", "zb-v", "dualpipe-v")  # schedules that split backward into B and W (deferred weight gradients)
+V_SCHEDULES = ("zb-v", "dualpipe-v")  # written for the V placement with two chunks per rank
 COMPUTE_KINDS = ("F", "B", "W", "BW")
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 # Unit costs used to place communication in the lists (the lists do not depend on real costs).
@@ -187,9 +189,126 @@ def _zb_h1(p: int, m: int, r: int) -> List[Action]:
     return order + [Action("W", j) for j in range(next_w, m)]
 
 
+def _zb_v(p: int, m: int, r: int) -> List[Action]:
+    """ZB-V (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", section 6) on the V placement:
+    rank r holds stage r (chunk 0) and stage 2p-1-r (chunk 1), B is split from W.
+
+    Warm-up: 2(p-r)-1 forwards of chunk 0, r pairs (F chunk 1, F chunk 0), then p-r triples
+    F B W of chunk 1. Steady: F B W of chunk 0, then of chunk 1, per micro-batch. Cool-down: the
+    remaining B's, chunk 1 before chunk 0, then all their W's, which fill the drain. Every W
+    follows its B before the next F, so a rank holds at most 2p chunk activations until W (p
+    whole stages: 1F1B's peak). At F = B = W and m >= 2p - 1 the makespan is 6m + p - 1, the
+    least possible (the last rank waits p - 1 forwards for its first input and never idles
+    after): bubble (p - 1) / 6m, half of ZB-H1's, -> 0 as m grows; from m = p it is never worse
+    than ZB-H1 (below p it can be worse than 1F1B: validate_schedule_args refuses it)."""
+    order: List[Action] = []
+    done = {"F0": 0, "F1": 0, "B0": 0, "B1": 0}  # actions issued per kind and chunk, in mb order
+
+    def add(kind: str, chunk: int, with_w: bool = False) -> None:
+        i = done[f"{kind}{chunk}"]
+        done[f"{kind}{chunk}"] += 1
+        order.append(Action(kind, i, chunk))
+        if with_w:
+            order.append(Action("W", i, chunk))
+
+    def can_f1() -> bool:  # chunk 1 of a micro-batch follows its chunk 0 (on the last rank too)
+        return done["F1"] < done["F0"]
+
+    for _ in range(min(m, 2 * (p - r) - 1)):
+        add("F", 0)
+    for _ in range(r):
+        if can_f1():
+            add("F", 1)
+        if done["F0"] < m:
+            add("F", 0)
+    for _ in range(p - r):
+        if can_f1():
+            add("F", 1)
+            add("B", 1, with_w=True)
+    while done["F0"] < m or can_f1():
+        if done["F0"] < m:
+            add("F", 0)
+        if done["B0"] < done["F0"]:
+            add("B", 0, with_w=True)
+        if can_f1():
+            add("F", 1)
+            add("B", 1, with_w=True)
+    drain: List[Action] = []
+    while done["B0"] < m or done["B1"] < m:
+        for c in (1, 0):
+            if done[f"B{c}"] < m:
+                drain.append(Action("W", done[f"B{c}"], c))
+                add("B", c)
+    return order + drain
+
+
+def _dualpipe_v(p: int, m: int, r: int) -> List[Action]:
+    """DualPipe-V (DeepSeek's DualPipe cut in half onto the V placement, as torchtitan runs it),
+    its overlapped pairs run one after the other: the eight phases of rank r are
+      1. 2(p-r-1) F of chunk 0          5. p-r-1 x (BW 1, then the pair BW 0 / F 1)
+      2. r+1 x (F 0, F 1)               6. r+1 x (B 1, B 0), W deferred from the middle on
+      3. p-r-1 x (B 1, W, F 1)          7. p-r-1 x (W, B 0 with W deferred)
+      4. m-2p+r+1 x (pair BW 1 / F 0, pair BW 0 / F 1)   8. r+1 W
+    A pair puts its backward first: serialized, that keeps the makespan at 6m + p - 1 for
+    F = B = W (the lower bound, as zb-v) and the activations at 2p chunks; with its forward
+    first, the chain of pairs across ranks stalls one unit per micro-batch. Deferred W's run
+    oldest first. Needs m >= 2p - 1 (phase 4 on rank 0)."""
+    order: List[Action] = []
+    done = {"F0": 0, "F1": 0, "B0": 0, "B1": 0}
+    weights: List[Action] = []
+
+    def f(c: int) -> None:
+        order.append(Action("F", done[f"F{c}"], c))
+        done[f"F{c}"] += 1
+
+    def b(c: int, defer_w: bool = False) -> None:
+        i = done[f"B{c}"]
+        done[f"B{c}"] += 1
+        order.append(Action("B" if defer_w else "BW", i, c))
+        if defer_w:
+            weights.append(Action("W", i, c))
+
+    def w() -> None:
+        order.append(weights.pop(0))
+
+    for _ in range(2 * (p - r - 1)):
+        f(0)
+    for _ in range(r + 1):
+        f(0)
+        f(1)
+    for _ in range(p - r - 1):
+        b(1, defer_w=True)
+        w()
+        f(1)
+    for _ in range(m - 2 * p + r + 1):
+        b(1)
+        f(0)
+        b(0)
+        f(1)
+    for _ in range(p - r - 1):
+        b(1)
+        b(0)
+        f(1)
+    defer = False
+    for i in range(r + 1):  # the second half of these backwards defer W (odd ranks from a B 1)
+        defer = defer or (i == (r + 1) // 2 and r % 2 == 1)
+        b(1, defer)
+        defer = defer or (i == (r + 1) // 2 and r % 2 == 0)
+        b(0, defer)
+    for _ in range(p - r - 1):
+        w()
+        b(0, defer_w=True)
+    while weights:
+        w()
+    return order
+
+
 def compute_orders(name: str, pp_size: int, num_microbatches: int, vpp: int = 1) -> List[List[Action]]:
     """Compute actions only, per rank, in execution order."""
     p, m = pp_size, num_microbatches
+    if name in V_SCHEDULES:
+        make_v = _zb_v if name == "zb-v" else _dualpipe_v
+        return [make_v(p, m, r) for r in range(p)]
     if name == "interleaved":
         return [_interleaved(p, m, r, vpp) for r in range(p)]
     make = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "zb-h1": _zb_h1}[name]
@@ -283,10 +402,20 @@ def default_schedule(vpp: Optional[int]) -> str:
     return "interleaved" if (vpp or 1) > 1 else "1f1b"
 
 
+def schedule_placement(name: str) -> str:
+    """The StagePlacement kind a schedule's lists are written for."""
+    return "V" if name in V_SCHEDULES else "loop"
+
+
+def schedule_vpp(name: Optional[str], vpp: Optional[int]) -> int:
+    """Model chunks per rank: the V schedules imply two when none are given."""
+    return 2 if name in V_SCHEDULES and vpp in (None, 1) else (1 if vpp is None else vpp)
+
+
 def validate_schedule_args(name: str, pp_size: int, num_microbatches: int, vpp: Optional[int] = 1,
                            num_layers: Optional[int] = None) -> None:
     """Raise ConfigError (one line: the values and the fix) if the schedule cannot run."""
-    p, m, v = pp_size, num_microbatches, 1 if vpp is None else vpp
+    p, m, v = pp_size, num_microbatches, schedule_vpp(name, vpp)
 
     def need(cond: bool, msg: str) -> None:
         if not cond:
@@ -296,7 +425,15 @@ def validate_schedule_args(name: str, pp_size: int, num_microbatches: int, vpp: 
     need(p >= 1, f"pipeline_model_parallel_size ({p}) must be >= 1")
     need(m >= 1, f"number of micro-batches ({m}) must be >= 1; raise --global-batch-size")
     need(v >= 1, f"virtual pipeline size ({v}) must be >= 1")
-    if name == "interleaved":
+    if name in V_SCHEDULES:
+        need(p >= 2, f"schedule {name!r} needs pipeline_model_parallel_size >= 2 (got {p}): its V places two "
+                     f"model chunks per rank down the ranks and back; raise --pipeline-model-parallel-size")
+        need(v == 2, f"schedule {name!r} runs exactly two model chunks per rank (got virtual pipeline size {v}); "
+                     f"drop --num-layers-per-virtual-pipeline-stage / --virtual-pipeline-model-parallel-size")
+        least = p if name == "zb-v" else 2 * p - 1
+        need(m >= least, f"schedule {name!r} needs at least {least} micro-batches with {p} pipeline ranks (got {m}): "
+                         f"with fewer its warm-up runs dry; raise --global-batch-size or use --pipeline-schedule 1f1b")
+    elif name == "interleaved":
         need(v > 1, f"schedule 'interleaved' needs virtual pipeline size > 1 (got {v}); "
                     f"set --num-layers-per-virtual-pipeline-stage or use --pipeline-schedule 1f1b")
         need(p >= 2, f"schedule 'interleaved' needs pipeline_model_parallel_size >= 2 (got {p}); "
@@ -312,7 +449,7 @@ def validate_schedule_args(name: str, pp_size: int, num_microbatches: int, vpp: 
     if num_layers is not None:
         need(num_layers >= p * v, f"num_layers ({num_layers}) must be >= pipeline stages ({p}) x virtual "
                                   f"stages ({v}) = {p * v}; lower the pipeline sizes or add layers")
-        if v > 1:
+        if v > 1 and name not in V_SCHEDULES:  # V: the partition decides (uneven ends allowed)
             need(num_layers % (p * v) == 0, f"num_layers ({num_layers}) must be divisible by pipeline stages "
                                             f"({p}) x virtual stages ({v}) = {p * v}; change --num-layers or "
                                             f"--num-layers-per-virtual-pipeline-stage")
@@ -320,6 +457,7 @@ def validate_schedule_args(name: str, pp_size: int, num_microbatches: int, vpp: 
 
 def build_schedule(name: str, pp_size: int, num_microbatches: int, vpp: Optional[int] = 1) -> List[List[Action]]:
     """Per-rank action lists (compute + comm) for one training step. See the module docstring."""
-    vpp = 1 if vpp is None else vpp
+    vpp = schedule_vpp(name, vpp)
     validate_schedule_args(name, pp_size, num_microbatches, vpp)
-    return place_comm(compute_orders(name, pp_size, num_microbatches, vpp), StagePlacement(pp_size, vpp))
+    placement = StagePlacement(pp_size, vpp, schedule_placement(name))
+    return place_comm(compute_orders(name, pp_size, num_microbatches, vpp), placement)

@@ -16,7 +16,7 @@ between two chunks of one rank is a local hand-off: no comm action, no comm cost
 Costs are per action of one model chunk: F, B, W; BW costs B + W. Bubble fraction per rank =
 idle / busy within the makespan (comm waits count as idle). In-flight micro-batches per rank =
 (microbatch, chunk) pairs whose F has started and whose B/BW has not finished: the activations
-the rank holds (zb-h1 keeps part of them until W; that tail is not counted).
+the rank holds (zb-h1 and zb-v keep part of them until W; that tail is not counted).
 """
 from __future__ import annotations
 
