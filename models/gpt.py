@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron_lite import config as C
+from megatron_lite.errors import ConfigError
 from megatron_lite.parallel.gemm import keep_precision
 from megatron_lite.parallel.pipeline.partition import LayerSplit
 from megatron_lite.parallel.random import recompute
