@@ -11,7 +11,9 @@ from ..config import ParallelConfig, TrainingConfig
 from ..errors import ConfigError
 from ..parallel.data_parallel import GradientSync
 from ..parallel.state import ParallelDims, partial_dp_groups
+from .adam import AdamW
 from .distributed_optimizer import DistributedOptimizer, lr_group, no_weight_decay
+from .muon import Muon
 from .precision import OptimizerPrecision
 
 __all__ = ["build_optimizer", "DistributedOptimizer", "OptimizerPrecision", "lr_group", "no_weight_decay"]
@@ -45,4 +47,13 @@ def build_optimizer(chunks: List[nn.Module], dims: ParallelDims, tcfg: TrainingC
                              reshard_after_forward=pcfg.reshard_after_forward,
                              overlap_param_gather=pcfg.overlap_param_gather, grad_dtype=grad_dtype, units=units,
                              dp_groups=dp_groups)
-    return DistributedOptimizer(grad_sync, tcfg, precision), grad_sync
+    return DistributedOptimizer(grad_sync, tcfg, precision, rule=update_rule(tcfg, dims)), grad_sync
+
+
+def update_rule(tcfg: TrainingConfig, dims: ParallelDims):
+    """--optimizer's update rule: AdamW, or Muon with AdamW beside it (muon.py)."""
+    adam = AdamW(tcfg.adam_beta1, tcfg.adam_beta2, tcfg.adam_eps)
+    if tcfg.optimizer != "muon":
+        return adam
+    return Muon(dims, tcfg.muon_momentum, tcfg.muon_use_nesterov, tcfg.muon_num_ns_steps, tcfg.muon_scale_mode,
+                tcfg.muon_extra_scale_factor, adam)
