@@ -1,7 +1,8 @@
 """--optimizer muon: the single process equals a plain reference written here (Muon on the hidden
 weight matrices, torch.optim.AdamW on the rest); ZeRO-1 over DP2 and TP2 (SwiGLU: fused gate-up and
-QKV matrices reassembled whole) equal the single process; the momentum resumes bit-exactly from a
-checkpoint; unsupported combinations are one-line errors."""
+KV matrices reassembled whole), and with MoE (experts one matrix each) EP2, EP2 x expert-TP2 ZeRO-1
+and PP2 equal the single process; the momentum resumes bit-exactly from a checkpoint; unsupported
+combinations are one-line errors."""
 import math
 
 import pytest
@@ -125,3 +126,24 @@ def test_unsupported_combinations_are_one_line_errors(flags, match):
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="--muon-use-nesterov needs --optimizer muon"):
         resolve(TINY + ["--muon-use-nesterov"])
+
+
+def test_stacked_experts_are_orthogonalized_one_matrix_each():
+    from megatron_lite.optim.muon import newton_schulz
+    g = torch.randn(3, 24, 16, generator=torch.Generator().manual_seed(0))
+    g[1] *= 50.0  # each expert normalized by its own norm
+    torch.testing.assert_close(newton_schulz(g, 5), torch.stack([_reference_newton_schulz(m) for m in g]),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world,extra", [
+    (2, ["--expert-model-parallel-size", "2"]),
+    (4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+         "--expert-tensor-parallel-size", "2", "--zero-stage", "1", "--moe-token-dispatcher-type", "alltoall"]),
+    (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b"]),
+], ids=["ep2", "ep2-etp2-tp2-zero1", "pp2"])
+def test_moe_layouts_equal_the_single_process(world, extra):
+    """Stacked expert weights [E, out, in]: whole experts on each EP rank, expert-TP pieces gathered;
+    pipeline stages each step their own matrices."""
+    from test_moe_training import BASE, _assert_like_single_process
+    _assert_like_single_process(BASE + ["--optimizer", "muon"], world, extra)
