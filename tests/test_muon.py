@@ -93,8 +93,8 @@ def test_single_process_equals_the_reference():
         torch.testing.assert_close(ours[name], want, rtol=1e-6, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("world,tp,stage", [(2, 1, 1), (2, 2, 0)])
-def test_dp2_zero1_and_tp2_equal_the_single_process(world, tp, stage):
+@pytest.mark.parametrize("world,tp,stage", [(2, 1, 1), (2, 1, 2), (2, 2, 0)])
+def test_dp2_zero1_zero2_and_tp2_equal_the_single_process(world, tp, stage):
     """ZeRO-1 with small buckets: shards cut through matrices, whose momentum is gathered whole."""
     base_losses, base, _ = run_distributed(_train, 1, 1, 0)[0]
     losses, params, _ = run_distributed(_train, world, tp, stage)[0]
@@ -141,7 +141,8 @@ def test_stacked_experts_are_orthogonalized_one_matrix_each():
     (4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
          "--expert-tensor-parallel-size", "2", "--zero-stage", "1", "--moe-token-dispatcher-type", "alltoall"]),
     (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b"]),
-], ids=["ep2", "ep2-etp2-tp2-zero1", "pp2"])
+    (2, ["--context-parallel-size", "2", "--zero-stage", "1"]),
+], ids=["ep2", "ep2-etp2-tp2-zero1", "pp2", "cp2-zero1"])
 def test_moe_layouts_equal_the_single_process(world, extra):
     """Stacked expert weights [E, out, in]: whole experts on each EP rank, expert-TP pieces gathered;
     pipeline stages each step their own matrices."""
