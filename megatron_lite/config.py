@@ -462,6 +462,8 @@ class TrainingConfig:
     muon_momentum: float = arg(0.9, "Muon: momentum of its internal SGD")
     muon_use_nesterov: bool = arg(False, "Muon: Nesterov-style momentum", store="true")
     muon_num_ns_steps: int = arg(5, "Muon: Newton-Schulz iterations")
+    muon_split_qkv: bool = arg(True, "Muon: orthogonalize K and V (of linear_kv) as separate matrices, as Q is",
+                               flag="--muon-no-split-qkv", store="false")
     muon_scale_mode: str = arg("spectral", "Muon: update scale, spectral sqrt(max(m, n)), unit_rms_norm sqrt(m/n), "
                                            "shape_scaling sqrt(max(1, m/n))",
                                choices=["spectral", "unit_rms_norm", "shape_scaling"])
@@ -680,6 +682,7 @@ class TrainingConfig:
             changed = [f for f, v, d in (("--muon-momentum", self.muon_momentum, 0.9),
                                          ("--muon-use-nesterov", self.muon_use_nesterov, False),
                                          ("--muon-num-ns-steps", self.muon_num_ns_steps, 5),
+                                         ("--muon-no-split-qkv", self.muon_split_qkv, True),
                                          ("--muon-scale-mode", self.muon_scale_mode, "spectral"),
                                          ("--muon-extra-scale-factor", self.muon_extra_scale_factor, 1.0)) if v != d]
             _require(not changed, f"{changed[0] if changed else ''} needs --optimizer muon")

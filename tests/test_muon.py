@@ -27,14 +27,14 @@ def _muon_config(**kw):
                           muon_use_nesterov=True, muon_extra_scale_factor=0.2, **kw)
 
 
-def _train(rank, world, tp, stage, grads=None):
+def _train(rank, world, tp, stage, grads=None, split_qkv=True):
     """Losses and final full params of STEPS Muon steps (per-token loss over the global batch).
     `grads` (a single process): filled with the gradient of each parameter the rule saw, per step."""
     dims = ParallelDims.from_world(tp=tp)
     cfg = ModelConfig(**SWIGLU)
     chunks = build_model(cfg, dims, seed=5)
     pcfg = ParallelConfig(tensor_model_parallel_size=tp, zero_stage=stage, ddp_bucket_size=6000)
-    optimizer, sync = build_optimizer(chunks, dims, _muon_config(), pcfg)
+    optimizer, sync = build_optimizer(chunks, dims, _muon_config(muon_split_qkv=split_qkv), pcfg)
     if grads is not None:
         update = optimizer.rule.update_shard_
 
@@ -59,7 +59,14 @@ def _reference_newton_schulz(g, steps=5):
     return x.T if g.shape[0] > g.shape[1] else x
 
 
-def _reference(grads):
+def _reference_update(name, m, split_qkv):
+    """Newton-Schulz scaled by 0.2 sqrt(max(m, n)); K and V of linear_kv [K; V] each on their own."""
+    if split_qkv and name.endswith("linear_kv.weight"):
+        return torch.cat([_reference_update("", part, False) for part in m.chunk(2)])
+    return 0.2 * math.sqrt(max(m.shape)) * _reference_newton_schulz(m)
+
+
+def _reference(grads, split_qkv):
     """Muon (Nesterov, decoupled decay, update scale 0.2 sqrt(max(m, n))) on every 2-D weight but
     the embedding and output layer; torch.optim.AdamW on those and on norms; from the same initial
     parameters and per-step gradients `grads` (the rule is under test here, not the gradients:
@@ -79,15 +86,15 @@ def _reference(grads):
             for n, p in muon.items():
                 momentum[n] = MOMENTUM * momentum[n] + (1 - MOMENTUM) * p.grad
                 nesterov = (1 - MOMENTUM) * p.grad + MOMENTUM * momentum[n]
-                scale = 0.2 * math.sqrt(max(p.shape))
-                p.mul_(1 - LR * WD).sub_(LR * scale * _reference_newton_schulz(nesterov))
+                p.mul_(1 - LR * WD).sub_(LR * _reference_update(n, nesterov, split_qkv))
     return {n: p.detach() for n, p in named.items()}, sorted(muon)
 
 
-def test_single_process_equals_the_reference():
-    (_, ours, grads), = run_distributed(_train, 1, 1, 0, {})
+@pytest.mark.parametrize("split_qkv", [True, False])
+def test_single_process_equals_the_reference(split_qkv):
+    (_, ours, grads), = run_distributed(_train, 1, 1, 0, {}, split_qkv)
     assert sorted(grads) == list(range(1, STEPS + 1))
-    ref, muon_names = _reference(grads)
+    ref, muon_names = _reference(grads, split_qkv)
     assert len(muon_names) == 2 * 5  # per layer: Q, KV, attention out, fc1 (gate-up), fc2
     for name, want in ref.items():
         torch.testing.assert_close(ours[name], want, rtol=1e-6, atol=1e-6, msg=name)

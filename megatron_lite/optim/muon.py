@@ -65,9 +65,13 @@ class Muon:
     state_names = AdamW.state_names
 
     def __init__(self, dims: ParallelDims, momentum: float, nesterov: bool, ns_steps: int, scale_mode: str,
-                 extra_scale: float, adam: AdamW):
+                 extra_scale: float, adam: AdamW, split_qkv: bool = True):
         self.dims, self.momentum, self.nesterov, self.ns_steps = dims, momentum, nesterov, ns_steps
-        self.scale_mode, self.extra_scale, self.adam = scale_mode, extra_scale, adam
+        self.scale_mode, self.extra_scale, self.adam, self.split_qkv = scale_mode, extra_scale, adam, split_qkv
+
+    def _orthogonalized(self, m: torch.Tensor) -> torch.Tensor:
+        return newton_schulz(m, self.ns_steps) * (self.extra_scale * scale_factor(m.size(-2), m.size(-1),
+                                                                                   self.scale_mode))
 
     @torch.no_grad()
     def update_shard_(self, s, grad: torch.Tensor, lr_of, weight_decay: float, step: int) -> None:
@@ -119,8 +123,11 @@ class Muon:
             whole = spec.unshard([p.view(local.shape) for p in pieces.chunk(group_size(tp))], "tp")
         else:
             whole, split = local, None
-        ortho = newton_schulz(whole, self.ns_steps)
-        ortho = ortho * (self.extra_scale * scale_factor(whole.size(-2), whole.size(-1), self.scale_mode))
+        if self.split_qkv and bucket.names[i].endswith("linear_kv.weight"):  # [K; V]: Megatron-LM's split QKV
+            parts = whole.split(list(spec.split("tp").segments), dim=-2)
+            ortho = torch.cat([self._orthogonalized(p) for p in parts], dim=-2)
+        else:
+            ortho = self._orthogonalized(whole)
         if split is not None:
             ortho = ShardSpec(tuple(whole.shape), (split,)).shard(ortho)
         ortho = ortho.reshape(-1)

@@ -56,4 +56,4 @@ def update_rule(tcfg: TrainingConfig, dims: ParallelDims):
     if tcfg.optimizer != "muon":
         return adam
     return Muon(dims, tcfg.muon_momentum, tcfg.muon_use_nesterov, tcfg.muon_num_ns_steps, tcfg.muon_scale_mode,
-                tcfg.muon_extra_scale_factor, adam)
+                tcfg.muon_extra_scale_factor, adam, split_qkv=tcfg.muon_split_qkv)
