@@ -462,6 +462,9 @@ class TrainingConfig:
     muon_momentum: float = arg(0.9, "Muon: momentum of its internal SGD")
     muon_use_nesterov: bool = arg(False, "Muon: Nesterov-style momentum", store="true")
     muon_num_ns_steps: int = arg(5, "Muon: Newton-Schulz iterations")
+    muon_tp_mode: str = arg("duplicated", "Muon: Newton-Schulz of a TP-split matrix on the whole matrix, gathered "
+                                          "and computed on every rank of the TP group (blockwise and distributed "
+                                          "are not implemented)", choices=["duplicated"])
     muon_split_qkv: bool = arg(True, "Muon: orthogonalize K and V (of linear_kv) as separate matrices, as Q is",
                                flag="--muon-no-split-qkv", store="false")
     muon_scale_mode: str = arg("spectral", "Muon: update scale, spectral sqrt(max(m, n)), unit_rms_norm sqrt(m/n), "

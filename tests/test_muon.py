@@ -124,6 +124,7 @@ def test_checkpoint_resume_is_bit_exact(tmp_path):
     (["--optimizer-cpu-offload"], "--optimizer-cpu-offload"),
     (["--zero-stage", "1", "--use-precision-aware-optimizer"], "--use-precision-aware-optimizer"),
     (["--muon-momentum", "1.0"], "--muon-momentum"),
+    (["--muon-tp-mode", "blockwise"], "--muon-tp-mode: invalid choice: 'blockwise'"),
 ])
 def test_unsupported_combinations_are_one_line_errors(flags, match):
     from pretrain_gpt import resolve
