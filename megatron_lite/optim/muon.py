@@ -5,9 +5,10 @@ output layer, the router, norms and biases (every 1-D parameter), as the referen
 Newton-Schulz needs the whole matrix, while a rank holds its ZeRO shard of a bucket and its TP piece
 of each matrix: the momentum updates of the shard are all-gathered over the bucket's data-parallel
 group, each matrix meeting the shard is all-gathered over TP and reassembled in the single-process
-layout (ShardSpec.unshard: fused QKV / gate-up segments in place), orthogonalized, and cut back to
-the rank's piece. Every rank holding a piece computes the same full result (redundant, not
-distributed). Stacked expert weights [E, out, in] are orthogonalized per expert.
+layout (ShardSpec.unshard: fused K/V and gate-up segments in place), orthogonalized (K and V apart,
+as Megatron-LM splits QKV, unless --muon-no-split-qkv), and cut back to the rank's piece. Every
+rank holding a piece computes the same full result (--muon-tp-mode duplicated). Stacked expert
+weights [E, out, in] are orthogonalized per expert (EP splits whole experts: nothing to gather).
 
 The momentum lives in the AdamW state 'exp_avg' of the matrix's elements (its 'exp_avg_sq' stays
 zero): checkpoints, resharding and the memory planner see the states of AdamW."""
