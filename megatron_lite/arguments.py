@@ -159,7 +159,6 @@ def build_parser(zoo: Zoo) -> argparse.ArgumentParser:
                    help="deprecated Megatron switch: accepted with --position-embedding-type rope (a no-op there)")
     par.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
                      help="local; transformer_engine needs Transformer Engine, which megatron-lite does not use yet")
-    t.add_argument("--optimizer", choices=["adam"], default="adam", help="AdamW (decoupled weight decay)")
     for flag in list(UNSUPPORTED_FLAGS) + list(NEEDS_PACKAGE_FLAGS):
         p.add_argument(flag, nargs="*", default=None, help=argparse.SUPPRESS)
     compat = p.add_argument_group("accepted for compatibility with Megatron-LM launch scripts (no effect)")

@@ -471,6 +471,21 @@ class TrainingConfig:
     adam_beta1: float = arg(0.9, "Adam beta1")
     adam_beta2: float = arg(0.999, "Adam beta2")
     adam_eps: float = arg(1e-8, "Adam epsilon")
+    optimizer: str = arg("adam", "adam: AdamW (decoupled weight decay); muon: Muon for the hidden weight matrices, "
+                                 "AdamW for embeddings, output layer, router, norms and biases", choices=["adam", "muon"])
+    muon_momentum: float = arg(0.9, "Muon: momentum of its internal SGD")
+    muon_use_nesterov: bool = arg(False, "Muon: Nesterov-style momentum", store="true")
+    muon_num_ns_steps: int = arg(5, "Muon: Newton-Schulz iterations")
+    muon_tp_mode: str = arg("duplicated", "Muon: Newton-Schulz of a TP-split matrix on the whole matrix, gathered "
+                                          "and computed on every rank of the TP group (blockwise and distributed "
+                                          "are not implemented)", choices=["duplicated"])
+    muon_split_qkv: bool = arg(True, "Muon: orthogonalize K and V (of linear_kv) as separate matrices, as Q is",
+                               flag="--muon-no-split-qkv", store="false")
+    muon_scale_mode: str = arg("spectral", "Muon: update scale, spectral sqrt(max(m, n)), unit_rms_norm sqrt(m/n), "
+                                           "shape_scaling sqrt(max(1, m/n))",
+                               choices=["spectral", "unit_rms_norm", "shape_scaling"])
+    muon_extra_scale_factor: float = arg(1.0, "Muon: factor on the update scale (0.2 with spectral: Moonlight's "
+                                              "AdamW-matched RMS)")
     optimizer_cpu_offload: bool = arg(False, "keep the fp32 main params and Adam state in (pinned) host memory and "
                                              "step them there with the fused CPU Adam", store="true")
     optimizer_offload_fraction: float = arg(1.0, "with --optimizer-cpu-offload: the fraction of each rank's "
@@ -656,7 +671,7 @@ class TrainingConfig:
         _require(self.lr >= 0 and self.min_lr >= 0 and self.min_lr <= self.lr,
                  f"need 0 <= min_lr ({self.min_lr}) <= lr ({self.lr})")
         _require(not (self.bf16 and self.fp16), "--bf16 and --fp16 are exclusive; choose one")
-        self._validate_optimizer()
+        self._validate_optimizer(zero_stage)
         self.param_scheduler()  # the schedule's own checks (modes, warmup < decay, WSD length, ...)
         if self.use_precision_aware_optimizer:
             _require(zero_stage >= 1, "--use-precision-aware-optimizer needs the distributed optimizer "
@@ -693,7 +708,26 @@ class TrainingConfig:
         _require(self.eval_interval >= 1, f"eval_interval ({self.eval_interval}) must be >= 1")
         self._validate_checkpointing()
 
-    def _validate_optimizer(self) -> None:
+    def _validate_muon(self, zero_stage: int) -> None:
+        if self.optimizer != "muon":
+            changed = [f for f, v, d in (("--muon-momentum", self.muon_momentum, 0.9),
+                                         ("--muon-use-nesterov", self.muon_use_nesterov, False),
+                                         ("--muon-num-ns-steps", self.muon_num_ns_steps, 5),
+                                         ("--muon-no-split-qkv", self.muon_split_qkv, True),
+                                         ("--muon-scale-mode", self.muon_scale_mode, "spectral"),
+                                         ("--muon-extra-scale-factor", self.muon_extra_scale_factor, 1.0)) if v != d]
+            _require(not changed, f"{changed[0] if changed else ''} needs --optimizer muon")
+            return
+        _require(0.0 <= self.muon_momentum < 1.0, f"--muon-momentum ({self.muon_momentum}) must lie in [0, 1)")
+        _require(self.muon_num_ns_steps >= 1, f"--muon-num-ns-steps ({self.muon_num_ns_steps}) must be >= 1")
+        _require(zero_stage <= 2, "--optimizer muon needs whole matrices, which --zero-stage 3 does not keep: use "
+                                  "--zero-stage 0-2")
+        _require(not self.use_precision_aware_optimizer and not self.optimizer_cpu_offload,
+                 "--optimizer muon keeps fp32 state on the device: drop --use-precision-aware-optimizer and "
+                 "--optimizer-cpu-offload")
+
+    def _validate_optimizer(self, zero_stage: int) -> None:
+        self._validate_muon(zero_stage)
         for flag, v in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):
             _require(0.0 <= v < 1.0, f"{flag} ({v}) must lie in [0, 1)")
         _require(self.adam_eps > 0, f"--adam-eps ({self.adam_eps}) must be positive")

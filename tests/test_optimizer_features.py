@@ -206,17 +206,10 @@ def test_checkpoint_resume_with_instances_and_low_precision_state(tmp_path):
     """4 ranks as 2 optimizer instances with fp16 main params and bf16 m, v: saved at 3 and resumed,
     the run continues as the uninterrupted one; the first instance alone writes each element once."""
     from test_checkpoint import assert_exact_coverage
-    from training_utils import TINY, losses_of, train_in_process
+    from training_utils import TINY, straight_and_resumed
     argv = TINY + ["--global-batch-size", "8", "--train-iters", "6", "--bf16", "--zero-stage", "1",
                    "--num-distributed-optimizer-instances", "2", "--use-precision-aware-optimizer",
                    "--main-params-dtype", "fp16", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
-
-    def run(extra):
-        return losses_of(run_distributed(train_in_process, 4, argv + extra))
-
-    straight = run([])
-    ckpt = tmp_path / "ckpt"
-    first = run(["--save", str(ckpt), "--exit-interval", "3"])
-    second = run(["--save", str(ckpt), "--load", str(ckpt)])
-    assert first + second == pytest.approx(straight, rel=1e-6)
-    assert_exact_coverage(str(ckpt / "iter_0000003"))
+    straight, resumed = straight_and_resumed(argv, 4, tmp_path / "ckpt")
+    assert resumed == pytest.approx(straight, rel=1e-6)
+    assert_exact_coverage(str(tmp_path / "ckpt" / "iter_0000003"))

@@ -24,6 +24,19 @@ def train_in_process(rank, world, argv):
     return make_trainer(cfg, tokenizer, torch.device("cpu")).train()
 
 
+def straight_and_resumed(argv, world, ckpt, at=3):
+    """Losses of the uninterrupted run of `argv` on `world` forked ranks, and of the same run saved
+    to `ckpt` and stopped at iteration `at`, then resumed from there."""
+    from megatron_lite.testing import run_distributed
+
+    def run(extra):
+        return losses_of(run_distributed(train_in_process, world, argv + extra))
+
+    straight = run([])
+    first = run(["--save", str(ckpt), "--exit-interval", str(at)])
+    return straight, first + run(["--save", str(ckpt), "--load", str(ckpt)])
+
+
 def losses_of(histories):
     """lm_loss per iteration from whichever rank logged it (the last pipeline stage)."""
     for h in histories:

@@ -126,6 +126,7 @@ class _ShardState:
         self.bucket = bucket
         shard = bucket.param_shard_view()
         segments = _split_padding(bucket)
+        self.segment_params = segments  # (param index in the bucket, lo, hi)
         self.segments = [(lo, hi) for _, lo, hi in segments]
         self.segment_decays = [not no_weight_decay(bucket.names[i], len(bucket.shapes[i])) for i, _, _ in segments]
         self.segment_groups = [lr_group(bucket.names[i], bucket.params[i]) for i, _, _ in segments]
@@ -160,6 +161,11 @@ class _ShardState:
         """The rule's update of the shard from its fp32 gradient (where the store put it); the
         params follow their main params."""
         tensors, param = self.store.tensors, self.bucket.param_shard_view()
+        if hasattr(rule, "update_shard_"):  # a rule over whole matrices (muon.py): plain fp32 states only
+            rule.update_shard_(self, grad, lr_of, weight_decay, step)
+            if self.owns_main:
+                self.store.publish(param, tensors["main"])
+            return
         if self.plain:
             for group, lo, hi in self.lr_runs_for(lr_of):
                 views = {name: t[lo:hi] for name, t in tensors.items()}

@@ -12,7 +12,9 @@ from ..errors import ConfigError
 from ..parallel.data_parallel import GradientSync
 from ..parallel.fp8_param_gather import Fp8ParamGather
 from ..parallel.state import ParallelDims, partial_dp_groups
+from .adam import AdamW
 from .distributed_optimizer import DistributedOptimizer, lr_group, no_weight_decay
+from .muon import Muon
 from .precision import OptimizerPrecision
 
 __all__ = ["build_optimizer", "DistributedOptimizer", "OptimizerPrecision", "lr_group", "no_weight_decay"]
@@ -47,4 +49,13 @@ def build_optimizer(chunks: List[nn.Module], dims: ParallelDims, tcfg: TrainingC
                              overlap_param_gather=pcfg.overlap_param_gather, grad_dtype=grad_dtype, units=units,
                              dp_groups=dp_groups, param_gather=Fp8ParamGather(dims, tcfg.fp8_margin)
                              if tcfg.fp8_param_gather else None)
-    return DistributedOptimizer(grad_sync, tcfg, precision), grad_sync
+    return DistributedOptimizer(grad_sync, tcfg, precision, rule=update_rule(tcfg, dims)), grad_sync
+
+
+def update_rule(tcfg: TrainingConfig, dims: ParallelDims):
+    """--optimizer's update rule: AdamW, or Muon with AdamW beside it (muon.py)."""
+    adam = AdamW(tcfg.adam_beta1, tcfg.adam_beta2, tcfg.adam_eps)
+    if tcfg.optimizer != "muon":
+        return adam
+    return Muon(dims, tcfg.muon_momentum, tcfg.muon_use_nesterov, tcfg.muon_num_ns_steps, tcfg.muon_scale_mode,
+                tcfg.muon_extra_scale_factor, adam, split_qkv=tcfg.muon_split_qkv)
