@@ -10,6 +10,7 @@ save_pretrained writes them, with transformers' in-memory fused expert tensors a
   mixtral    mistral with top-k softmax MoE MLPs
   qwen2_moe  qwen2 with MoE MLPs, a gated shared expert, dense layers (mlp_only_layers)
   qwen3_moe  qwen3 with MoE MLPs
+  olmoe      llama with top-k softmax MoE MLPs and q/k RMSNorm over all heads together (OLMoE)
   deepseek_v3  multi-latent attention (RoPE rows interleaved in HF), YaRN, sigmoid group-limited routing
              with expert bias and a scaling factor, shared experts, leading dense layers; also Kimi-K2
              and Moonlight, which HF loads as deepseek_v3
@@ -276,6 +277,16 @@ def _qwen_moe(c, family: str, **extra) -> ModelConfig:
     return _llama_like(c, moe=moe, family=family, **extra)
 
 
+def _olmoe_to_ours(c) -> ModelConfig:
+    if getattr(c, "clip_qkv", None) is not None or getattr(c, "attention_bias", False):
+        raise ConversionError("OLMoE clip_qkv / attention_bias are not supported")
+    moe = MoEConfig(num_experts=c.num_experts, moe_router_topk=c.num_experts_per_tok,
+                    moe_ffn_hidden_size=c.intermediate_size,
+                    moe_aux_loss_coeff=float(getattr(c, "router_aux_loss_coef", 0.0) or 0.0),
+                    **_router(bool(getattr(c, "norm_topk_prob", False))))
+    return _llama_like(c, qk_layernorm=True, qk_layernorm_full_width=True, moe=moe, family="olmoe")
+
+
 def _gpt2_to_ours(c) -> ModelConfig:
     act = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}.get(c.activation_function)
     if act is None:
@@ -403,6 +414,16 @@ def _qwen_moe_to_hf(class_name: str, architecture: str, **extra):
     return to_hf
 
 
+def _olmoe_to_hf(cfg):
+    kw = _llama_kw(cfg, "OlmoeForCausalLM")
+    if kw.pop("head_dim") * cfg.num_attention_heads != cfg.hidden_size or cfg.moe is None \
+            or not all(cfg.moe_layers()) or cfg.moe.moe_shared_expert_intermediate_size:
+        raise ConversionError("OLMoE needs head_dim = hidden / heads and MoE on every layer without shared experts")
+    kw["intermediate_size"] = cfg.moe.moe_ffn_hidden_size
+    return _hf_config("OlmoeConfig", num_experts=cfg.moe.num_experts, attention_bias=False, clip_qkv=None,
+                      **_moe_hf_kw(cfg), **kw)
+
+
 def _gpt2_to_hf(cfg):
     special = 50256 if cfg.vocab_size > 50256 else None  # default ids outside a small vocabulary only warn
     return _hf_config("GPT2Config", n_layer=cfg.num_layers, n_embd=cfg.hidden_size, n_head=cfg.num_attention_heads,
@@ -455,6 +476,7 @@ FAMILIES: Dict[str, Family] = {f.name: f for f in [
     Family("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", _LLAMA_CORE + _QWEN_MOE,
            lambda c: _qwen_moe(c, "qwen3_moe", qk_layernorm=True),
            _qwen_moe_to_hf("Qwen3MoeConfig", "Qwen3MoeForCausalLM", attention_bias=False)),
+    Family("olmoe", "olmoe", "OlmoeForCausalLM", _LLAMA_CORE + _QWEN_MOE, _olmoe_to_ours, _olmoe_to_hf),
     Family("deepseek_v3", "deepseek_v3", "DeepseekV3ForCausalLM", _DEEPSEEK, lambda c: _deepseek_to_ours(c, "deepseek_v3"),
            _deepseek_to_hf("deepseek_v3")),
     Family("deepseek_v2", "deepseek_v2", "DeepseekV2ForCausalLM", _DEEPSEEK, lambda c: _deepseek_to_ours(c, "deepseek_v2"),
@@ -485,6 +507,8 @@ def _infer(cfg: ModelConfig) -> str:
     if cfg.moe is not None:
         if cfg.moe.moe_shared_expert_intermediate_size:
             return "qwen2_moe"
+        if cfg.qk_layernorm_full_width:
+            return "olmoe"
         return "qwen3_moe" if cfg.qk_layernorm else "mixtral"
     if cfg.qk_layernorm:
         return "qwen3"

@@ -124,12 +124,17 @@ MODELS: Dict[str, dict] = {
                                               moe_router_enable_expert_bias=True,
                                               moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-4,
                                               moe_shared_expert_intermediate_size=32, moe_layer_freq=[0, 1, 1])),
-    # OLMoE-1B-7B's shapes. OLMoE normalizes Q and K over all heads at once; megatron-lite's
-    # --qk-layernorm normalizes each head (Megatron-Core's kind), so it has no HF conversion.
-    "olmoe-1b-7b": dict(_LLAMA, family=None, **_shape(16, 2048, 16), qk_layernorm=True, ffn_hidden_size=1024,
-                        vocab_size=50304, max_position_embeddings=4096, seq_length=4096, rotary_base=10000.0,
-                        moe=dict(num_experts=64, moe_router_topk=8, moe_router_pre_softmax=True,
-                                 moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)),
+    # OLMoE-1B-7B: Q and K each RMS-normalized over all heads at once (--qk-layernorm-full-width),
+    # 64 experts, top-8 of a softmax without renormalization. It was trained with a z-loss too, which
+    # HF configs do not record: add --moe-z-loss-coeff 0.001 to train as AllenAI did.
+    "olmoe-tiny": dict(_LLAMA, family="olmoe", **_shape(2, 64, 4), num_query_groups=2, qk_layernorm=True,
+                       qk_layernorm_full_width=True, ffn_hidden_size=32, vocab_size=257, max_position_embeddings=256,
+                       seq_length=128, rotary_base=10000.0,
+                       moe=dict(num_experts=8, moe_router_topk=2, moe_router_pre_softmax=True, moe_aux_loss_coeff=0.01)),
+    "olmoe-1b-7b": dict(_LLAMA, family="olmoe", **_shape(16, 2048, 16), qk_layernorm=True, qk_layernorm_full_width=True,
+                        ffn_hidden_size=1024, vocab_size=50304, max_position_embeddings=4096, seq_length=4096,
+                        rotary_base=10000.0, moe=dict(num_experts=64, moe_router_topk=8, moe_router_pre_softmax=True,
+                                                      moe_aux_loss_coeff=0.01)),
     # DeepSeek-V3 (671B, 37B active; its MTP module not included): MLA with YaRN, 3 dense layers, then
     # 256 routed experts (top-8 of 8 groups, 4 groups per token, sigmoid scores, expert bias) and one
     # shared expert per layer. Kimi-K2 (1.04T, 32B active) and Moonlight-16B-A3B are the same
