@@ -209,7 +209,7 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads")
 
 # Fields that decide which Hugging Face family can represent a model (see models/hf_families.py).
 ARCHITECTURE_FIELDS = ("normalization", "position_embedding_type", "swiglu", "activation", "add_bias_linear",
-                       "add_qkv_bias", "qk_layernorm", "window_size", "window_attn_skip_freq", "moe",
+                       "add_qkv_bias", "qk_layernorm", "qk_layernorm_full_width", "window_size", "window_attn_skip_freq", "moe",
                        "untie_embeddings_and_output_weights", "rotary_percent", "apply_layernorm_1p",
                        "multi_latent_attention")
 _DEFAULT_MODEL = {f.name: f.default for f in fields(ModelConfig) if f.name in ARCHITECTURE_FIELDS}

@@ -70,6 +70,8 @@ class ModelConfig:
                                 flag="--disable-bias-linear", store="false")
     add_qkv_bias: bool = arg(False, "Q/K/V biases even without linear biases (Qwen)", store="true")
     qk_layernorm: bool = arg(False, "a norm over each head's channels on Q and K, before RoPE (Qwen3)", store="true")
+    qk_layernorm_full_width: bool = arg(False, "with --qk-layernorm: RMSNorm over all of Q's and all of K's heads "
+                                               "together, not each head (OLMoE)", store="true")
     apply_layernorm_1p: bool = arg(False, "zero-centred norm weights: applied as (1 + w), w initialized to 0",
                                    store="true")
     untie_embeddings_and_output_weights: bool = arg(False, "separate output layer instead of the tied embedding",
@@ -182,6 +184,9 @@ class ModelConfig:
                  f"softmax_type ({self.softmax_type}) must be vanilla, off-by-one or learnable")
         _require(self.window_attn_skip_freq is None or (self.window_size and self.window_attn_skip_freq >= 1),
                  f"--window-attn-skip-freq ({self.window_attn_skip_freq}) must be >= 1 and needs --window-size")
+        _require(not self.qk_layernorm_full_width or (self.qk_layernorm and self.normalization == "RMSNorm"),
+                 "--qk-layernorm-full-width changes --qk-layernorm to one RMSNorm over all heads: add --qk-layernorm "
+                 "and --normalization RMSNorm")
         _require(self.rope_scaling_factor > 0, f"rope_scaling_factor ({self.rope_scaling_factor}) must be positive")
         if self.rope_scaling_type == "yarn":
             _require(self.rotary_scaling_factor >= 1 and self.original_max_position_embeddings >= 1,

@@ -10,6 +10,9 @@ save_pretrained writes them, with transformers' in-memory fused expert tensors a
   mixtral    mistral with top-k softmax MoE MLPs
   qwen2_moe  qwen2 with MoE MLPs, a gated shared expert, dense layers (mlp_only_layers)
   qwen3_moe  qwen3 with MoE MLPs
+  glm4_moe   GLM-4.5: Q/K/V biases, partial RoPE, optional q/k norms per head, DeepSeek-V3's routing
+             and shared experts after leading dense layers
+  olmoe      llama with top-k softmax MoE MLPs and q/k RMSNorm over all heads together (OLMoE)
   deepseek_v3  multi-latent attention (RoPE rows interleaved in HF), YaRN, sigmoid group-limited routing
              with expert bias and a scaling factor, shared experts, leading dense layers; also Kimi-K2
              and Moonlight, which HF loads as deepseek_v3
@@ -276,6 +279,16 @@ def _qwen_moe(c, family: str, **extra) -> ModelConfig:
     return _llama_like(c, moe=moe, family=family, **extra)
 
 
+def _olmoe_to_ours(c) -> ModelConfig:
+    if getattr(c, "clip_qkv", None) is not None or getattr(c, "attention_bias", False):
+        raise ConversionError("OLMoE clip_qkv / attention_bias are not supported")
+    moe = MoEConfig(num_experts=c.num_experts, moe_router_topk=c.num_experts_per_tok,
+                    moe_ffn_hidden_size=c.intermediate_size,
+                    moe_aux_loss_coeff=float(getattr(c, "router_aux_loss_coef", 0.0) or 0.0),
+                    **_router(bool(getattr(c, "norm_topk_prob", False))))
+    return _llama_like(c, qk_layernorm=True, qk_layernorm_full_width=True, moe=moe, family="olmoe")
+
+
 def _gpt2_to_ours(c) -> ModelConfig:
     act = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}.get(c.activation_function)
     if act is None:
@@ -298,17 +311,25 @@ def _deepseek_to_ours(c, family: str) -> ModelConfig:
                               f"projections only have no megatron-lite equivalent)")
     if family == "deepseek_v3" and not getattr(c, "rope_interleave", True):
         raise ConversionError("deepseek_v3 rope_interleave=False is not supported")
+    if family == "deepseek_v2" and c.topk_method != "greedy":
+        raise ConversionError(f"deepseek_v2 topk_method {c.topk_method!r} is not supported (greedy is)")
+    return _llama_like(c, multi_latent_attention=True, q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
+                       qk_head_dim=c.qk_nope_head_dim, qk_pos_emb_head_dim=c.qk_rope_head_dim,
+                       v_head_dim=c.v_head_dim, moe=_deepseek_moe(c, family), family=family)
+
+
+def _deepseek_moe(c, family: str) -> MoEConfig:
+    """DeepSeek-V3's routing (also GLM-4.5's): sigmoid scores with an expert bias, group-limited
+    top-k, a scaling factor; shared experts; the first first_k_dense_replace layers dense. V2: softmax."""
     n, dense = c.num_hidden_layers, c.first_k_dense_replace or 0
     router = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                   moe_router_norm_topk_prob=bool(c.norm_topk_prob))
     groups, group_topk = c.n_group or 1, c.topk_group or 1
     if family == "deepseek_v2":
-        if c.topk_method != "greedy":
-            raise ConversionError(f"deepseek_v2 topk_method {c.topk_method!r} is not supported (greedy is)")
         groups = group_topk = 1
         router = dict(moe_router_pre_softmax=True, moe_router_norm_topk_prob=False)
     elif groups > 1 and c.num_experts_per_tok != 2 * group_topk:
-        raise ConversionError(f"deepseek_v3 ranks expert groups by their top-2 scores: megatron-lite's "
+        raise ConversionError(f"{family} ranks expert groups by their top-2 scores: megatron-lite's "
                               f"group-limited routing needs num_experts_per_tok ({c.num_experts_per_tok}) = 2 x "
                               f"topk_group ({group_topk})")
     scaling = float(c.routed_scaling_factor)
@@ -319,9 +340,14 @@ def _deepseek_to_ours(c, family: str) -> ModelConfig:
                     moe_router_group_topk=group_topk if groups > 1 else None,
                     moe_router_topk_scaling_factor=scaling if scaling != 1.0 else None, moe_router_dtype="fp32",
                     moe_layer_freq=1 if dense == 0 else [0] * dense + [1] * (n - dense), **router)
-    return _llama_like(c, multi_latent_attention=True, q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
-                       qk_head_dim=c.qk_nope_head_dim, qk_pos_emb_head_dim=c.qk_rope_head_dim,
-                       v_head_dim=c.v_head_dim, moe=moe, family=family)
+    return moe
+
+
+def _glm4_moe_to_ours(c) -> ModelConfig:
+    rope = dict(getattr(c, "rope_parameters", None) or {})
+    partial = float(rope.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0)))
+    return _llama_like(c, add_qkv_bias=bool(c.attention_bias), qk_layernorm=bool(c.use_qk_norm),
+                       rotary_percent=partial, moe=_deepseek_moe(c, "glm4_moe"), family="glm4_moe")
 
 
 # --- configs: ours -> HF ----------------------------------------------------------------------
@@ -403,6 +429,16 @@ def _qwen_moe_to_hf(class_name: str, architecture: str, **extra):
     return to_hf
 
 
+def _olmoe_to_hf(cfg):
+    kw = _llama_kw(cfg, "OlmoeForCausalLM")
+    if kw.pop("head_dim") * cfg.num_attention_heads != cfg.hidden_size or cfg.moe is None \
+            or not all(cfg.moe_layers()) or cfg.moe.moe_shared_expert_intermediate_size:
+        raise ConversionError("OLMoE needs head_dim = hidden / heads and MoE on every layer without shared experts")
+    kw["intermediate_size"] = cfg.moe.moe_ffn_hidden_size
+    return _hf_config("OlmoeConfig", num_experts=cfg.moe.num_experts, attention_bias=False, clip_qkv=None,
+                      **_moe_hf_kw(cfg), **kw)
+
+
 def _gpt2_to_hf(cfg):
     special = 50256 if cfg.vocab_size > 50256 else None  # default ids outside a small vocabulary only warn
     return _hf_config("GPT2Config", n_layer=cfg.num_layers, n_embd=cfg.hidden_size, n_head=cfg.num_attention_heads,
@@ -414,30 +450,48 @@ def _gpt2_to_hf(cfg):
                       eos_token_id=special, architectures=["GPT2LMHeadModel"])
 
 
+def _deepseek_moe_hf_kw(cfg: ModelConfig, family: str) -> dict:
+    """DeepSeek-style MoE fields of an HF config (_deepseek_moe's inverse, V3's grouping)."""
+    m = cfg.moe
+    if m is None or not m.num_experts:
+        raise ConversionError(f"{family} needs MoE layers")
+    kinds = cfg.moe_layers()
+    dense = kinds.index(True)
+    shared = m.moe_shared_expert_intermediate_size or 0
+    if any(not k for k in kinds[dense:]) or shared % m.moe_ffn_hidden_size or m.moe_shared_expert_gate:
+        raise ConversionError(f"{family} needs its dense layers first, then MoE layers, and ungated shared experts "
+                              f"of a multiple of the expert size")
+    return dict(moe_intermediate_size=m.moe_ffn_hidden_size, n_routed_experts=m.num_experts,
+                n_shared_experts=shared // m.moe_ffn_hidden_size, num_experts_per_tok=m.moe_router_topk,
+                routed_scaling_factor=m.moe_router_topk_scaling_factor or 1.0, first_k_dense_replace=dense,
+                n_group=m.moe_router_num_groups or 1, topk_group=m.moe_router_group_topk or 1,
+                norm_topk_prob=m.normalizes_topk)
+
+
 def _deepseek_to_hf(family: str):
     def to_hf(cfg):
-        m = cfg.moe
-        if not cfg.multi_latent_attention or m is None or not m.num_experts:
-            raise ConversionError(f"{family} needs multi-latent attention and MoE layers")
-        kinds = cfg.moe_layers()
-        dense = kinds.index(True)
-        shared = m.moe_shared_expert_intermediate_size or 0
-        if any(not k for k in kinds[dense:]) or shared % m.moe_ffn_hidden_size or m.moe_shared_expert_gate:
-            raise ConversionError(f"{family} needs its dense layers first, then MoE layers, and ungated shared experts "
-                                  f"of a multiple of the expert size")
+        if not cfg.multi_latent_attention:
+            raise ConversionError(f"{family} needs multi-latent attention")
         kw = dict(_llama_kw(cfg, "DeepseekV3ForCausalLM" if family == "deepseek_v3" else "DeepseekV2ForCausalLM"),
                   num_key_value_heads=cfg.num_attention_heads, head_dim=cfg.qk_pos_emb_head_dim,
-                  moe_intermediate_size=m.moe_ffn_hidden_size, n_routed_experts=m.num_experts,
-                  n_shared_experts=shared // m.moe_ffn_hidden_size, num_experts_per_tok=m.moe_router_topk,
-                  routed_scaling_factor=m.moe_router_topk_scaling_factor or 1.0, first_k_dense_replace=dense,
                   q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_head_dim,
-                  qk_rope_head_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim, attention_bias=False)
+                  qk_rope_head_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim, attention_bias=False,
+                  **_deepseek_moe_hf_kw(cfg, family))
         if family == "deepseek_v2":
+            for k in ("n_group", "topk_group", "norm_topk_prob"):
+                del kw[k]
             return _hf_config("DeepseekV2Config", topk_method="greedy", norm_topk_prob=False, mlp_bias=False, **kw)
-        return _hf_config("DeepseekV3Config", n_group=m.moe_router_num_groups or 1,
-                          topk_group=m.moe_router_group_topk or 1, norm_topk_prob=m.normalizes_topk,
-                          rope_interleave=True, **kw)
+        return _hf_config("DeepseekV3Config", rope_interleave=True, **kw)
     return to_hf
+
+
+def _glm4_moe_to_hf(cfg):
+    if cfg.add_bias_linear:
+        raise ConversionError("GLM-4.5 has Q/K/V biases only: use --add-qkv-bias without linear biases")
+    kw = _llama_kw(dataclasses.replace(cfg, rotary_percent=1.0), "Glm4MoeForCausalLM")
+    kw["rope_parameters"]["partial_rotary_factor"] = cfg.rotary_percent
+    return _hf_config("Glm4MoeConfig", attention_bias=cfg.add_qkv_bias, use_qk_norm=cfg.qk_layernorm,
+                      num_nextn_predict_layers=0, **_deepseek_moe_hf_kw(cfg, "glm4_moe"), **kw)
 
 
 FAMILIES: Dict[str, Family] = {f.name: f for f in [
@@ -455,6 +509,9 @@ FAMILIES: Dict[str, Family] = {f.name: f for f in [
     Family("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", _LLAMA_CORE + _QWEN_MOE,
            lambda c: _qwen_moe(c, "qwen3_moe", qk_layernorm=True),
            _qwen_moe_to_hf("Qwen3MoeConfig", "Qwen3MoeForCausalLM", attention_bias=False)),
+    Family("olmoe", "olmoe", "OlmoeForCausalLM", _LLAMA_CORE + _QWEN_MOE, _olmoe_to_ours, _olmoe_to_hf),
+    Family("glm4_moe", "glm4_moe", "Glm4MoeForCausalLM", _LLAMA_CORE + _DEEPSEEK_MOE, _glm4_moe_to_ours,
+           _glm4_moe_to_hf),
     Family("deepseek_v3", "deepseek_v3", "DeepseekV3ForCausalLM", _DEEPSEEK, lambda c: _deepseek_to_ours(c, "deepseek_v3"),
            _deepseek_to_hf("deepseek_v3")),
     Family("deepseek_v2", "deepseek_v2", "DeepseekV2ForCausalLM", _DEEPSEEK, lambda c: _deepseek_to_ours(c, "deepseek_v2"),
@@ -483,8 +540,12 @@ def _infer(cfg: ModelConfig) -> str:
         raise ConversionError("model is neither GPT-2-like (LayerNorm, learned positions, GELU) nor Llama-like "
                               "(RMSNorm, RoPE, SwiGLU)")
     if cfg.moe is not None:
+        if cfg.moe.moe_router_score_function == "sigmoid":
+            return "glm4_moe"
         if cfg.moe.moe_shared_expert_intermediate_size:
             return "qwen2_moe"
+        if cfg.qk_layernorm_full_width:
+            return "olmoe"
         return "qwen3_moe" if cfg.qk_layernorm else "mixtral"
     if cfg.qk_layernorm:
         return "qwen3"

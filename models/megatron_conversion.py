@@ -124,6 +124,9 @@ def megatron_args_of_config(cfg: ModelConfig, tp: int, pp: int, ep: int = 1) -> 
     inverse); a ConversionError naming what Megatron-Core's GPT cannot express."""
     if cfg.window_size:
         raise ConversionError(f"window_size={cfg.window_size} (sliding-window attention) has no Megatron-LM flag")
+    if cfg.qk_layernorm_full_width:
+        raise ConversionError("q/k norms over all heads (--qk-layernorm-full-width, OLMoE) have no Megatron-Core "
+                              "equivalent (its --qk-layernorm normalizes each head)")
     if cfg.quick_geglu or cfg.glu_linear_offset or cfg.activation_func_clamp_value is not None:
         raise ConversionError("quick-GeGLU / a GLU linear offset / a clamped activation are not written to "
                               "Megatron-LM yet")

@@ -59,6 +59,21 @@ def _deepseek(layers, hidden, heads, ffn, *, rope, moe_layer_freq, experts, topk
                 qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128, moe=moe, **rope, **kw)
 
 
+def _glm(layers, hidden, ffn, expert, *, experts, dense, scaling, qk_norm):
+    """GLM-4.5 (its MTP layer not included): 96 query heads and 8 K/V groups of 128 channels with Q/K/V
+    biases, RoPE on half of each head, DeepSeek-V3's routing (sigmoid, expert bias, top-8, one shared
+    expert) after `dense` dense layers."""
+    moe = dict(num_experts=experts, moe_router_topk=8, moe_ffn_hidden_size=expert,
+               moe_shared_expert_intermediate_size=expert, moe_router_score_function="sigmoid",
+               moe_router_enable_expert_bias=True, moe_router_norm_topk_prob=True, moe_router_dtype="fp32",
+               moe_router_topk_scaling_factor=scaling if scaling != 1.0 else None,
+               moe_layer_freq=[0] * dense + [1] * (layers - dense))
+    return dict(_LLAMA, family="glm4_moe", **_shape(layers, hidden, 96), num_query_groups=8, kv_channels=128,
+                ffn_hidden_size=ffn, add_qkv_bias=True, qk_layernorm=qk_norm, rotary_percent=0.5,
+                rotary_base=1000000.0, vocab_size=151552, max_position_embeddings=131072, seq_length=4096,
+                norm_epsilon=1e-5, moe=moe)
+
+
 MODELS: Dict[str, dict] = {
     # Tiny sizes: unit tests, the built-in default, laptops.
     "gpt2-tiny": dict(_GPT2, **_shape(2, 64, 4), vocab_size=257, max_position_embeddings=256, seq_length=128),
@@ -124,12 +139,17 @@ MODELS: Dict[str, dict] = {
                                               moe_router_enable_expert_bias=True,
                                               moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-4,
                                               moe_shared_expert_intermediate_size=32, moe_layer_freq=[0, 1, 1])),
-    # OLMoE-1B-7B's shapes. OLMoE normalizes Q and K over all heads at once; megatron-lite's
-    # --qk-layernorm normalizes each head (Megatron-Core's kind), so it has no HF conversion.
-    "olmoe-1b-7b": dict(_LLAMA, family=None, **_shape(16, 2048, 16), qk_layernorm=True, ffn_hidden_size=1024,
-                        vocab_size=50304, max_position_embeddings=4096, seq_length=4096, rotary_base=10000.0,
-                        moe=dict(num_experts=64, moe_router_topk=8, moe_router_pre_softmax=True,
-                                 moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)),
+    # OLMoE-1B-7B: Q and K each RMS-normalized over all heads at once (--qk-layernorm-full-width),
+    # 64 experts, top-8 of a softmax without renormalization. It was trained with a z-loss too, which
+    # HF configs do not record: add --moe-z-loss-coeff 0.001 to train as AllenAI did.
+    "olmoe-tiny": dict(_LLAMA, family="olmoe", **_shape(2, 64, 4), num_query_groups=2, qk_layernorm=True,
+                       qk_layernorm_full_width=True, ffn_hidden_size=32, vocab_size=257, max_position_embeddings=256,
+                       seq_length=128, rotary_base=10000.0,
+                       moe=dict(num_experts=8, moe_router_topk=2, moe_router_pre_softmax=True, moe_aux_loss_coeff=0.01)),
+    "olmoe-1b-7b": dict(_LLAMA, family="olmoe", **_shape(16, 2048, 16), qk_layernorm=True, qk_layernorm_full_width=True,
+                        ffn_hidden_size=1024, vocab_size=50304, max_position_embeddings=4096, seq_length=4096,
+                        rotary_base=10000.0, moe=dict(num_experts=64, moe_router_topk=8, moe_router_pre_softmax=True,
+                                                      moe_aux_loss_coeff=0.01)),
     # DeepSeek-V3 (671B, 37B active; its MTP module not included): MLA with YaRN, 3 dense layers, then
     # 256 routed experts (top-8 of 8 groups, 4 groups per token, sigmoid scores, expert bias) and one
     # shared expert per layer. Kimi-K2 (1.04T, 32B active) and Moonlight-16B-A3B are the same
@@ -148,6 +168,8 @@ MODELS: Dict[str, dict] = {
                                   rope=dict(_YARN, rotary_scaling_factor=40.0, mscale=0.707, mscale_all_dim=0.707),
                                   moe_layer_freq=[0] + [1] * 26, experts=64, topk=6, shared=2,
                                   router=dict(moe_router_pre_softmax=True, moe_router_norm_topk_prob=False)),
+    "glm-4.5-air": _glm(46, 4096, 10944, 1408, experts=128, dense=1, scaling=1.0, qk_norm=False),
+    "glm-4.5": _glm(92, 5120, 12288, 1536, experts=160, dense=3, scaling=2.5, qk_norm=True),
     "mixtral-8x7b": dict(_MIXTRAL, **_shape(32, 4096, 32), ffn_hidden_size=14336,
                          moe=dict(num_experts=8, moe_router_topk=2, moe_aux_loss_coeff=0.02)),
     "mixtral-8x22b": dict(_MIXTRAL, **_shape(56, 6144, 48), ffn_hidden_size=16384, vocab_size=32768,

@@ -1,7 +1,7 @@
 """What each layer type reports from the config alone (megatron_lite/transformer/counts.py, summed by
 model_counts.py) against the single-process model it builds, for dense GPT-2, Llama with GQA, q/k
-norms with Q/K/V biases, and MoE layers with shared experts (gated or not, after a dense layer, GELU
-experts beside biased dense linears):
+norms with Q/K/V biases (per head, and over all heads as OLMoE's), and MoE layers with shared experts
+(gated or not, after a dense layer, GELU experts beside biased dense linears):
   - the parameters of every part (embedding, each layer, final norm, output layer) and the total
     (ModelConfig.num_parameters, what the start-up line prints) equal the built modules' numel;
   - an MoE layer's active count is what one token touches: every parameter of the layer but the
@@ -28,6 +28,7 @@ CONFIGS = {
     "llama-gqa": ("llama-tiny", {}),
     "qk-norm-qkv-bias": ("llama-tiny", dict(qk_layernorm=True, add_qkv_bias=True)),
     "moe-gated-shared-expert": ("qwen2-moe-tiny", {}),
+    "moe-full-width-qk-norm": ("olmoe-tiny", {}),
     "moe-after-dense-layer": ("deepseek-v3-routing-tiny", {}),
     "moe-gelu-with-biases": ("gpt2-tiny", dict(moe=MOE_GELU)),
 }

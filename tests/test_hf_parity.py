@@ -6,7 +6,7 @@ weight is perturbed, so norm weights and biases are not trivially 1 and 0 and a 
 split, tie or expert order shows up in the logits. Families: GPT-2, Llama (GQA, tied + biases +
 explicit head_dim, Llama-3.1 RoPE scaling), Mistral (sliding window shorter than the sequence),
 Qwen2 (Q/K/V biases), Qwen3 (q/k norms), Mixtral, Qwen2-MoE (gated shared expert, a dense layer),
-Qwen3-MoE.
+Qwen3-MoE, OLMoE (q/k norms over all heads), GLM-4.5 (partial RoPE), DeepSeek-V2 / V3 (MLA, YaRN).
 """
 from __future__ import annotations
 
@@ -65,6 +65,14 @@ def _hf_config(name: str):
                                               mlp_only_layers=[0], norm_topk_prob=False, **_MOE),
         "qwen3_moe": lambda: t.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=48, head_dim=24,
                                               norm_topk_prob=True, **_MOE),
+        # q/k RMSNorm over all heads together (at TP4 its 2 K/V groups are replicated: the K norm too)
+        "olmoe": lambda: t.OlmoeConfig(num_experts=4, **_MOE),
+        # partial RoPE, Q/K/V biases, q/k norms per head; DeepSeek-V3's routing after a dense layer
+        "glm4_moe": lambda: t.Glm4MoeConfig(**_LLAMA, head_dim=24, attention_bias=True,
+                                            use_qk_norm=True, rope_parameters=dict(rope, partial_rotary_factor=0.5),
+                                            moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+                                            first_k_dense_replace=1, n_group=4, topk_group=2, num_experts_per_tok=4,
+                                            routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False),
         # MLA with YaRN; 4 layers: one dense, then sigmoid group-limited routing with expert bias, one shared expert
         "deepseek_v3": lambda: t.DeepseekV3Config(**dict(_DEEPSEEK, num_hidden_layers=4), n_group=4, topk_group=2,
                                                   num_experts_per_tok=4, routed_scaling_factor=2.5, norm_topk_prob=True,
@@ -78,10 +86,12 @@ def _hf_config(name: str):
 CLASSES = {"gpt2": "GPT2LMHeadModel", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
            "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
            "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+           "olmoe": "OlmoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
            "deepseek_v2": "DeepseekV2ForCausalLM"}
 NAMES = ["gpt2", "llama_gqa", "llama_tied", "llama31", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-         "deepseek_v3", "deepseek_v2", "llama_yarn"]
-MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2"}
+         "deepseek_v3", "deepseek_v2", "llama_yarn", "olmoe",
+         "glm4_moe"]
+MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2", "olmoe", "glm4_moe"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -137,7 +147,8 @@ def _tp_worker(rank, world, cfg, state, tokens):
 
 
 @pytest.mark.parametrize("name,tp", [("gpt2", 2), ("llama_gqa", 2), ("llama_gqa", 4), ("llama_tied", 2),
-                                     ("qwen3", 2), ("mistral", 2), ("qwen2_moe", 2)])
+                                     ("qwen3", 2), ("mistral", 2), ("qwen2_moe", 2),
+                                     ("olmoe", 2), ("olmoe", 4), ("glm4_moe", 2)])
 def test_logits_match_hf_tensor_parallel(name, tp):
     """Any TP size loads the full weights (K/V groups replicated when tp > groups)."""
     tokens, expected, cfg, state = oracle(name)
@@ -196,11 +207,20 @@ def test_unsupported_inputs_are_clear_errors():
         hf_to_megatron_lite(extra, cfg)
 
 
+def test_olmoe_refusals():
+    """OLMoE's clip_qkv has no equivalent here; its q/k norms over all heads none in Megatron-Core."""
+    from models.megatron_conversion import megatron_args_of_config
+    with pytest.raises(ConversionError, match="clip_qkv"):
+        hf_config_to_model_config(transformers.OlmoeConfig(clip_qkv=8.0))
+    with pytest.raises(ConversionError, match="qk-layernorm-full-width"):
+        megatron_args_of_config(oracle("olmoe")[2], tp=1, pp=1)
+
 
 def _pipeline_worker(rank, world, cfg, state, tokens):
-    """Logits of a TP2 x PP2 x EP2 layout (8 ranks): stage 0's hidden states sent to stage 1."""
+    """Logits of a TP2 x PP2 x EP2 layout (8 ranks): stage 0's hidden states sent to stage 1 (one
+    layer each for OLMoE; DeepSeek's and GLM's dense layer, then their MoE ones)."""
     dims = ParallelDims.from_world(tp=2, pp=2, ep=2)
-    model = build_model(cfg, dims, seed=7, first_stage_layers=1)[0].eval()  # the dense layer, then the MoE ones
+    model = build_model(cfg, dims, seed=7, first_stage_layers=1)[0].eval()
     load_full_state_dict_into_model(model, state, dims)
     tp_rank, cp_rank, dp_rank, pp_rank = dims.coords(rank)
     with torch.no_grad():
@@ -214,8 +234,9 @@ def _pipeline_worker(rank, world, cfg, state, tokens):
         return model(tokens)
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", pytest.param("deepseek_v2", marks=pytest.mark.slow)])
-def test_deepseek_logits_match_hf_at_tp2_pp2_ep2(name):
+@pytest.mark.parametrize("name", ["deepseek_v3", "olmoe", "glm4_moe",
+                                  pytest.param("deepseek_v2", marks=pytest.mark.slow)])
+def test_moe_logits_match_hf_at_tp2_pp2_ep2(name):
     tokens, expected, cfg, state = oracle(name)
     results = [r for r in run_distributed(_pipeline_worker, 8, cfg, state, tokens) if r is not None]
     assert len(results) == 4
@@ -223,9 +244,9 @@ def test_deepseek_logits_match_hf_at_tp2_pp2_ep2(name):
         assert _max_diff(logits, expected) < TOL
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2"])
-def test_deepseek_round_trips_are_exact(name, tmp_path):
-    """HF (as save_pretrained writes it, expert bias included) -> ours -> HF identical, and loadable
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2", "olmoe", "glm4_moe"])
+def test_moe_round_trips_are_exact(name, tmp_path):
+    """HF (as save_pretrained writes it, DeepSeek's expert bias included) -> ours -> HF identical, and loadable
     strictly; ours -> HF -> ours identical from our own initialization."""
     from safetensors.torch import load_file
     hf = hf_model(name)

@@ -17,6 +17,10 @@ LLAMA = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_grou
              vocab_size=300, normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
              add_bias_linear=False, untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
              attention_dropout=0.0)
+# OLMoE's q/k RMSNorm over all heads: its sum of squares spans the TP ranks (at TP4 the 2 K/V groups,
+# and so the K norm's weight, are replicated)
+FULL_WIDTH_QK_NORM = dict(LLAMA, qk_layernorm=True, qk_layernorm_full_width=True)
+FAMILIES = {"gpt2": GPT2, "llama": LLAMA, "full_width_qk_norm": FULL_WIDTH_QK_NORM}
 
 
 def _train(rank, world, tp, sp, cfg_kw, steps=5, recompute=None, method="uniform", num_layers=1):
@@ -43,14 +47,14 @@ def _train(rank, world, tp, sp, cfg_kw, steps=5, recompute=None, method="uniform
 
 @pytest.fixture(scope="module")
 def references():
-    return {name: run_distributed(_train, 1, 1, False, kw)[0] for name, kw in (("gpt2", GPT2), ("llama", LLAMA))}
+    return {name: run_distributed(_train, 1, 1, False, kw)[0] for name, kw in FAMILIES.items()}
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("tp,sp", [(2, False), (2, True), (4, False), (4, True)])
 def test_tp_matches_single_process(references, family, tp, sp):
     ref_losses, ref_grads = references[family]
-    losses, grads = run_distributed(_train, tp, tp, sp, GPT2 if family == "gpt2" else LLAMA)[0]
+    losses, grads = run_distributed(_train, tp, tp, sp, FAMILIES[family])[0]
     assert_same_run(ref_losses, losses, rtol=1e-5)
     assert len(grads) == len(ref_grads)
     for step, (g, rg) in enumerate(zip(grads, ref_grads)):

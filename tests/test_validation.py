@@ -119,6 +119,7 @@ CASES = [
     (4, ["--num-experts", "4", "--tensor-model-parallel-size", "4", "--expert-tensor-parallel-size", "2"],
      ["expert_tensor_parallel_size (2)"]),
     (1, ["--num-experts", "4", "--moe-layer-freq", "[1,0,1]"], ["moe_layer_freq", "2 layers"]),
+    (1, ["--qk-layernorm-full-width"], ["--qk-layernorm-full-width", "add --qk-layernorm"]),
     (1, ["--adam-beta2", "1.5"], ["--adam-beta2 (1.5)", "[0, 1)"]),
     (1, ["--adam-eps", "0"], ["--adam-eps (0.0)"]),
     (1, ["--clip-grad", "-1"], ["--clip-grad (-1.0)", "0 disables"]),

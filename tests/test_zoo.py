@@ -74,8 +74,8 @@ def test_flops_count_active_parameters_and_the_window():
     assert flops_per_token(_cfg("mistral-7b"), 16384) == flops_per_token(_cfg("mistral-7b"), 4096)
 
 
-def test_shapes_without_a_hf_family():
-    # OLMoE-1B-7B: 6.9B total, 1.3B active (AllenAI's card), up to the q/k norm widths.
+def test_olmoe_totals():
+    # OLMoE-1B-7B: 6.9B total, 1.3B active (AllenAI's card).
     olmoe = _cfg("olmoe-1b-7b")
     assert round(olmoe.num_parameters() / 1e9, 1) == 6.9 and round(olmoe.num_parameters(active=True) / 1e9, 1) == 1.3
 
@@ -97,3 +97,10 @@ def test_deepseek_architecture_totals(name):
     assert cfg.num_parameters() + biases == total
     assert abs(cfg.num_parameters(active=True, include_embedding=False) / 1e9 - active) < 0.03 * active
     assert zoo.MODELS["deepseek-v3-shaped"] == zoo.MODELS["deepseek-v3"]  # the former name still works
+
+
+@pytest.mark.parametrize("name,total", [("glm-4.5", 355), ("glm-4.5-air", 106)])
+def test_glm_totals(name, total):
+    """Z.ai's cards (billions, rounded; they count the MTP layer the zoo leaves out): within 2%. The
+    exact check is test_shape_matches_hugging_face's count of transformers' own Glm4MoeForCausalLM."""
+    assert abs(_cfg(name).num_parameters() / 1e9 - total) < 0.02 * total

@@ -9,6 +9,7 @@ caches) and `cache_update`, which the KV cache sets while the model decodes (inf
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
@@ -20,7 +21,7 @@ from ..parallel.sharding import ShardSpec, set_spec, tp_split
 from ..parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from .core_attention import PackedSeq
 from .counts import Counts, MicroBatch, weights
-from .norm import head_norm, norm_weights
+from .norm import FullWidthRMSNorm, head_norm, norm_weights
 from .rope import apply_rope
 
 
@@ -34,11 +35,13 @@ class AttentionConfig:
     qkv_bias: bool
     proj_bias: bool
     qk_layernorm: bool
+    qk_layernorm_full_width: bool = False
 
     @classmethod
     def from_model(cls, cfg) -> "AttentionConfig":
         return cls(cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels, cfg.kv_channels,
-                   cfg.add_bias_linear or cfg.add_qkv_bias, cfg.add_bias_linear, cfg.qk_layernorm)
+                   cfg.add_bias_linear or cfg.add_qkv_bias, cfg.add_bias_linear, cfg.qk_layernorm,
+                   cfg.qk_layernorm_full_width)
 
 
 class SelfAttention(nn.Module):
@@ -77,7 +80,11 @@ class SelfAttention(nn.Module):
         if self.softmax_type == "learnable":
             self.softmax_offset = nn.Parameter(torch.empty(heads // tp, dtype=dt))
             set_spec(self.softmax_offset, ShardSpec((heads,), (tp_split(dims, 0, heads),)))
-        if config.qk_layernorm:  # over each head's channels; the heads are split over TP: grads partial there
+        if config.qk_layernorm_full_width:  # one norm over all heads: weights split over TP like the heads
+            norm = functools.partial(FullWidthRMSNorm, dims=dims, eps=cfg.norm_epsilon, dtype=dt,
+                                     zero_centered=cfg.apply_layernorm_1p)
+            self.q_layernorm, self.k_layernorm = norm(q_size), norm(k_size, replicas=kv_replicas)
+        elif config.qk_layernorm:  # over each head's channels; the heads are split over TP: grads partial there
             self.q_layernorm = head_norm(cfg, ctx, d)
             self.k_layernorm = head_norm(cfg, ctx, d)
 
@@ -135,7 +142,8 @@ class SelfAttention(nn.Module):
         d, dv, heads, groups = c.kv_channels, c.v_head_dim, c.num_attention_heads, c.num_query_groups
         qkv = heads * d + groups * (d + dv)
         n = h * qkv + heads * dv * h + (qkv if c.qkv_bias else 0) + (h if c.proj_bias else 0)
-        n += 2 * norm_weights(cfg, d) if c.qk_layernorm else 0
+        if c.qk_layernorm:
+            n += heads * d + groups * d if c.qk_layernorm_full_width else 2 * norm_weights(cfg, d)
         n += heads if cfg.softmax_type == "learnable" else 0
         keys = min(mb.seq_length, window) if window else mb.seq_length  # `window`: this layer's sliding window
         core = 2 * heads * (d + dv) * keys

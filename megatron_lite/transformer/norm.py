@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..parallel.sharding import replicated, set_spec
+from ..parallel.sharding import ShardSpec, replicated, set_spec, tp_split
 from .counts import Counts, MicroBatch, weights
 
 
@@ -53,6 +53,29 @@ def head_norm(cfg, ctx, head_dim: int) -> nn.Module:
     over TP, so each rank's gradient of the shared weight is partial: summed over TP."""
     cls = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}[cfg.normalization]
     return cls(head_dim, cfg.norm_epsilon, ctx.dims.tp > 1, ctx.params_dtype, cfg.apply_layernorm_1p)
+
+
+class FullWidthRMSNorm(nn.Module):
+    """RMSNorm over all heads of Q (or of K) together (--qk-layernorm-full-width, OLMoE). The heads,
+    and so the weight, are split over TP: each rank sums the squares of its own heads and the sum is
+    all-reduced both ways (every rank's output depends on every rank's input). K groups replicated
+    on `replicas` ranks are counted once."""
+
+    def __init__(self, width: int, dims, eps: float, dtype, zero_centered: bool, replicas: int = 1):
+        super().__init__()
+        split = tp_split(dims, 0, width, replicas=replicas)
+        self.width, self.eps, self.zero_centered, self.dims, self.replicas = width, eps, zero_centered, dims, replicas
+        self.weight = nn.Parameter(torch.ones(width // split.shards, dtype=dtype))
+        set_spec(self.weight, ShardSpec((width,), (split,), init="zeros" if zero_centered else "ones"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., heads on this rank, head dim]
+        x32 = x.float().flatten(-2)
+        squares = x32.square().sum(-1, keepdim=True)
+        if self.dims.tp > 1:
+            comm, group = self.dims.comm, self.dims.tp_group
+            squares = comm.copy_to_tp(comm.reduce_from_tp(squares, group), group) / self.replicas
+        w = self.weight + 1 if self.zero_centered else self.weight
+        return (w * (x32 * torch.rsqrt(squares / self.width + self.eps)).to(x.dtype)).view_as(x)
 
 
 def norm_weights(cfg, width: int) -> int:
