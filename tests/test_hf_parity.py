@@ -6,7 +6,7 @@ weight is perturbed, so norm weights and biases are not trivially 1 and 0 and a 
 split, tie or expert order shows up in the logits. Families: GPT-2, Llama (GQA, tied + biases +
 explicit head_dim, Llama-3.1 RoPE scaling), Mistral (sliding window shorter than the sequence),
 Qwen2 (Q/K/V biases), Qwen3 (q/k norms), Mixtral, Qwen2-MoE (gated shared expert, a dense layer),
-Qwen3-MoE.
+Qwen3-MoE, DeepSeek-V3 / V2 (MLA), gpt-oss (sinks, biased router and experts, alternating windows, YaRN).
 """
 from __future__ import annotations
 
@@ -72,16 +72,22 @@ def _hf_config(name: str):
         # V2-Lite's kind: no query compression, softmax routing without renormalization, two shared experts
         "deepseek_v2": lambda: t.DeepseekV2Config(**dict(_DEEPSEEK, n_shared_experts=2), num_experts_per_tok=2,
                                                   topk_method="greedy", q_lora_rank=None, rope_parameters=rope),
+        # attention sinks, biases everywhere (router and experts too), alternating windows, YaRN without rounding
+        "gpt_oss": lambda: t.GptOssConfig(**dict(_LLAMA, head_dim=16), num_local_experts=4, num_experts_per_tok=2,
+                                          sliding_window=5, max_position_embeddings=256, tie_word_embeddings=False,
+                                          rope_parameters={"rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0,
+                                                           "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                           "original_max_position_embeddings": 64}),
     }[name]()
 
 
 CLASSES = {"gpt2": "GPT2LMHeadModel", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
            "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
            "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-           "deepseek_v2": "DeepseekV2ForCausalLM"}
+           "deepseek_v2": "DeepseekV2ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 NAMES = ["gpt2", "llama_gqa", "llama_tied", "llama31", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-         "deepseek_v3", "deepseek_v2", "llama_yarn"]
-MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2"}
+         "deepseek_v3", "deepseek_v2", "llama_yarn", "gpt_oss"]
+MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2", "gpt_oss"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -137,7 +143,7 @@ def _tp_worker(rank, world, cfg, state, tokens):
 
 
 @pytest.mark.parametrize("name,tp", [("gpt2", 2), ("llama_gqa", 2), ("llama_gqa", 4), ("llama_tied", 2),
-                                     ("qwen3", 2), ("mistral", 2), ("qwen2_moe", 2)])
+                                     ("qwen3", 2), ("mistral", 2), ("qwen2_moe", 2), ("gpt_oss", 2)])
 def test_logits_match_hf_tensor_parallel(name, tp):
     """Any TP size loads the full weights (K/V groups replicated when tp > groups)."""
     tokens, expected, cfg, state = oracle(name)
@@ -214,8 +220,8 @@ def _pipeline_worker(rank, world, cfg, state, tokens):
         return model(tokens)
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", pytest.param("deepseek_v2", marks=pytest.mark.slow)])
-def test_deepseek_logits_match_hf_at_tp2_pp2_ep2(name):
+@pytest.mark.parametrize("name", ["deepseek_v3", pytest.param("deepseek_v2", marks=pytest.mark.slow), "gpt_oss"])
+def test_moe_logits_match_hf_at_tp2_pp2_ep2(name):
     tokens, expected, cfg, state = oracle(name)
     results = [r for r in run_distributed(_pipeline_worker, 8, cfg, state, tokens) if r is not None]
     assert len(results) == 4
@@ -223,10 +229,11 @@ def test_deepseek_logits_match_hf_at_tp2_pp2_ep2(name):
         assert _max_diff(logits, expected) < TOL
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2"])
-def test_deepseek_round_trips_are_exact(name, tmp_path):
-    """HF (as save_pretrained writes it, expert bias included) -> ours -> HF identical, and loadable
-    strictly; ours -> HF -> ours identical from our own initialization."""
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2", "gpt_oss"])
+def test_moe_round_trips_are_exact(name, tmp_path):
+    """HF (as save_pretrained writes it: DeepSeek's expert bias, gpt-oss's fused interleaved experts
+    with their biases) -> ours -> HF identical, and loadable strictly; ours -> HF -> ours identical
+    from our own initialization."""
     from safetensors.torch import load_file
     hf = hf_model(name)
     cfg = hf_config_to_model_config(hf.config)
