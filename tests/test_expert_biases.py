@@ -1,14 +1,20 @@
 """gpt-oss's biased MoE (--add-bias-linear with MoE, as Megatron-Core: a bias on the router's linear and
 per expert on both projections): a gpt-oss-shaped model (sinks, alternating windows, the clamped gated
 unit) trains at EP2 x TP2 + SP and with the grouped GEMM like the single process, the biases moving
-the run; expert tensor parallelism with biases is refused with one line."""
+the run; expert tensor parallelism with biases, and Megatron-LM checkpoints of them (not written yet),
+are refused with one line."""
+from dataclasses import replace
+
 import pytest
 import torch
 
+from megatron_lite.config import ModelConfig
 from megatron_lite.errors import ConfigError
 from megatron_lite.parallel.state import ParallelDims
 from megatron_lite.testing import assert_same_run, run_distributed
-from megatron_lite.transformer.moe import GroupedExperts
+from megatron_lite.transformer.moe import GroupedExperts, MoEConfig
+from models.hf_conversion import ConversionError
+from models.megatron_conversion import megatron_args_of_config, model_config_from_megatron_args
 from training_utils import LLAMA_SWITCHES, TINY, records_of, train_in_process
 
 GPT_OSS = (TINY + [a for a in LLAMA_SWITCHES if a != "--disable-bias-linear"]
@@ -49,7 +55,13 @@ def test_grouped_gemm_with_biases_equals_the_loop():
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_expert_biases_refuse_expert_tensor_parallelism():
+def test_expert_biases_refuse_expert_tensor_parallelism_and_megatron_checkpoints():
     dims = ParallelDims(tp=2, etp=2)  # no process group needed: refused while building
     with pytest.raises(ConfigError, match="expert biases .* need expert tensor parallel size 1"):
         GroupedExperts(4, 8, 4, dims, bias=True)
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, moe=MoEConfig(num_experts=4))
+    with pytest.raises(ConversionError, match="MoE with biases .* add --disable-bias-linear"):
+        megatron_args_of_config(cfg, 1, 1)
+    with pytest.raises(ConversionError, match="MoE with biases .* not read from Megatron-LM"):
+        model_config_from_megatron_args(dict(megatron_args_of_config(replace(cfg, add_bias_linear=False), 1, 1),
+                                             add_bias_linear=True), 100)

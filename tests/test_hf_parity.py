@@ -200,6 +200,10 @@ def test_unsupported_inputs_are_clear_errors():
     extra = dict(hf_model("llama_gqa").state_dict(), **{"model.layers.0.extra.weight": torch.zeros(1)})
     with pytest.raises(ConversionError, match="unexpected"):
         hf_to_megatron_lite(extra, cfg)
+    gpt_oss = _hf_config("gpt_oss")
+    gpt_oss.layer_types = ["full_attention", "sliding_attention"]  # not every N-th layer full
+    with pytest.raises(ConversionError, match="layer_types .* --window-attn-skip-freq cannot represent them"):
+        hf_config_to_model_config(gpt_oss)
 
 
 
