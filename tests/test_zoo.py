@@ -60,6 +60,10 @@ def test_gpt_oss_totals_equal_the_cards():
         cfg = _cfg(name)
         assert round(cfg.num_parameters() / 1e9) == total
         assert round(cfg.num_parameters(active=True, include_embedding=False) / 1e9, 1) == active
+    # its unrounded YaRN ramp is also a flag (Megatron-Core's yarn_correction_range_round_to_int)
+    flag = parse_args(["--model", "deepseek-v3", "--no-yarn-correction-range-round-to-int"], zoo.zoo())
+    assert not flag.model.yarn_correction_range_round_to_int
+    assert parse_args(["--model", "deepseek-v3"], zoo.zoo()).model.yarn_correction_range_round_to_int
 
 
 def test_unknown_name_lists_the_choices():
