@@ -107,10 +107,10 @@ class MoELayer(nn.Module):
     @classmethod
     def counts(cls, cfg, mb: MicroBatch) -> Counts:
         """Router, experts (a token uses k; their biases and the router's with add_bias_linear), shared
-        expert and its gate. Kept per token, each TP rank
-        routing its share: per routed copy its rows through the dispatch (permuted, exchanged, back)
-        3 a h and the expert MLP's activations; the router's fp32 logits, scores and top-k mask, 12
-        per expert (expected routing: a measured run scatters around it by the load imbalance)."""
+        expert and its gate. Kept per token, each TP rank routing its share: per routed copy its rows
+        through the dispatch (permuted, exchanged, back) 3 a h and the expert MLP's activations; the
+        router's fp32 logits, scores and top-k mask, 12 per expert (expected routing: a measured run
+        scatters around it by the load imbalance)."""
         m, h, a = cfg.moe, cfg.hidden_size, mb.a
         k, e, f = m.moe_router_topk, m.num_experts, m.moe_ffn_hidden_size
         expert = ffn_counts(h, f, cfg.swiglu, cfg.add_bias_linear, a, f // mb.etp)
