@@ -17,6 +17,7 @@ templates with {i} for the layer and {e} for the expert) and the transform betwe
   et       stacked expert weights HF stores [E, in, out] (gpt-oss): transposed per expert
   glu_et   gpt-oss's fused expert [gate | up]: gate and up columns interleaved (g0 u0 g1 u1 ...), in
            the [E, H, 2F] weight (also transposed per expert) and the [E, 2F] bias
+           (et / glu_et weights also read from the Hub's MXFP4 `_blocks` / `_scales`, dequantized)
 
 The same engine maps Megatron-Core's names (models/megatron_conversion.py: its table puts
 Megatron-Core's full-tensor names where an HF table has HF's).
@@ -147,6 +148,14 @@ def _glu_interleaved(t: torch.Tensor) -> torch.Tensor:
     return torch.stack(t.chunk(2, dim=-1), dim=-1).flatten(-2)
 
 
+def _gpt_oss_expert_tensor(name: str, get: Getter, has: Callable[[str], bool]) -> torch.Tensor:
+    """A gpt-oss fused expert tensor, or its MXFP4 `_blocks` / `_scales` pair (the Hub's) dequantized."""
+    if has(name) or not has(name + "_blocks"):
+        return get(name)
+    from .hf_families import dequantize_mxfp4
+    return dequantize_mxfp4(get(name + "_blocks"), get(name + "_scales"))
+
+
 # --- HF -> ours --------------------------------------------------------------------------------
 def _to_ours(rule: Rule, layer, get: Getter, has: Callable[[str], bool], cfg: ModelConfig,
              sizes: Dict[str, int]) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -164,10 +173,9 @@ def _to_ours(rule: Rule, layer, get: Getter, has: Callable[[str], bool], cfg: Mo
     elif rule.op in ("rope_q", "rope_kv"):
         from .hf_families import deinterleave_rope_rows
         yield ours[0], deinterleave_rope_rows(get(_fmt(rule.hf, layer)[0]), *_rope_blocks(rule, cfg))
-    elif rule.op == "et":
-        yield ours[0], _per_expert_t(get(_fmt(rule.hf, layer)[0])).contiguous()
-    elif rule.op == "glu_et":
-        yield ours[0], _per_expert_t(_glu_halves(get(_fmt(rule.hf, layer)[0]))).contiguous()
+    elif rule.op in ("et", "glu_et"):
+        w = _gpt_oss_expert_tensor(_fmt(rule.hf, layer)[0], get, has)
+        yield ours[0], _per_expert_t(_glu_halves(w) if rule.op == "glu_et" else w).contiguous()
     elif rule.op == "qkv":
         q, k, v = _qkv_groups(cfg, get(_fmt(rule.hf, layer)[0]))
         yield ours[0], q.contiguous()

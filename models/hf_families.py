@@ -16,8 +16,8 @@ save_pretrained writes them, with transformers' in-memory fused expert tensors a
   deepseek_v2  the same attention; softmax routing over all experts without renormalization (greedy)
   gpt_oss    attention sinks and biases, sliding-window and full layers alternating, YaRN (unrounded ramp),
              top-k softmax MoE with router and expert biases, a clamped quick-GELU gated unit; the fused
-             expert tensors stored [E, in, out] with gate and up columns interleaved (bf16 as
-             save_pretrained writes them; the Hub's MXFP4 blocks are not read)
+             expert tensors stored [E, in, out] with gate and up columns interleaved (as save_pretrained
+             writes them, or the Hub's MXFP4 blocks and scales, dequantized on the way in)
 """
 from __future__ import annotations
 
@@ -175,6 +175,21 @@ def interleave_rope_rows(w, nope: int, rope: int):
     half = rope // 2
     r = torch.stack([blocks[:, nope:nope + half], blocks[:, nope + half:]], dim=2).flatten(1, 2)
     return torch.cat([blocks[:, :nope], r], dim=1).reshape(w.shape)
+
+
+_FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's MXFP4 expert weights as the Hub stores them (`<name>_blocks` [E, out, G, 16] uint8, two
+    e2m1 values a byte, the low nibble first; `<name>_scales` [E, out, G] uint8, a power-of-two
+    exponent biased by 127 per 32 values) -> [E, in, out] bf16, the fused tensor's layout (exact)."""
+    magnitudes = torch.tensor(_FP4_E2M1, dtype=torch.float32)
+    lut = torch.cat([magnitudes, -magnitudes])  # bit 3: the sign
+    b = blocks.to(torch.int64)
+    values = torch.stack([lut[b & 0x0F], lut[b >> 4]], dim=-1).flatten(-2)  # [E, out, G, 32]
+    values = torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127)
+    return values.flatten(-2).transpose(1, 2).to(torch.bfloat16)
 
 
 # --- configs: HF -> ours ----------------------------------------------------------------------

@@ -251,3 +251,24 @@ def test_moe_round_trips_are_exact(name, tmp_path):
     ours = gather_full_state_dict(build_model(cfg, dims, seed=11)[0], dims)
     back = hf_to_megatron_lite(megatron_lite_to_hf(ours, cfg), cfg)
     assert back.keys() == ours.keys() and all(torch.equal(back[k], v) for k, v in ours.items())
+
+
+def test_gpt_oss_mxfp4_experts_dequantize_as_transformers_does():
+    """The Hub's gpt-oss checkpoints store the expert weights as MXFP4 blocks and scales: read in place of
+    the fused tensors, they convert to what transformers' own dequantization gives (its
+    convert_moe_packed_tensors, the oracle), and the biases stay as they are."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    hf = hf_model("gpt_oss")
+    cfg = hf_config_to_model_config(hf.config)
+    g = torch.Generator().manual_seed(3)
+    quantized, dequantized = dict(hf.state_dict()), dict(hf.state_dict())
+    for name in [k for k in quantized if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, n_in, n_out = quantized.pop(name).shape
+        blocks = torch.randint(0, 256, (e, n_out, n_in // 32, 16), dtype=torch.uint8, generator=g)
+        scales = torch.randint(120, 131, (e, n_out, n_in // 32), dtype=torch.uint8, generator=g)
+        quantized.update({name + "_blocks": blocks, name + "_scales": scales})
+        dequantized[name] = convert_moe_packed_tensors(blocks, scales)
+    ours, expected = hf_to_megatron_lite(quantized, cfg), hf_to_megatron_lite(dequantized, cfg)
+    assert ours.keys() == expected.keys()
+    assert all(torch.equal(ours[k], v) for k, v in expected.items())
+    assert ours["layers.0.mlp.experts.weight1"].abs().max() > 6  # the scales are exercised
