@@ -51,6 +51,10 @@ class ModelConfig:
     beta_slow: float = arg(1.0, "YaRN: rotations over the original context below which a frequency is interpolated")
     mscale: float = arg(1.0, "YaRN: attention magnitude scale (DeepSeek's mscale)")
     mscale_all_dim: float = arg(0.0, "YaRN: DeepSeek's mscale_all_dim (0: none); the softmax scale takes its square")
+    yarn_correction_range_round_to_int: bool = arg(True, "YaRN: the ends of the interpolation ramp rounded to whole "
+                                                         "channels (--no-yarn-correction-range-round-to-int: not, "
+                                                         "gpt-oss)", flag="--no-yarn-correction-range-round-to-int",
+                                                   store="false")
     multi_latent_attention: bool = arg(False, "multi-latent attention (DeepSeek-V2/V3): low-rank K/V (and Q) with a "
                                               "decoupled RoPE key shared by the heads", store="true")
     q_lora_rank: Optional[int] = arg(None, "MLA: rank of the query's low-rank projection (None: a full Q projection)")

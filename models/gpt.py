@@ -56,7 +56,7 @@ def moe_mlp(cfg: C.ModelConfig, ctx: BuildContext, layer_number: int) -> MoELaye
     layer = MoELayer(cfg.moe, cfg.hidden_size, ctx.dims, layer_number=layer_number,
                      loss_normalization=ctx.loss_normalization, tracker=hooks.tracker,
                      sequence_parallel=ctx.sequence_parallel, swiglu=cfg.swiglu, activation=cfg.activation,
-                     glu=GatedUnit.of(cfg),
+                     glu=GatedUnit.of(cfg), bias=cfg.add_bias_linear,
                      dtype=ctx.params_dtype, recompute_tracker=ctx.tracker, gemm=ctx.gemm)
     hooks.routers.append(layer.router)
     return layer

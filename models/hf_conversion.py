@@ -14,6 +14,10 @@ templates with {i} for the layer and {e} for the expert) and the transform betwe
            into our linear_q [Q] and linear_kv [K ; V]
   rope_q   MLA's query projection, per head [nope ; rope] rows, the rope rows' pairs interleaved in HF
   rope_kv  MLA's KV down-projection [latent ; rope], the same
+  et       stacked expert weights HF stores [E, in, out] (gpt-oss): transposed per expert
+  glu_et   gpt-oss's fused expert [gate | up]: gate and up columns interleaved (g0 u0 g1 u1 ...), in
+           the [E, H, 2F] weight (also transposed per expert) and the [E, 2F] bias
+           (et / glu_et weights also read from the Hub's MXFP4 `_blocks` / `_scales`, dequantized)
 
 The same engine maps Megatron-Core's names (models/megatron_conversion.py: its table puts
 Megatron-Core's full-tensor names where an HF table has HF's).
@@ -37,7 +41,7 @@ from megatron_lite.parallel.state import ParallelDims
 
 StateDict = Dict[str, torch.Tensor]
 Getter = Callable[[str], torch.Tensor]
-OPS = ("copy", "t", "cat", "t_split", "experts", "qkv", "rope_q", "rope_kv")
+OPS = ("copy", "t", "cat", "t_split", "experts", "qkv", "rope_q", "rope_kv", "et", "glu_et")
 
 
 class ConversionError(ValueError):
@@ -129,6 +133,29 @@ def _fuse_qkv(cfg: ModelConfig, q: torch.Tensor, kv: torch.Tensor) -> torch.Tens
     return torch.cat(groups, dim=1).reshape(-1, *rest)
 
 
+def _per_expert_t(t: torch.Tensor) -> torch.Tensor:
+    """[E, a, b] -> [E, b, a]; an [E, n] bias as it is."""
+    return t.transpose(1, 2) if t.dim() == 3 else t
+
+
+def _glu_halves(t: torch.Tensor) -> torch.Tensor:
+    """Last dim (g0 u0 g1 u1 ...) -> (g0 g1 ... | u0 u1 ...)."""
+    return torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
+
+
+def _glu_interleaved(t: torch.Tensor) -> torch.Tensor:
+    """Inverse of _glu_halves."""
+    return torch.stack(t.chunk(2, dim=-1), dim=-1).flatten(-2)
+
+
+def _gpt_oss_expert_tensor(name: str, get: Getter, has: Callable[[str], bool]) -> torch.Tensor:
+    """A gpt-oss fused expert tensor, or its MXFP4 `_blocks` / `_scales` pair (the Hub's) dequantized."""
+    if has(name) or not has(name + "_blocks"):
+        return get(name)
+    from .hf_families import dequantize_mxfp4
+    return dequantize_mxfp4(get(name + "_blocks"), get(name + "_scales"))
+
+
 # --- HF -> ours --------------------------------------------------------------------------------
 def _to_ours(rule: Rule, layer, get: Getter, has: Callable[[str], bool], cfg: ModelConfig,
              sizes: Dict[str, int]) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -146,6 +173,9 @@ def _to_ours(rule: Rule, layer, get: Getter, has: Callable[[str], bool], cfg: Mo
     elif rule.op in ("rope_q", "rope_kv"):
         from .hf_families import deinterleave_rope_rows
         yield ours[0], deinterleave_rope_rows(get(_fmt(rule.hf, layer)[0]), *_rope_blocks(rule, cfg))
+    elif rule.op in ("et", "glu_et"):
+        w = _gpt_oss_expert_tensor(_fmt(rule.hf, layer)[0], get, has)
+        yield ours[0], _per_expert_t(_glu_halves(w) if rule.op == "glu_et" else w).contiguous()
     elif rule.op == "qkv":
         q, k, v = _qkv_groups(cfg, get(_fmt(rule.hf, layer)[0]))
         yield ours[0], q.contiguous()
@@ -183,6 +213,10 @@ def _to_hf(rule: Rule, layer, get: Getter, cfg: ModelConfig) -> Iterator[Tuple[s
     elif rule.op in ("rope_q", "rope_kv"):
         from .hf_families import interleave_rope_rows
         yield hf[0], interleave_rope_rows(get(_fmt(rule.ours, layer)[0]), *_rope_blocks(rule, cfg))
+    elif rule.op == "et":
+        yield hf[0], _per_expert_t(get(_fmt(rule.ours, layer)[0])).contiguous()
+    elif rule.op == "glu_et":
+        yield hf[0], _glu_interleaved(_per_expert_t(get(_fmt(rule.ours, layer)[0]))).contiguous()
     elif rule.op == "qkv":
         yield hf[0], _fuse_qkv(cfg, *(get(n) for n in _fmt(rule.ours, layer)))
     else:  # experts: one HF tensor (or several, split) per expert, as save_pretrained writes them

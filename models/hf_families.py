@@ -17,6 +17,10 @@ save_pretrained writes them, with transformers' in-memory fused expert tensors a
              with expert bias and a scaling factor, shared experts, leading dense layers; also Kimi-K2
              and Moonlight, which HF loads as deepseek_v3
   deepseek_v2  the same attention; softmax routing over all experts without renormalization (greedy)
+  gpt_oss    attention sinks and biases, sliding-window and full layers alternating, YaRN (unrounded ramp),
+             top-k softmax MoE with router and expert biases, a clamped quick-GELU gated unit; the fused
+             expert tensors stored [E, in, out] with gate and up columns interleaved (as save_pretrained
+             writes them, or the Hub's MXFP4 blocks and scales, dequantized on the way in)
 """
 from __future__ import annotations
 
@@ -90,6 +94,15 @@ _DEEPSEEK_MOE = [  # router mlp.gate (+ e_score_correction_bias: our expert-bias
       when=("moe", "shared_expert")),
     R("layers.{i}.mlp.shared_experts.linear_fc2.weight", L + "mlp.shared_experts.down_proj.weight",
       when=("moe", "shared_expert")),
+]
+_GPT_OSS = _LLAMA_CORE + [
+    R("layers.{i}.self_attention.softmax_offset", A + "sinks"),
+    R("layers.{i}.mlp.router.weight", L + "mlp.router.weight", when="moe"),
+    R("layers.{i}.mlp.router.bias", L + "mlp.router.bias", when="moe"),
+    R("layers.{i}.mlp.experts.weight1", L + "mlp.experts.gate_up_proj", "glu_et", when="moe"),
+    R("layers.{i}.mlp.experts.bias1", L + "mlp.experts.gate_up_proj_bias", "glu_et", when="moe"),
+    R("layers.{i}.mlp.experts.weight2", L + "mlp.experts.down_proj", "et", when="moe"),
+    R("layers.{i}.mlp.experts.bias2", L + "mlp.experts.down_proj_bias", when="moe"),
 ]
 _DEEPSEEK = [r for r in _LLAMA_CORE if ".self_attention." not in r.ours[0]] + _MLA + _DEEPSEEK_MOE
 M = "model.layers.{i}.block_sparse_moe."
@@ -167,6 +180,21 @@ def interleave_rope_rows(w, nope: int, rope: int):
     return torch.cat([blocks[:, :nope], r], dim=1).reshape(w.shape)
 
 
+_FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's MXFP4 expert weights as the Hub stores them (`<name>_blocks` [E, out, G, 16] uint8, two
+    e2m1 values a byte, the low nibble first; `<name>_scales` [E, out, G] uint8, a power-of-two
+    exponent biased by 127 per 32 values) -> [E, in, out] bf16, the fused tensor's layout (exact)."""
+    magnitudes = torch.tensor(_FP4_E2M1, dtype=torch.float32)
+    lut = torch.cat([magnitudes, -magnitudes])  # bit 3: the sign
+    b = blocks.to(torch.int64)
+    values = torch.stack([lut[b & 0x0F], lut[b >> 4]], dim=-1).flatten(-2)  # [E, out, G, 32]
+    values = torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127)
+    return values.flatten(-2).transpose(1, 2).to(torch.bfloat16)
+
+
 # --- configs: HF -> ours ----------------------------------------------------------------------
 def _rope(c) -> dict:
     params = dict(getattr(c, "rope_parameters", None) or {})
@@ -194,15 +222,15 @@ def _yarn(c, p: dict) -> dict:
     original = int(p["original_max_position_embeddings"])
     factor = float(p.get("factor") or c.max_position_embeddings / original)
     mscale, mscale_all_dim = p.get("mscale"), p.get("mscale_all_dim")
-    if p.get("attention_factor") is not None or p.get("truncate", True) is not True:
-        raise ConversionError("YaRN attention_factor / truncate=False are not supported (DeepSeek's mscale and "
-                              "mscale_all_dim are)")
+    if p.get("attention_factor") is not None:
+        raise ConversionError("YaRN attention_factor is not supported (DeepSeek's mscale and mscale_all_dim are)")
     if mscale_all_dim and not mscale:
         raise ConversionError("YaRN mscale_all_dim without mscale is not supported")
     both = bool(mscale and mscale_all_dim)  # else HF's cos/sin factor is mscale(factor, 1)
     return dict(rope_scaling_type="yarn", rotary_scaling_factor=factor, original_max_position_embeddings=original,
                 beta_fast=float(p.get("beta_fast") or 32), beta_slow=float(p.get("beta_slow") or 1),
-                mscale=float(mscale) if both else 1.0, mscale_all_dim=float(mscale_all_dim) if both else 0.0)
+                mscale=float(mscale) if both else 1.0, mscale_all_dim=float(mscale_all_dim) if both else 0.0,
+                yarn_correction_range_round_to_int=p.get("truncate", True) is not False)
 
 
 def _llama_like(c, **extra) -> ModelConfig:
@@ -350,6 +378,33 @@ def _glm4_moe_to_ours(c) -> ModelConfig:
                        rotary_percent=partial, moe=_deepseek_moe(c, "glm4_moe"), family="glm4_moe")
 
 
+def _alternation(c) -> dict:
+    """gpt-oss's layer_types as --window-size and --window-attn-skip-freq (every N-th layer full)."""
+    kinds = list(getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers)
+    if "sliding_attention" not in kinds:
+        return {}
+    for freq in [None] + list(range(1, len(kinds) + 1)):
+        if kinds == ["full_attention" if freq and (i + 1) % freq == 0 else "sliding_attention"
+                     for i in range(len(kinds))]:
+            return dict(window_size=c.sliding_window, window_attn_skip_freq=freq)
+    raise ConversionError(f"gpt_oss layer_types {kinds} are not every N-th layer full, the rest sliding: "
+                          f"megatron-lite's --window-attn-skip-freq cannot represent them")
+
+
+def _gpt_oss_to_ours(c) -> ModelConfig:
+    if not getattr(c, "attention_bias", True):
+        raise ConversionError("gpt_oss attention_bias=False is not supported (its experts and router keep biases: "
+                              "megatron-lite's add_bias_linear is on all linears or none)")
+    if float(c.swiglu_alpha) != 1.702:
+        raise ConversionError(f"gpt_oss swiglu_alpha {c.swiglu_alpha} is not supported (quick-GELU's 1.702 is)")
+    moe = MoEConfig(num_experts=c.num_local_experts, moe_router_topk=c.num_experts_per_tok,
+                    moe_ffn_hidden_size=c.intermediate_size,
+                    moe_aux_loss_coeff=float(getattr(c, "router_aux_loss_coef", 0.0) or 0.0))
+    return _llama_like(c, add_bias_linear=True, softmax_type="learnable", quick_geglu=True, glu_linear_offset=1.0,
+                       activation_func_clamp_value=float(c.swiglu_limit), moe=moe, family="gpt_oss",
+                       **_alternation(c))
+
+
 # --- configs: ours -> HF ----------------------------------------------------------------------
 def _hf_config(class_name: str, **kw):
     import transformers  # optional dependency: import on use
@@ -366,6 +421,8 @@ def _rope_params(cfg: ModelConfig) -> dict:
     elif cfg.rope_scaling_type == "yarn":
         p.update(rope_type="yarn", factor=cfg.rotary_scaling_factor, beta_fast=cfg.beta_fast, beta_slow=cfg.beta_slow,
                  original_max_position_embeddings=cfg.original_max_position_embeddings)
+        if not cfg.yarn_correction_range_round_to_int:
+            p["truncate"] = False
         if cfg.mscale_all_dim:
             p.update(mscale=cfg.mscale, mscale_all_dim=cfg.mscale_all_dim)
         elif cfg.mscale != 1.0:
@@ -494,6 +551,23 @@ def _glm4_moe_to_hf(cfg):
                       num_nextn_predict_layers=0, **_deepseek_moe_hf_kw(cfg, "glm4_moe"), **kw)
 
 
+def _gpt_oss_to_hf(cfg):
+    m = cfg.moe
+    if m is None or not all(cfg.moe_layers()) or m.moe_shared_expert_intermediate_size or m.moe_router_pre_softmax \
+            or m.moe_router_score_function != "softmax":
+        raise ConversionError("gpt_oss needs MoE on every layer, no shared expert, and top-k softmax routing")
+    if not (cfg.add_bias_linear and cfg.softmax_type == "learnable" and cfg.quick_geglu and cfg.glu_linear_offset == 1.0
+            and cfg.activation_func_clamp_value):
+        raise ConversionError("gpt_oss needs --add-bias-linear, --softmax-type learnable, --quick-geglu, "
+                              "--glu-linear-offset 1 and --activation-func-clamp-value")
+    kw = dict(_llama_kw(cfg, "GptOssForCausalLM"), intermediate_size=m.moe_ffn_hidden_size)
+    layer_types = ["sliding_attention" if cfg.layer_window(i) else "full_attention" for i in range(cfg.num_layers)]
+    return _hf_config("GptOssConfig", num_local_experts=m.num_experts, num_experts_per_tok=m.moe_router_topk,
+                      router_aux_loss_coef=m.moe_aux_loss_coeff, sliding_window=cfg.window_size,
+                      layer_types=layer_types, swiglu_limit=cfg.activation_func_clamp_value, swiglu_alpha=1.702,
+                      attention_bias=True, **kw)
+
+
 FAMILIES: Dict[str, Family] = {f.name: f for f in [
     Family("gpt2", "gpt2", "GPT2LMHeadModel", _GPT2, _gpt2_to_ours, _gpt2_to_hf,
            ignored=(".attn.bias", ".attn.masked_bias")),
@@ -516,6 +590,7 @@ FAMILIES: Dict[str, Family] = {f.name: f for f in [
            _deepseek_to_hf("deepseek_v3")),
     Family("deepseek_v2", "deepseek_v2", "DeepseekV2ForCausalLM", _DEEPSEEK, lambda c: _deepseek_to_ours(c, "deepseek_v2"),
            _deepseek_to_hf("deepseek_v2")),
+    Family("gpt_oss", "gpt_oss", "GptOssForCausalLM", _GPT_OSS, _gpt_oss_to_ours, _gpt_oss_to_hf),
 ]}
 
 
@@ -540,6 +615,8 @@ def _infer(cfg: ModelConfig) -> str:
         raise ConversionError("model is neither GPT-2-like (LayerNorm, learned positions, GELU) nor Llama-like "
                               "(RMSNorm, RoPE, SwiGLU)")
     if cfg.moe is not None:
+        if cfg.softmax_type == "learnable":
+            return "gpt_oss"
         if cfg.moe.moe_router_score_function == "sigmoid":
             return "glm4_moe"
         if cfg.moe.moe_shared_expert_intermediate_size:

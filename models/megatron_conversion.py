@@ -172,6 +172,9 @@ def mla_args_of_config(cfg: ModelConfig) -> Dict[str, Any]:
             raise ConversionError("YaRN RoPE without multi-latent attention has no Megatron-LM GPT flag")
         return {"multi_latent_attention": False}
     yarn = cfg.rope_scaling_type == "yarn"
+    if yarn and not cfg.yarn_correction_range_round_to_int:
+        raise ConversionError("YaRN without rounded correction-range ends (--no-yarn-correction-range-round-to-int) "
+                              "is not written to Megatron-LM checkpoints yet")
     return dict({k: getattr(cfg, k) for k in _MLA_FIELDS + (_YARN_FIELDS if yarn else ())},
                 multi_latent_attention=True, rope_type="yarn" if yarn else "rope")
 
@@ -204,8 +207,8 @@ def moe_args_of_config(cfg: ModelConfig, ep: int) -> Dict[str, Any]:
                               f"from Megatron-LM's rule for {moe.moe_router_score_function} scores: no Megatron-LM "
                               f"flag expresses it")
     if cfg.add_bias_linear:
-        raise ConversionError("MoE experts with biases (--add-bias-linear) are not written to Megatron-LM "
-                              "checkpoints: the experts here have none")
+        raise ConversionError("MoE with biases (--add-bias-linear: router and expert biases) is not written to "
+                              "Megatron-LM checkpoints yet: add --disable-bias-linear")
     out = {f.name: getattr(moe, f.name) for f in fields(moe) if f.name not in _MOE_OURS_ONLY}
     return dict(out, moe_grouped_gemm=False, expert_tensor_parallel_size=None)
 
@@ -226,6 +229,7 @@ _UNSUPPORTED = {
     "activation_func_clamp_value": ("clamped MLP activations", _OFF),
     "apply_residual_connection_post_layernorm": ("residual connections after the norm", _OFF),
     "window_size": ("sliding-window attention", _OFF),
+    "yarn_correction_range_round_to_int": ("YaRN without rounded correction-range ends", (None, True)),
     "softmax_scale": ("a custom attention softmax scale", _OFF),
     "softmax_type": ("attention sinks (a softmax other than vanilla)", _OFF + ("vanilla",)),
     "no_rope_freq": ("layers without RoPE", _OFF),
@@ -294,8 +298,8 @@ def model_config_from_megatron_args(a: Mapping[str, Any], vocab_size: int) -> Mo
 def moe_config_from_megatron_args(a: Mapping[str, Any]) -> MoEConfig:
     """Our MoEConfig of a Megatron-LM MoE run's args (same names; Megatron's defaults where absent)."""
     if a.get("add_bias_linear", True):
-        raise ConversionError("MoE experts with biases (add_bias_linear=True) are not supported: the experts here "
-                              "have none")
+        raise ConversionError("MoE with biases (add_bias_linear=True: router and expert biases) is not read from "
+                              "Megatron-LM checkpoints yet")
     names = {f.name for f in fields(MoEConfig)} - set(_MOE_OURS_ONLY)
     return MoEConfig(**{k: a[k] for k in names if a.get(k) is not None})
 

@@ -35,6 +35,18 @@ _QWEN3_SMALL = dict(_QWEN3, untie_embeddings_and_output_weights=False)
 _MIXTRAL = dict(_MISTRAL, family="mixtral", rotary_base=1000000.0)
 
 
+# gpt-oss (OpenAI's config.json): attention sinks and biases, 128-token windows on every other layer
+# (the first sliding), YaRN x32 from 4096 positions without rounding, top-4 experts with router and
+# expert biases, the clamped quick-GELU gated unit. The router's aux-loss coefficient is ours (0).
+_GPT_OSS = dict(_LLAMA, family="gpt_oss", add_bias_linear=True, softmax_type="learnable", quick_geglu=True,
+                glu_linear_offset=1.0, activation_func_clamp_value=7.0, window_size=128, window_attn_skip_freq=2,
+                num_attention_heads=64, num_query_groups=8, kv_channels=64, hidden_size=2880, ffn_hidden_size=2880,
+                vocab_size=201088, max_position_embeddings=131072, seq_length=4096, norm_epsilon=1e-5,
+                rotary_base=150000.0, rope_scaling_type="yarn", rotary_scaling_factor=32.0,
+                original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
+                yarn_correction_range_round_to_int=False)
+
+
 def _shape(layers, hidden, heads, **kw):
     return dict(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, **kw)
 
@@ -170,6 +182,9 @@ MODELS: Dict[str, dict] = {
                                   router=dict(moe_router_pre_softmax=True, moe_router_norm_topk_prob=False)),
     "glm-4.5-air": _glm(46, 4096, 10944, 1408, experts=128, dense=1, scaling=1.0, qk_norm=False),
     "glm-4.5": _glm(92, 5120, 12288, 1536, experts=160, dense=3, scaling=2.5, qk_norm=True),
+    "gpt-oss-20b": dict(_GPT_OSS, num_layers=24, moe=dict(num_experts=32, moe_router_topk=4, moe_ffn_hidden_size=2880)),
+    "gpt-oss-120b": dict(_GPT_OSS, num_layers=36,
+                         moe=dict(num_experts=128, moe_router_topk=4, moe_ffn_hidden_size=2880)),
     "mixtral-8x7b": dict(_MIXTRAL, **_shape(32, 4096, 32), ffn_hidden_size=14336,
                          moe=dict(num_experts=8, moe_router_topk=2, moe_aux_loss_coeff=0.02)),
     "mixtral-8x22b": dict(_MIXTRAL, **_shape(56, 6144, 48), ffn_hidden_size=16384, vocab_size=32768,

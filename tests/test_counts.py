@@ -92,6 +92,9 @@ def test_forward_flops_equal_a_flop_counter(name):
         model(torch.randint(0, cfg.vocab_size, (b, s)))
     not_gemm = sum(p.numel() for n, p in model.named_parameters()
                    if (n.endswith("bias") or "norm" in n) and not n.startswith("embedding"))
+    # expert biases (add_bias_linear with MoE): a token adds those of its k experts
+    not_gemm += sum(p.numel() * cfg.moe.moe_router_topk // cfg.moe.num_experts for n, p in model.named_parameters()
+                    if n.endswith((".bias1", ".bias2")))
     counts = model_counts(cfg, MicroBatch(seq_length=s)).total
     assert counts.flops == counter.get_total_flops() / (b * s) + 2 * not_gemm
     assert flops_per_token(cfg, s) == 3 * counts.flops

@@ -41,7 +41,7 @@ sys.path.pop(0)
 
 PROMPTS = [[3, 17, 42, 5, 8, 60, 1], [99, 0, 12], [7, 7, 31, 64, 2]]  # unequal lengths: left padding
 NEW = 32
-FAMILIES = NAMES  # every family test_hf_parity builds: GPT-2, Llama (3 kinds), Mistral, Qwen2/3, 7 MoE (2 with MLA)
+FAMILIES = NAMES  # every family test_hf_parity builds: GPT-2, Llama (3 kinds), Mistral, Qwen2/3, 8 MoE (2 with MLA; gpt-oss)
 DENSE = [n for n in NAMES if n not in MOE]  # MoE models generate at TP 1 only
 
 

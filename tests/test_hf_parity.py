@@ -6,7 +6,8 @@ weight is perturbed, so norm weights and biases are not trivially 1 and 0 and a 
 split, tie or expert order shows up in the logits. Families: GPT-2, Llama (GQA, tied + biases +
 explicit head_dim, Llama-3.1 RoPE scaling), Mistral (sliding window shorter than the sequence),
 Qwen2 (Q/K/V biases), Qwen3 (q/k norms), Mixtral, Qwen2-MoE (gated shared expert, a dense layer),
-Qwen3-MoE, OLMoE (q/k norms over all heads), GLM-4.5 (partial RoPE), DeepSeek-V2 / V3 (MLA, YaRN).
+Qwen3-MoE, OLMoE (q/k norms over all heads), GLM-4.5 (partial RoPE), DeepSeek-V2 / V3 (MLA, YaRN),
+gpt-oss (sinks, biased router and experts, alternating windows, YaRN).
 """
 from __future__ import annotations
 
@@ -80,6 +81,12 @@ def _hf_config(name: str):
         # V2-Lite's kind: no query compression, softmax routing without renormalization, two shared experts
         "deepseek_v2": lambda: t.DeepseekV2Config(**dict(_DEEPSEEK, n_shared_experts=2), num_experts_per_tok=2,
                                                   topk_method="greedy", q_lora_rank=None, rope_parameters=rope),
+        # attention sinks, biases everywhere (router and experts too), alternating windows, YaRN without rounding
+        "gpt_oss": lambda: t.GptOssConfig(**dict(_LLAMA, head_dim=16), num_local_experts=4, num_experts_per_tok=2,
+                                          sliding_window=5, max_position_embeddings=256, tie_word_embeddings=False,
+                                          rope_parameters={"rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0,
+                                                           "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                           "original_max_position_embeddings": 64}),
     }[name]()
 
 
@@ -87,11 +94,10 @@ CLASSES = {"gpt2": "GPT2LMHeadModel", "mistral": "MistralForCausalLM", "qwen2": 
            "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
            "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
            "olmoe": "OlmoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-           "deepseek_v2": "DeepseekV2ForCausalLM"}
+           "deepseek_v2": "DeepseekV2ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 NAMES = ["gpt2", "llama_gqa", "llama_tied", "llama31", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-         "deepseek_v3", "deepseek_v2", "llama_yarn", "olmoe",
-         "glm4_moe"]
-MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2", "olmoe", "glm4_moe"}
+         "deepseek_v3", "deepseek_v2", "llama_yarn", "olmoe", "glm4_moe", "gpt_oss"]
+MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2", "olmoe", "glm4_moe", "gpt_oss"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -148,7 +154,7 @@ def _tp_worker(rank, world, cfg, state, tokens):
 
 @pytest.mark.parametrize("name,tp", [("gpt2", 2), ("llama_gqa", 2), ("llama_gqa", 4), ("llama_tied", 2),
                                      ("qwen3", 2), ("mistral", 2), ("qwen2_moe", 2),
-                                     ("olmoe", 2), ("olmoe", 4), ("glm4_moe", 2)])
+                                     ("olmoe", 2), ("olmoe", 4), ("glm4_moe", 2), ("gpt_oss", 2)])
 def test_logits_match_hf_tensor_parallel(name, tp):
     """Any TP size loads the full weights (K/V groups replicated when tp > groups)."""
     tokens, expected, cfg, state = oracle(name)
@@ -205,6 +211,10 @@ def test_unsupported_inputs_are_clear_errors():
     extra = dict(hf_model("llama_gqa").state_dict(), **{"model.layers.0.extra.weight": torch.zeros(1)})
     with pytest.raises(ConversionError, match="unexpected"):
         hf_to_megatron_lite(extra, cfg)
+    gpt_oss = _hf_config("gpt_oss")
+    gpt_oss.layer_types = ["full_attention", "sliding_attention"]  # not every N-th layer full
+    with pytest.raises(ConversionError, match="layer_types .* --window-attn-skip-freq cannot represent them"):
+        hf_config_to_model_config(gpt_oss)
 
 
 def test_olmoe_refusals():
@@ -234,7 +244,7 @@ def _pipeline_worker(rank, world, cfg, state, tokens):
         return model(tokens)
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "olmoe", "glm4_moe",
+@pytest.mark.parametrize("name", ["deepseek_v3", "olmoe", "glm4_moe", "gpt_oss",
                                   pytest.param("deepseek_v2", marks=pytest.mark.slow)])
 def test_moe_logits_match_hf_at_tp2_pp2_ep2(name):
     tokens, expected, cfg, state = oracle(name)
@@ -244,10 +254,11 @@ def test_moe_logits_match_hf_at_tp2_pp2_ep2(name):
         assert _max_diff(logits, expected) < TOL
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2", "olmoe", "glm4_moe"])
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2", "olmoe", "glm4_moe", "gpt_oss"])
 def test_moe_round_trips_are_exact(name, tmp_path):
-    """HF (as save_pretrained writes it, DeepSeek's expert bias included) -> ours -> HF identical, and loadable
-    strictly; ours -> HF -> ours identical from our own initialization."""
+    """HF (as save_pretrained writes it: DeepSeek's expert bias, gpt-oss's fused interleaved experts
+    with their biases) -> ours -> HF identical, and loadable strictly; ours -> HF -> ours identical
+    from our own initialization."""
     from safetensors.torch import load_file
     hf = hf_model(name)
     cfg = hf_config_to_model_config(hf.config)
@@ -261,3 +272,24 @@ def test_moe_round_trips_are_exact(name, tmp_path):
     ours = gather_full_state_dict(build_model(cfg, dims, seed=11)[0], dims)
     back = hf_to_megatron_lite(megatron_lite_to_hf(ours, cfg), cfg)
     assert back.keys() == ours.keys() and all(torch.equal(back[k], v) for k, v in ours.items())
+
+
+def test_gpt_oss_mxfp4_experts_dequantize_as_transformers_does():
+    """The Hub's gpt-oss checkpoints store the expert weights as MXFP4 blocks and scales: read in place of
+    the fused tensors, they convert to what transformers' own dequantization gives (its
+    convert_moe_packed_tensors, the oracle), and the biases stay as they are."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    hf = hf_model("gpt_oss")
+    cfg = hf_config_to_model_config(hf.config)
+    g = torch.Generator().manual_seed(3)
+    quantized, dequantized = dict(hf.state_dict()), dict(hf.state_dict())
+    for name in [k for k in quantized if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, n_in, n_out = quantized.pop(name).shape
+        blocks = torch.randint(0, 256, (e, n_out, n_in // 32, 16), dtype=torch.uint8, generator=g)
+        scales = torch.randint(120, 131, (e, n_out, n_in // 32), dtype=torch.uint8, generator=g)
+        quantized.update({name + "_blocks": blocks, name + "_scales": scales})
+        dequantized[name] = convert_moe_packed_tensors(blocks, scales)
+    ours, expected = hf_to_megatron_lite(quantized, cfg), hf_to_megatron_lite(dequantized, cfg)
+    assert ours.keys() == expected.keys()
+    assert all(torch.equal(ours[k], v) for k, v in expected.items())
+    assert ours["layers.0.mlp.experts.weight1"].abs().max() > 6  # the scales are exercised

@@ -53,6 +53,19 @@ def test_moe_active_parameters():
     assert 3.3e9 <= _cfg("qwen3-30b-a3b").num_parameters(active=True) < 3.4e9
 
 
+def test_gpt_oss_totals_equal_the_cards():
+    # OpenAI's model card: gpt-oss-20b 21B parameters, 3.6B active; gpt-oss-120b 117B, 5.1B active
+    # (active without the input embedding).
+    for name, total, active in (("gpt-oss-20b", 21, 3.6), ("gpt-oss-120b", 117, 5.1)):
+        cfg = _cfg(name)
+        assert round(cfg.num_parameters() / 1e9) == total
+        assert round(cfg.num_parameters(active=True, include_embedding=False) / 1e9, 1) == active
+    # its unrounded YaRN ramp is also a flag (Megatron-Core's yarn_correction_range_round_to_int)
+    flag = parse_args(["--model", "deepseek-v3", "--no-yarn-correction-range-round-to-int"], zoo.zoo())
+    assert not flag.model.yarn_correction_range_round_to_int
+    assert parse_args(["--model", "deepseek-v3"], zoo.zoo()).model.yarn_correction_range_round_to_int
+
+
 def test_unknown_name_lists_the_choices():
     with pytest.raises(Exception, match="unknown --model 'llama9'.*qwen3-8b"):
         zoo.get_model_config("llama9")

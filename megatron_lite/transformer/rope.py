@@ -25,13 +25,17 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def yarn_scaled(inv_freq: torch.Tensor, dim: int, base: float, factor: float, original_max_position: int,
-                beta_fast: float, beta_slow: float) -> torch.Tensor:
+                beta_fast: float, beta_slow: float, round_to_int: bool = True) -> torch.Tensor:
     """YaRN (Peng et al., 2023): frequencies that turn fewer than beta_slow times over the original
     context are interpolated (divided by `factor`), those turning more than beta_fast times kept, and
-    a linear ramp over the channel index blends the band between (its ends floored / ceiled)."""
+    a linear ramp over the channel index blends the band between (its ends floored / ceiled unless
+    not `round_to_int`: gpt-oss, HF's truncate=False)."""
     def channel(rotations):  # the channel pair whose frequency turns `rotations` times over the context
         return dim * math.log(original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(base))
-    low, high = max(math.floor(channel(beta_fast)), 0), min(math.ceil(channel(beta_slow)), dim - 1)
+    low, high = channel(beta_fast), channel(beta_slow)
+    if round_to_int:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low)
             / (high - low if high != low else 0.001)).clamp(0, 1)
     return inv_freq / factor * ramp + inv_freq * (1 - ramp)
@@ -73,7 +77,8 @@ def rope_inv_freq(cfg, device="cpu") -> torch.Tensor:
                                  cfg.rope_scaling_high_freq_factor, cfg.rope_scaling_original_max_position)
     elif cfg.rope_scaling_type == "yarn":
         inv_freq = yarn_scaled(inv_freq, n, cfg.rotary_base, cfg.rotary_scaling_factor,
-                               cfg.original_max_position_embeddings, cfg.beta_fast, cfg.beta_slow)
+                               cfg.original_max_position_embeddings, cfg.beta_fast, cfg.beta_slow,
+                               cfg.yarn_correction_range_round_to_int)
     return inv_freq
 
 

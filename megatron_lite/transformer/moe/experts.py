@@ -5,6 +5,9 @@ starting at ep_rank * E_local) as
   weight1 [E_local, 2F/ETP, H]  SwiGLU: this rank's slice of [gate | up] (or [E_local, F/ETP, H] GELU)
   weight2 [E_local, H, F/ETP]
 (the layout of transformers' fused Mixtral/Qwen/DeepSeek experts `gate_up_proj` / `down_proj`).
+With `bias` (--add-bias-linear with MoE, gpt-oss) also bias1 [E_local, 2F] and bias2 [E_local, H],
+added to each expert's rows before the routing weight; refused with ETP > 1 (the output is then
+a partial sum that a replicated bias2 cannot join).
 Their ShardSpecs: full shapes [E, 2F, H] and [E, H, F]; Split(0, "ep", EP, ep_rank, (E,)) always
 (so every expert parameter is recognisable, `is_expert_parameter`); with ETP > 1 also a "tp"
 split of the ffn dimension (dim 1 of weight1 in two segments [F, F], dim 2 of weight2).
@@ -94,8 +97,11 @@ def experts_linear(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: List[int
 class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, dims: ParallelDims,
                  swiglu: bool = True, activation: str = "gelu", grouped_gemm: bool = False, dtype=torch.float32,
-                 gemm: Optional[GemmPath] = None, glu: Optional[GatedUnit] = None):
+                 gemm: Optional[GemmPath] = None, glu: Optional[GatedUnit] = None, bias: bool = False):
         super().__init__()
+        if bias and dims.etp > 1:
+            raise ConfigError("expert biases (--add-bias-linear with MoE) need expert tensor parallel size 1: "
+                              "drop --expert-tensor-parallel-size or add --disable-bias-linear")
         if not swiglu and activation not in ACTIVATIONS:
             raise ConfigError(f"expert activation {activation!r} is not one of {', '.join(ACTIVATIONS)}: "
                               f"pick one of those or use SwiGLU experts")
@@ -114,8 +120,17 @@ class GroupedExperts(nn.Module):
         spec2 = ShardSpec((num_experts, h, f), fc2_splits, init="normal_scaled")
         self.weight1 = set_spec(nn.Parameter(torch.empty(spec1.local_shape, dtype=dtype)), spec1)
         self.weight2 = set_spec(nn.Parameter(torch.empty(spec2.local_shape, dtype=dtype)), spec2)
+        self.bias1 = self.bias2 = None
+        if bias:
+            self.bias1 = self._bias((num_experts, fc1_rows), ep_split, dtype)
+            self.bias2 = self._bias((num_experts, h), ep_split, dtype)
         if grouped_gemm:
             self._check_grouped_gemm(dtype)
+
+    @staticmethod
+    def _bias(full_shape, ep_split: Split, dtype) -> nn.Parameter:
+        spec = ShardSpec(full_shape, (ep_split,), init="zeros")
+        return set_spec(nn.Parameter(torch.empty(spec.local_shape, dtype=dtype)), spec)
 
     def _check_grouped_gemm(self, dtype) -> None:
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -130,9 +145,13 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, tokens_per_expert: List[int], batches=None) -> torch.Tensor:
         """x [N, H] sorted by local expert, tokens_per_expert [E_local] -> [N, H]; `batches`: see
         experts_linear (the dispatcher's)."""
-        def linear(inp, w):
-            return experts_linear(inp, w, tokens_per_expert, self.gemm, self.grouped_gemm, batches)
-        return linear(activation_fn(linear(x, self.weight1), self.swiglu, self.activation, self.glu), self.weight2)
+        rows = None if self.bias1 is None else torch.tensor(tokens_per_expert, device=x.device)
+
+        def linear(inp, w, b):
+            y = experts_linear(inp, w, tokens_per_expert, self.gemm, self.grouped_gemm, batches)
+            return y if b is None else y + b.repeat_interleave(rows, dim=0, output_size=y.shape[0])
+        h = activation_fn(linear(x, self.weight1, self.bias1), self.swiglu, self.activation, self.glu)
+        return linear(h, self.weight2, self.bias2)
 
 
 class SharedExpertMLP(nn.Module):

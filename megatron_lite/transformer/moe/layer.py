@@ -51,16 +51,17 @@ class MoELayer(nn.Module):
                  loss_normalization: Optional[LossNormalizationSlot] = None,
                  tracker: Optional[MoEMetricsTracker] = None, sequence_parallel: bool = False, swiglu: bool = True,
                  activation: str = "gelu", dtype=torch.float32, recompute_tracker: Optional[RNGStatesTracker] = None,
-                 gemm: Optional[GemmPath] = None, glu=None):
+                 gemm: Optional[GemmPath] = None, glu=None, bias: bool = False):
         """`recompute_tracker`: the RNG streams a --moe-layer-recompute replay restores; `gemm`: the
         GemmPath of the experts' and the shared expert's weights (the router's stays plain); `glu`:
-        the gated unit (mlp.GatedUnit) when `swiglu` (None: SwiGLU)."""
+        the gated unit (mlp.GatedUnit) when `swiglu` (None: SwiGLU); `bias`: biases on the router and
+        both expert projections (--add-bias-linear, as Megatron-Core; the shared expert has none)."""
         super().__init__()
         cfg.validate(ep=dims.ep, etp=dims.etp)
         self.cfg, self.dims, self.sequence_parallel = cfg, dims, sequence_parallel
-        self.router = TopKRouter(cfg, hidden_size, dims, layer_number, loss_normalization, tracker, dtype)
+        self.router = TopKRouter(cfg, hidden_size, dims, layer_number, loss_normalization, tracker, dtype, bias)
         self.experts = GroupedExperts(cfg.num_experts, hidden_size, cfg.moe_ffn_hidden_size, dims, swiglu,
-                                      activation, cfg.moe_grouped_gemm, dtype, gemm, glu)
+                                      activation, cfg.moe_grouped_gemm, dtype, gemm, glu, bias)
         self.shared_experts = None
         if cfg.moe_shared_expert_intermediate_size:
             self.shared_experts = SharedExpertMLP(hidden_size, cfg.moe_shared_expert_intermediate_size, dims,
@@ -105,15 +106,17 @@ class MoELayer(nn.Module):
 
     @classmethod
     def counts(cls, cfg, mb: MicroBatch) -> Counts:
-        """Router, experts (a token uses k), shared expert and its gate. Kept per token, each TP rank
-        routing its share: per routed copy its rows through the dispatch (permuted, exchanged, back)
-        3 a h and the expert MLP's activations; the router's fp32 logits, scores and top-k mask, 12
-        per expert (expected routing: a measured run scatters around it by the load imbalance)."""
+        """Router, experts (a token uses k; their biases and the router's with add_bias_linear), shared
+        expert and its gate. Kept per token, each TP rank routing its share: per routed copy its rows
+        through the dispatch (permuted, exchanged, back) 3 a h and the expert MLP's activations; the
+        router's fp32 logits, scores and top-k mask, 12 per expert (expected routing: a measured run
+        scatters around it by the load imbalance)."""
         m, h, a = cfg.moe, cfg.hidden_size, mb.a
         k, e, f = m.moe_router_topk, m.num_experts, m.moe_ffn_hidden_size
-        expert = ffn_counts(h, f, cfg.swiglu, False, a, f // mb.etp)
+        expert = ffn_counts(h, f, cfg.swiglu, cfg.add_bias_linear, a, f // mb.etp)
         kept = (k * (3 * a * h + expert.act_bytes) + 12 * e) // mb.tp * mb.tokens
-        out = weights(e * h + e * expert.params, e * h + k * expert.params, kept)
+        router = e * (h + 1) if cfg.add_bias_linear else e * h
+        out = weights(router + e * expert.params, router + k * expert.params, kept)
         if m.moe_shared_expert_intermediate_size:
             i = m.moe_shared_expert_intermediate_size
             gate = h if m.moe_shared_expert_gate else 0

@@ -99,7 +99,7 @@ class TopKRouter(nn.Module):
 
     def __init__(self, cfg: MoEConfig, hidden_size: int, dims: ParallelDims, layer_number: int,
                  loss_normalization: Optional[LossNormalizationSlot] = None,
-                 tracker: Optional[MoEMetricsTracker] = None, dtype=torch.float32):
+                 tracker: Optional[MoEMetricsTracker] = None, dtype=torch.float32, bias: bool = False):
         super().__init__()
         self.cfg, self.dims, self.layer_number = cfg, dims, layer_number
         self.loss_normalization, self.tracker = loss_normalization or LossNormalizationSlot(), tracker
@@ -109,6 +109,10 @@ class TopKRouter(nn.Module):
         # weight's gradient is partial per TP rank, as a sequence-parallel weight's is.
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size, dtype=dtype))
         set_spec(self.weight, replicated((cfg.num_experts, hidden_size), sequence_parallel=dims.tp > 1))
+        self.bias = None  # the gating linear's bias (Megatron-Core's, with --add-bias-linear; gpt-oss)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(cfg.num_experts, dtype=dtype))
+            set_spec(self.bias, replicated((cfg.num_experts,), sequence_parallel=dims.tp > 1, init="zeros"))
         if cfg.moe_router_enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
             self.register_buffer("local_tokens_per_expert", torch.zeros(cfg.num_experts, dtype=torch.float32),
@@ -145,7 +149,7 @@ class TopKRouter(nn.Module):
 
     def gating(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.router_dtype or x.dtype
-        return F.linear(x.to(dtype), self.weight.to(dtype))
+        return F.linear(x.to(dtype), self.weight.to(dtype), None if self.bias is None else self.bias.to(dtype))
 
     def topk_probs(self, logits: torch.Tensor):
         """(weights [T, k], expert indices [T, k]) of each token's chosen experts."""
