@@ -117,20 +117,6 @@ def records_of(histories):
     raise AssertionError("no rank reported lm_loss")
 
 
-_REFERENCES = {}
-
-
-def single_process_reference(argv):
-    """(per-iteration records, final full parameters) of `argv` trained on one rank, cached per
-    command line (the reference that parallel layouts are compared with)."""
-    from megatron_lite.testing import run_distributed
-    key = tuple(argv)
-    if key not in _REFERENCES:
-        results = run_distributed(train_and_gather, 1, argv)
-        _REFERENCES[key] = records_of([r[0] for r in results]), merged_params(results)
-    return _REFERENCES[key]
-
-
 def assert_conversions_refuse(cfg, hf_match, megatron_match):
     """Hugging Face and Megatron-LM conversion of a model config refuse it with one line each
     (messages matching the patterns), rather than drop what they cannot carry."""
