@@ -55,8 +55,13 @@ MEGATRON_RULES = [
     # MoE layers (SequentialMLP: one MLP per expert, `{e}` the global expert number)
     R("layers.{i}.mlp.router.weight", D + "mlp.router.weight", when="moe"),
     R("layers.{i}.mlp.router.expert_bias", D + "mlp.router.expert_bias", when=("moe", "expert_bias")),
+    R("layers.{i}.mlp.router.bias", D + "mlp.router.bias", when=("moe", "bias")),
     R("layers.{i}.mlp.experts.weight1", D + "mlp.experts.local_experts.{e}.linear_fc1.weight", "experts", when="moe"),
     R("layers.{i}.mlp.experts.weight2", D + "mlp.experts.local_experts.{e}.linear_fc2.weight", "experts", when="moe"),
+    R("layers.{i}.mlp.experts.bias1", D + "mlp.experts.local_experts.{e}.linear_fc1.bias", "experts",
+      when=("moe", "bias")),
+    R("layers.{i}.mlp.experts.bias2", D + "mlp.experts.local_experts.{e}.linear_fc2.bias", "experts",
+      when=("moe", "bias")),
     R("layers.{i}.mlp.shared_experts.linear_fc1.weight", D + "mlp.shared_experts.linear_fc1.weight",
       when=("moe", "shared_expert")),
     R("layers.{i}.mlp.shared_experts.linear_fc2.weight", D + "mlp.shared_experts.linear_fc2.weight",
@@ -137,6 +142,10 @@ def megatron_args_of_config(cfg: ModelConfig, tp: int, pp: int, ep: int = 1) -> 
                                   cfg.rope_scaling_original_max_position) != (1.0, 4.0, 8192):
         raise ConversionError("Llama-3.1 RoPE scaling other than factors 1 / 4 at 8192 positions has no "
                               "Megatron-LM flag")
+    if cfg.moe is not None and cfg.moe.num_experts and cfg.add_bias_linear and tp > 1:
+        raise ConversionError("MoE with biases at tp > 1: Megatron-Core takes expert biases at expert tensor parallel "
+                              "size 1 only, and the experts here would be split over TP; write at "
+                              "--tensor-model-parallel-size 1")
     gqa = cfg.num_query_groups != cfg.num_attention_heads
     tanh = cfg.activation == "gelu_tanh" and not cfg.swiglu
     return dict(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
@@ -206,9 +215,9 @@ def moe_args_of_config(cfg: ModelConfig, ep: int) -> Dict[str, Any]:
         raise ConversionError(f"moe_router_norm_topk_prob={moe.moe_router_norm_topk_prob} (from a HF config) differs "
                               f"from Megatron-LM's rule for {moe.moe_router_score_function} scores: no Megatron-LM "
                               f"flag expresses it")
-    if cfg.add_bias_linear:
-        raise ConversionError("MoE with biases (--add-bias-linear: router and expert biases) is not written to "
-                              "Megatron-LM checkpoints yet: add --disable-bias-linear")
+    if cfg.add_bias_linear and moe.moe_shared_expert_intermediate_size:
+        raise ConversionError("a shared expert with --add-bias-linear: Megatron-Core's has biases, ours has none; "
+                              "add --disable-bias-linear")
     out = {f.name: getattr(moe, f.name) for f in fields(moe) if f.name not in _MOE_OURS_ONLY}
     return dict(out, moe_grouped_gemm=False, expert_tensor_parallel_size=None)
 
@@ -297,9 +306,9 @@ def model_config_from_megatron_args(a: Mapping[str, Any], vocab_size: int) -> Mo
 
 def moe_config_from_megatron_args(a: Mapping[str, Any]) -> MoEConfig:
     """Our MoEConfig of a Megatron-LM MoE run's args (same names; Megatron's defaults where absent)."""
-    if a.get("add_bias_linear", True):
-        raise ConversionError("MoE with biases (add_bias_linear=True: router and expert biases) is not read from "
-                              "Megatron-LM checkpoints yet")
+    if a.get("add_bias_linear", True) and a.get("moe_shared_expert_intermediate_size"):
+        raise ConversionError("a shared expert with add_bias_linear=True: Megatron-Core's has biases, the shared "
+                              "expert here has none")
     names = {f.name for f in fields(MoEConfig)} - set(_MOE_OURS_ONLY)
     return MoEConfig(**{k: a[k] for k in names if a.get(k) is not None})
 

@@ -55,13 +55,15 @@ def test_grouped_gemm_with_biases_equals_the_loop():
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_expert_biases_refuse_expert_tensor_parallelism_and_megatron_checkpoints():
+def test_expert_biases_refuse_expert_tensor_parallelism_and_a_biased_shared_expert_in_megatron_checkpoints():
+    """(Expert and router biases themselves convert: tests/test_megatron_moe_checkpoints.py)"""
     dims = ParallelDims(tp=2, etp=2)  # no process group needed: refused while building
     with pytest.raises(ConfigError, match="expert biases .* need expert tensor parallel size 1"):
         GroupedExperts(4, 8, 4, dims, bias=True)
-    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, moe=MoEConfig(num_experts=4))
-    with pytest.raises(ConversionError, match="MoE with biases .* add --disable-bias-linear"):
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                      moe=MoEConfig(num_experts=4, moe_shared_expert_intermediate_size=32))
+    with pytest.raises(ConversionError, match="a shared expert with --add-bias-linear.* add --disable-bias-linear"):
         megatron_args_of_config(cfg, 1, 1)
-    with pytest.raises(ConversionError, match="MoE with biases .* not read from Megatron-LM"):
+    with pytest.raises(ConversionError, match="a shared expert with add_bias_linear=True"):
         model_config_from_megatron_args(dict(megatron_args_of_config(replace(cfg, add_bias_linear=False), 1, 1),
                                              add_bias_linear=True), 100)

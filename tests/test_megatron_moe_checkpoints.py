@@ -191,3 +191,27 @@ def test_expert_bias_and_group_routing_both_ways(tmp_path, fmt):
     theirs = next(r for r in run_distributed(_megatron_loads, 4, str(out), shape, TP, 1, fmt, daemon=False)
                   if r is not None)
     assert_ours_and_back(theirs, ml, out, back)
+
+
+# gpt-oss-like MoE: router and expert biases (and every other linear's), no shared expert
+BIASED = dict(SHAPE, num_layers=2, moe_layer_freq=[0, 1], add_bias_linear=True,
+              moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False)
+
+
+def test_router_and_expert_biases_both_ways(tmp_path):
+    """Megatron-Core's MoE with --add-bias-linear (router bias, each expert's fc1 / fc2 bias) at EP2 (it
+    takes expert biases at expert TP 1 only, as we do): megatron-to-ml gives its logits; ml-to-megatron's
+    legacy files load back with ours."""
+    root, ml, out, back = tmp_path / "megatron", tmp_path / "ml", tmp_path / "out", tmp_path / "back"
+    shape = dict(BIASED, ep=EP)
+    reference = next(r for r in run_distributed(_megatron_world, 2, str(root), shape, 1, 1, "torch", daemon=False)
+                     if r is not None)
+    assert _convert("megatron-to-ml", "--load", root, "--out", ml) == 0
+    logits, cfg = _our_logits(ml, _batch(PADDED)[0])
+    assert cfg.add_bias_linear and cfg.moe.num_experts == 4
+    assert (logits - reference).abs().max().item() < 1e-4
+    assert _convert("ml-to-megatron", "--load", ml, "--out", out, "--expert-model-parallel-size", EP) == 0
+    theirs = next(r for r in run_distributed(_megatron_loads, 2, str(out), shape, 1, 1, "torch", daemon=False)
+                  if r is not None)
+    assert_ours_and_back(theirs, ml, out, back)
+    assert _convert("ml-to-megatron", "--load", ml, "--out", tmp_path / "tp2", "--tensor-model-parallel-size", 2) == 2
