@@ -52,7 +52,7 @@ CASES = [
     (4, ["--pipeline-model-parallel-size", "4", "--num-layers", "8", "--pipeline-schedule", "zb-v",
          "--micro-batch-size", "1", "--global-batch-size", "3"], ["at least 4 micro-batches", "(got 3)"]),
     (2, ["--pipeline-model-parallel-size", "2", "--num-layers", "8", "--pipeline-schedule", "zb-v",
-         "--decoder-first-pipeline-num-layers", "3", "--global-batch-size", "4"], ["first (3)", "(virtual) pipeline"]),
+         "--decoder-first-pipeline-num-layers", "3", "--global-batch-size", "4"], ["first (3)", "remaining pipeline stages"]),
     # values that must not be silently replaced or crash deep inside
     (1, ["--num-attention-heads", "5"], ["hidden_size (64)", "num_attention_heads (5)", "--kv-channels"]),
     (1, ["--ffn-hidden-size", "0"], ["ffn_hidden_size (0)"]),

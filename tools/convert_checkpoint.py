@@ -39,7 +39,6 @@ import json
 import math
 import os
 import pickle
-import re
 import struct
 import sys
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
@@ -367,12 +366,10 @@ def cmd_megatron_to_ml(args) -> None:
           f"checkpoint for tp={tp} pp={pp} ({tp * pp * dp} files) to {final}")
 
 
-_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(\d+)\.(.+)$")
-
-
 def cmd_ml_to_megatron(args) -> None:
     from models.megatron_checkpoint import TRACKER
     from models.megatron_conversion import MEGATRON_RULES, VOCAB_TENSORS, megatron_args_of_config
+    from models.megatron_writer import local_names, pad_vocab, write_legacy, write_torch_dist
 
     cfg, get, _, close, ckpt_meta = _ours_from(args)
     try:
@@ -392,15 +389,15 @@ def cmd_ml_to_megatron(args) -> None:
         release = os.path.join(args.out, "release")
         stream = ((n, t if dtype is None or not t.is_floating_point() else t.to(dtype))
                   for n, t in ours_to_hf_stream(get, cfg, MEGATRON_RULES))
-        stream = ((n, _pad_vocab(t, margs["padded_vocab_size"]) if n in VOCAB_TENSORS else t) for n, t in stream)
+        stream = ((n, pad_vocab(t, margs["padded_vocab_size"]) if n in VOCAB_TENSORS else t) for n, t in stream)
         if args.ckpt_format == "torch_dist":
             # Megatron-Core names a layer's tensors per layer when dense and MoE layers may mix
             per_layer = experts and (isinstance(cfg.moe.moe_layer_freq, (list, str)) or cfg.moe.moe_layer_freq > 1)
             if cfg.multi_latent_attention:  # MLA's layer spec keeps the norms' own names in its sharded keys
-                stream = ((_local_names(n), t) for n, t in stream)
-            params = _write_torch_dist(release, stream, cfg.num_layers, experts, margs, per_layer)
+                stream = ((local_names(n), t) for n, t in stream)
+            params = write_torch_dist(release, stream, cfg.num_layers, experts, margs, per_layer)
         else:
-            params = _write_legacy(release, stream, cfg, margs, tp, pp, ep, experts)
+            params = write_legacy(release, stream, cfg, margs, tp, pp, ep, experts)
         with open(os.path.join(args.out, TRACKER), "w") as f:
             f.write("release")
     finally:
@@ -411,157 +408,6 @@ def cmd_ml_to_megatron(args) -> None:
     print(f"wrote a Megatron-LM {what} ({cfg.num_parameters():,} parameters, {params}, padded vocabulary "
           f"{margs['padded_vocab_size']}) to {release}: Megatron-LM loads it with --load {args.out} --ckpt-format "
           f"{args.ckpt_format} --use-checkpoint-args")
-
-
-def _local_names(name: str) -> str:
-    """The local spec's names of the norms that Megatron-Core's sharded keys fold into the next linear."""
-    from models.megatron_conversion import ALIASES
-
-    for canonical, local in ALIASES.items():
-        name = name.replace(canonical, local)
-    return name
-
-
-def _pad_vocab(full: torch.Tensor, padded: int) -> torch.Tensor:
-    """Megatron's padded vocabulary: zero rows past the true one."""
-    return torch.cat([full, full.new_zeros(padded - full.shape[0], *full.shape[1:])])
-
-
-def _write_legacy(release: str, stream, cfg: ModelConfig, margs: dict, tp: int, pp: int, ep: int,
-                  experts: int) -> torch.dtype:
-    """Megatron-LM's per-rank files (mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt): each TP rank's piece,
-    each stage's layers numbered from 0, each EP rank's experts numbered from 0."""
-    from models.megatron_checkpoint import LEGACY_FILE
-    from models.megatron_conversion import split_tp
-
-    per_stage, local_experts = cfg.num_layers // pp, experts // ep if experts else 0
-    states = {(t, p, e): {} for t in range(tp) for p in range(pp) for e in range(ep)}
-    params = None
-    for name, full in stream:
-        params = params or (full.dtype if full.is_floating_point() else None)
-        stages = [pp - 1] if name.startswith(("decoder.final_layernorm", "output_layer")) else [0]
-        ep_ranks = range(ep)
-        m = _EXPERT.match(name)
-        if m:  # one EP rank holds the expert, under its local number
-            e = int(m.group(2))
-            ep_ranks, name = [e // local_experts], f"{m.group(1)}local_experts.{e % local_experts}.{m.group(3)}"
-        if name.startswith("decoder.layers."):
-            layer, rest = name.split(".", 3)[2:]
-            stages, name = [int(layer) // per_stage], f"decoder.layers.{int(layer) % per_stage}.{rest}"
-        elif name == "embedding.word_embeddings.weight" and pp > 1 and not cfg.untie_embeddings_and_output_weights:
-            stages = [0, pp - 1]  # the last stage's copy of the tied embedding is its output layer
-        name = _local_names(name)
-        for t, piece in enumerate(split_tp(name, full, tp, cfg.swiglu)):
-            for p in stages:
-                key = "output_layer.weight" if p != 0 and name.startswith("embedding.") else name
-                for e in ep_ranks:
-                    states[(t, p, e)][key] = piece.clone()
-    margs.update(params_dtype=params, bf16=params == torch.bfloat16, fp16=params == torch.float16,
-                 ckpt_format="torch", iteration=0)
-    for (t, p, e), state in states.items():
-        rank_dir = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
-        path = os.path.join(release, rank_dir, LEGACY_FILE)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save({"args": argparse.Namespace(**margs), "checkpoint_version": 3.0, "iteration": 0, "model": state},
-                   path)
-    return params
-
-
-# The linear layers of a Megatron-Core layer (local spec: `linear_*`) have an `_extra_state` (None;
-# Transformer Engine's FP8 metadata otherwise), stored as one pickled object per layer (per layer and expert).
-
-
-def _write_torch_dist(path: str, stream, num_layers: int, experts: int, margs: dict, per_layer: bool) -> torch.dtype:
-    """Megatron-Core's torch_dist layout in one process through torch.distributed.checkpoint, as its
-    sharded state dict names it: a layer's tensor is a chunk of `decoder.layers.X` [num_layers, ...],
-    or `decoder.layers.N.X` itself when `per_layer`; an expert's a chunk of `...mlp.experts.experts.X`
-    [(num_layers,) experts, ...]; each linear's extra state a ShardedObject per chunk
-    (`KEY/shard_OFFSETS_SHAPE`); then common.pt (args) and metadata.json."""
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-
-    state, chunks = {}, {}  # chunks: sharded key -> (global shape prefix, {offsets: tensor})
-    for name, full in stream:
-        if not name.startswith("decoder.layers."):
-            state[name] = full
-            continue
-        m = _EXPERT.match(name)
-        layer, rest = name.split(".", 3)[2:]
-        index, prefix = ((int(layer), int(m.group(2))), (num_layers, experts)) if m else ((int(layer),), (num_layers,))
-        rest = f"mlp.experts.experts.{m.group(3)}" if m else rest
-        key = f"decoder.layers.{layer}.{rest}" if per_layer else f"decoder.layers.{rest}"
-        if per_layer:
-            index, prefix = index[1:], prefix[1:]
-            if not index:
-                state[key] = full
-        if index:
-            chunks.setdefault(key, (prefix, {}))[1][index] = full
-        module, param = key.rsplit(".", 2)[-2:]
-        if module.startswith("linear_") and param == "weight":
-            # (DCP pickles it; Megatron-Core's object of a key is the list of its ranks' objects)
-            offsets, shape = (index, prefix) if index else ((0,), (1,))
-            state[f"{key[:-len('weight')]}_extra_state/shard_{'.'.join(map(str, offsets))}_"
-                  f"{'.'.join(map(str, shape))}"] = [None]
-    floats = [t for t in state.values() if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    params = floats[0].dtype
-    margs.update(params_dtype=params, bf16=params == torch.bfloat16, fp16=params == torch.float16,
-                 ckpt_format="torch_dist", iteration=0)
-    os.makedirs(path, exist_ok=True)
-    with warnings.catch_warnings():  # "torch.distributed is disabled ...: save in a single process" (we do)
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, storage_writer=_NamedWriter(path), planner=_ChunkPlanner(chunks), no_dist=True)
-    torch.save({"args": argparse.Namespace(**margs), "checkpoint_version": 3.0, "iteration": 0},
-               os.path.join(path, "common.pt"))
-    with open(os.path.join(path, "metadata.json"), "w") as f:
-        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
-                   "common_backend_version": 1}, f)
-    return params
-
-
-def _NamedWriter(path: str):
-    import torch.distributed.checkpoint as dcp
-
-    class Writer(dcp.FileSystemWriter):  # .metadata names the checkpoint by a string, as Megatron-Core's does
-        @property
-        def checkpoint_id(self) -> str:
-            return str(self.path)
-
-    return Writer(path)
-
-
-def _ChunkPlanner(chunks):
-    """DCP's save planner, plus tensors written as chunks of a larger global tensor that no one
-    holds whole (Megatron-Core's sharded tensors): key -> (global shape prefix, {index: tensor})."""
-    import dataclasses as dc
-
-    from torch.distributed.checkpoint import DefaultSavePlanner
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-
-    class Planner(DefaultSavePlanner):
-        def create_local_plan(self):
-            plan = super().create_local_plan()
-            items = []
-            for key, (prefix, pieces) in chunks.items():
-                for index, t in pieces.items():
-                    offsets = torch.Size(index + (0,) * t.dim())
-                    items.append(WriteItem(index=MetadataIndex(key, offsets), type=WriteItemType.SHARD,
-                                           tensor_data=TensorWriteData(
-                                               chunk=ChunkStorageMetadata(offsets, torch.Size((1,) * len(index)) + t.shape),
-                                               properties=TensorProperties.create_from_tensor(t),
-                                               size=torch.Size(prefix) + t.shape)))
-            self.plan = dc.replace(plan, items=plan.items + items)
-            return self.plan
-
-        def lookup_object(self, index):
-            if index.fqn in chunks:
-                prefix = chunks[index.fqn][0]
-                t = chunks[index.fqn][1][tuple(index.offset[:len(prefix)])]
-                return t.reshape((1,) * len(prefix) + t.shape).contiguous()
-            return super().lookup_object(index)
-
-    return Planner()
 
 
 def _ours_from(args):

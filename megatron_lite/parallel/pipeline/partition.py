@@ -78,21 +78,18 @@ def layout_stage_sizes(text: str, num_layers: int, pp: int) -> List[int]:
     return [st.count("t") for st in stages]
 
 
-def _first_last_sizes(num_layers: int, pp: int, vpp: int, first: Optional[int], last: Optional[int]) -> List[int]:
-    """Per virtual stage: `first` / `last` layers on the first / last rank, the rest even over the
-    others; each rank's layers even over its vpp chunks."""
-    if pp == 1:
-        raise ConfigError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
-    for what, n in (("first", first), ("last", last)):
-        if n is not None and n < 0:
-            raise ConfigError(f"--decoder-{what}-pipeline-num-layers ({n}) must be >= 0")
-    ranks = [None] * pp
+def _ends_and_rest(num_layers: int, n: int, first: Optional[int], last: Optional[int]) -> List[int]:
+    """`n` sizes: `first` / `last` layers at the two ends (where given), the rest even over the others."""
+    for what, k in (("first", first), ("last", last)):
+        if k is not None and k < 0:
+            raise ConfigError(f"--decoder-{what}-pipeline-num-layers ({k}) must be >= 0")
+    sizes = [None] * n
     if first is not None:
-        ranks[0] = first
+        sizes[0] = first
     if last is not None:
-        ranks[-1] = last
-    rest = num_layers - sum(s for s in ranks if s is not None)
-    middle = sum(1 for s in ranks if s is None)
+        sizes[-1] = last
+    rest = num_layers - sum(s for s in sizes if s is not None)
+    middle = sum(1 for s in sizes if s is None)
     if rest < 0 or (middle == 0 and rest != 0) or (middle and rest % middle):
         raise ConfigError(
             f"num_layers ({num_layers}) minus the first ({first}) and last ({last}) stage layers must "
@@ -100,7 +97,15 @@ def _first_last_sizes(num_layers: int, pp: int, vpp: int, first: Optional[int], 
     if middle and rest == 0:  # a middle stage without parameters: nothing to build or optimize
         raise ConfigError(f"num_layers ({num_layers}) minus the first ({first}) and last ({last}) stage layers "
                           f"leaves no layer for the {middle} middle pipeline stages; lower those counts")
-    ranks = [s if s is not None else rest // middle for s in ranks]
+    return [s if s is not None else rest // middle for s in sizes]
+
+
+def _first_last_sizes(num_layers: int, pp: int, vpp: int, first: Optional[int], last: Optional[int]) -> List[int]:
+    """Per virtual stage: `first` / `last` layers on the first / last rank, the rest even over the
+    others; each rank's layers even over its vpp chunks."""
+    if pp == 1:
+        raise ConfigError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
+    ranks = _ends_and_rest(num_layers, pp, first, last)
     if vpp > 1 and any(n % vpp for n in ranks):
         raise ConfigError(f"with {vpp} virtual stages each pipeline rank's layers ({'+'.join(map(str, ranks))}) "
                           f"must divide by {vpp}; change --decoder-first/last-pipeline-num-layers or the sizes")
@@ -121,25 +126,6 @@ def _accounted_sizes(num_layers: int, stages: int, split: LayerSplit) -> List[in
     return sizes
 
 
-def _v_first_last_sizes(num_layers: int, stages: int, first: Optional[int], last: Optional[int]) -> List[int]:
-    """The V placement: `first` / `last` layers on the first / last virtual stage (both on rank 0, which
-    also holds the embedding and the loss: fewer layers there balance the V), the rest even."""
-    for what, n in (("first", first), ("last", last)):
-        if n is not None and n < 0:
-            raise ConfigError(f"--decoder-{what}-pipeline-num-layers ({n}) must be >= 0")
-    sizes = [None] * stages
-    if first is not None:
-        sizes[0] = first
-    if last is not None:
-        sizes[-1] = last
-    rest = num_layers - sum(s for s in sizes if s is not None)
-    middle = sum(1 for s in sizes if s is None)
-    if rest < 0 or (middle == 0 and rest != 0) or (middle and rest % middle):
-        raise ConfigError(f"num_layers ({num_layers}) minus the first ({first}) and last ({last}) stage layers must "
-                          f"split evenly over the {middle} remaining (virtual) pipeline stages; adjust the layer counts")
-    return [s if s is not None else rest // middle for s in sizes]
-
-
 def stage_sizes(num_layers: int, pp: int, vpp: int = 1, split: Optional[LayerSplit] = None,
                 placement: str = "loop") -> List[int]:
     """Layers of each virtual stage, in virtual-stage order (`placement`: loop or V, StagePlacement's)."""
@@ -156,7 +142,8 @@ def stage_sizes(num_layers: int, pp: int, vpp: int = 1, split: Optional[LayerSpl
             raise ConfigError(f"--pipeline-model-parallel-layout has {len(sizes)} stages but pipeline "
                               f"size ({pp}) x virtual stages ({vpp}) = {stages}; drop the virtual-stage flags")
     elif uneven and placement == "V":
-        sizes = _v_first_last_sizes(num_layers, stages, split.first, split.last)
+        # the first and last virtual stages both sit on rank 0, beside the embedding and the loss
+        sizes = _ends_and_rest(num_layers, stages, split.first, split.last)
     elif uneven:
         sizes = _first_last_sizes(num_layers, pp, vpp, split.first, split.last)
     elif accounted:
