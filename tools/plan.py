@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 from megatron_lite.arguments import build_parser, config_from_args  # noqa: E402
 from megatron_lite.errors import ConfigError  # noqa: E402
-from megatron_lite.planning.hardware import GPUS, parse_bytes  # noqa: E402
+from megatron_lite.planning.hardware import GPUS, from_json, parse_bytes  # noqa: E402
 from megatron_lite.planning.layout import from_config  # noqa: E402
 from megatron_lite.planning.search import evaluate, gib, memory_line, neighbours, reasons, search, time_line  # noqa: E402
 from models.gpt_inventory import GPTInventory  # noqa: E402
@@ -46,7 +46,13 @@ def parser():
     g.add_argument("--gpu", choices=sorted(GPUS), default="H100", help="GPU kind (default H100)")
     g.add_argument("--gpu-memory", default=None, help="memory per GPU, e.g. 80GB (GB read as GiB); default: the GPU's")
     g.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per NVLink domain (default 8)")
-    g.add_argument("--achievable-tflops", type=float, default=None, help="sustained TFLOP/s per GPU of the GEMMs")
+    g.add_argument("--gemm-tflops", "--achievable-tflops", type=float, default=None, dest="gemm_tflops",
+                   help="sustained bf16 GEMM TFLOP/s per GPU of large shapes (default: the GPU's, README's table)")
+    g.add_argument("--attention-tflops", type=float, default=None,
+                   help="fused attention TFLOP/s per GPU, forward + backward, in the kernel's FLOPs")
+    g.add_argument("--hbm-gbps", type=float, default=None, help="memory bandwidth GB/s a streaming kernel reaches")
+    g.add_argument("--hardware-file", default=None,
+                   help="JSON object of GPU fields over --gpu's (e.g. {\"gemm_tflops\": 650, \"network_gbps\": 45})")
     g.add_argument("--nvlink-gbps", type=float, default=None, help="intra-node collective GB/s per GPU")
     g.add_argument("--network-gbps", type=float, default=None, help="inter-node collective GB/s per GPU")
     g.add_argument("--fp32", action="store_true", help="plan fp32 parameters (the default without --bf16/--fp16: bf16)")
@@ -62,9 +68,9 @@ def _given(argv: List[str], flag: str) -> bool:
 
 
 def _hardware(args):
-    hw = GPUS[args.gpu]
-    over = {k: v for k, v in (("gpus_per_node", args.gpus_per_node), ("achievable_tflops", args.achievable_tflops),
-                              ("nvlink_gbps", args.nvlink_gbps), ("network_gbps", args.network_gbps)) if v is not None}
+    hw = GPUS[args.gpu] if not args.hardware_file else from_json(GPUS[args.gpu], args.hardware_file)
+    over = {k: getattr(args, k) for k in ("gpus_per_node", "gemm_tflops", "attention_tflops", "hbm_gbps",
+                                          "nvlink_gbps", "network_gbps") if getattr(args, k) is not None}
     if args.gpu_memory:
         over["memory_bytes"] = parse_bytes(args.gpu_memory)
     for name, v in over.items():
@@ -90,24 +96,37 @@ def _prepare(cfg, args, argv) -> None:
     cfg.finalize(args.world_size)
 
 
+def setup(argv: List[str]):
+    """(args, Config, Hardware) of a command line; ConfigError / ValueError when it cannot be planned."""
+    args = parser().parse_args(argv)
+    cfg = config_from_args(args, zoo())
+    hw = _hardware(args)
+    if args.world_size < 1:
+        raise ConfigError(f"--world-size ({args.world_size}) must be >= 1: the GPUs of the run")
+    if cfg.training.fp8_format and not hw.fp8_rate:
+        raise ConfigError(f"--fp8-format needs FP8 tensor cores, which the {args.gpu} lacks: drop --fp8-format "
+                          f"or plan for --gpu H100 / H200")
+    _prepare(cfg, args, argv)
+    if not args.search:  # the layout of the flags must fill the world, as the trainer requires
+        cfg.parallel.validate(args.world_size, cfg.model, cfg.training.seq_length)
+    return args, cfg, hw
+
+
+def plan_of(argv: List[str]):
+    """The evaluation (memory per rank, step time) of the layout a command line gives, and the GPU."""
+    args, cfg, hw = setup(argv)
+    base = from_config(cfg, args.world_size)
+    return evaluate(cfg, base, hw, GPTInventory(cfg.model, base.params_dtype).chunk), hw
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        args = parser().parse_args(argv)
-        cfg = config_from_args(args, zoo())
-        hw = _hardware(args)
-        if args.world_size < 1:
-            raise ConfigError(f"--world-size ({args.world_size}) must be >= 1: the GPUs of the run")
-        if cfg.training.fp8_format and not hw.fp8_rate:
-            raise ConfigError(f"--fp8-format needs FP8 tensor cores, which the {args.gpu} lacks: drop --fp8-format "
-                              f"or plan for --gpu H100 / H200")
-        _prepare(cfg, args, argv)
-        if not args.search:  # the layout of the flags must fill the world, as the trainer requires
-            cfg.parallel.validate(args.world_size, cfg.model, cfg.training.seq_length)
+        args, cfg, hw = setup(argv)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    world, t = args.world_size, cfg.training
+    world = args.world_size
     base = from_config(cfg, world)
     m = cfg.model
     inventory = GPTInventory(m, base.params_dtype).chunk

@@ -1,27 +1,37 @@
-"""Step time from a roofline: compute is FLOPs over the GPU's achievable rate, each collective is
-the bytes one rank moves (ring algorithms: all-reduce 2(n-1)/n of the buffer, reduce-scatter and
-all-gather (n-1)/n) over the link it crosses (NVLink inside a node, the network across), and the
-pipeline adds the idle time the schedule simulator finds for the layout's own action lists.
+"""Step time from a roofline: compute is each layer's work by kind, each collective the bytes one
+rank moves (ring algorithms: all-reduce 2(n-1)/n of the buffer, reduce-scatter and all-gather
+(n-1)/n; all-to-all (n-1)/n) over the links its group's placement gives (hardware.py: NVLink inside
+a node, k NICs for a ring with k ranks a node, the NIC for an all-to-all's bytes leaving the node),
+and the pipeline adds the idle time the schedule simulator finds for the layout's own action lists.
+
+Compute, per token and layer (the GPU record's rates; sources in hardware.py):
+  - weight GEMMs: their FLOPs at the sustained GEMM rate (FP8: times the FP8 rate), plus their
+    operands and results at the memory bandwidth (what makes a 2048-wide layer's GEMMs slower than
+    a large square one);
+  - the attention core: the flash kernels' FLOPs (causal: half the scores forward, 2.5 forwards
+    backward) at the attention rate;
+  - memory-bound work (norms, activations, dropout, residual adds, RoPE, the loss's softmax): the
+    layer's kept activation bytes, ELEMENTWISE_PASSES times, at the memory bandwidth.
+The MFU numerator stays training/flops.py's (6N + 12 L H Q T per token, MoE counting the active
+experts); recomputation adds its forward's work.
 
 What overlaps (and so counts only where it sticks out):
   - the gradient reduce-scatter / all-reduce with --overlap-grad-reduce: with the backward of the
     last micro-batch (buckets are reduced once every micro-batch's gradients are in), at least
     the last bucket exposed; ZeRO-2/3 by default reduce-scatter every micro-batch's gradients,
-    each with that micro-batch's backward (m times the bytes); the updated-parameter all-gather with --overlap-param-gather: with
-    the next forward of the first micro-batch; ZeRO-3's per-micro-batch gathers: with compute;
-  - the context-parallel ring: with the attention it feeds.
-TP collectives, Ulysses and expert all-to-alls are on the critical path (no TP comm overlap here).
-FLOPs are what the layer types report (transformer/counts.py), in the MFU convention of
-training/flops.py (6N + 12 L H Q T per token, MoE counting the active experts), plus what
-recomputation redoes. With FP8 (parallel/fp8.py) the layers' weight GEMMs run at the hardware's
-FP8 rate; the attention core and the output layer stay at the bf16 rate (the casts and amax
-reductions are not counted).
+    each with that micro-batch's backward (m times the bytes); the updated-parameter all-gather
+    with --overlap-param-gather: with the next forward of the first micro-batch; ZeRO-3's
+    per-micro-batch gathers: with compute;
+  - the context-parallel ring: with the attention it feeds;
+  - the column-parallel layers' input-gradient all-reduce / reduce-scatter: with the weight-gradient GEMMs.
+The other TP collectives, Ulysses and expert all-to-alls are on the critical path (this trainer has
+no TP communication overlap of Transformer Engine's userbuffers kind).
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from ..config import ModelConfig
 from ..parallel.pipeline.partition import stage_sizes
@@ -29,9 +39,11 @@ from ..parallel.pipeline.placement import StagePlacement
 from ..parallel.pipeline.schedules import compute_orders, schedule_placement
 from ..parallel.pipeline.simulator import simulate
 from ..training.flops import flops_per_token
+from ..transformer.counts import Counts
+from ..transformer.mla import MLAConfig
 from ..transformer.model_counts import MicroBatch, model_counts
 from .activations import element_size
-from .hardware import Hardware
+from .hardware import Hardware, all_to_all_seconds, p2p_seconds, ring_seconds
 from .layout import Layout
 from .state import gathered_bytes, rank_bucket_params, stage_chunks
 
@@ -84,78 +96,149 @@ class StepTime:
         return self.model_tflop_per_gpu / (self.total_s * hw.peak_tflops)
 
 
-def _bw(hw: Hardware, span: int) -> float:
-    """Bytes/s of a collective whose ranks span `span` consecutive GPUs."""
-    return (hw.nvlink_gbps if span <= hw.gpus_per_node else hw.network_gbps) * 1e9
+# Flash attention's kernels against the model's count of the core (4 s h per token forward, 3
+# forwards in training, causal or not): the forward computes the causal half, the backward
+# recomputes the scores and does 2.5 forwards' worth: 0.5 + 1.25 of the model's forward.
+CORE_FORWARD_SHARE, CORE_TRAINING_SHARE = 0.5, 1.75
+# Memory-bound work (norms, activations, RoPE, dropout, residual adds, the loss's softmax): each
+# byte a layer keeps for backward is written in the forward and read in the backward, and so is
+# its gradient: four passes over its activation bytes at the memory bandwidth.
+ELEMENTWISE_PASSES = 8
 
 
-def step_time(cfg: ModelConfig, lay: Layout, hw: Hardware, inventory, pp_rank: int = 0) -> StepTime:
+def gemm_shapes(cfg: ModelConfig, lay: Layout, moe: bool) -> List[Tuple[int, int, int]]:
+    """(M, K, N) of one layer's weight GEMMs for one micro-batch on one rank (TP-local widths;
+    under SP the gathered tokens): what their operand traffic costs next to their FLOPs."""
+    h, tp, tokens = cfg.hidden_size, lay.tp, lay.seq_length // lay.cp * lay.micro_batch_size
+    if getattr(cfg, "multi_latent_attention", False):
+        c = MLAConfig.from_model(cfg)
+        q = c.num_attention_heads * (c.qk_head_dim + c.qk_pos_emb_head_dim) // tp
+        attn = [(h, c.q_lora_rank), (c.q_lora_rank, q)] if c.q_lora_rank else [(h, q)]
+        attn += [(h, c.kv_lora_rank + c.qk_pos_emb_head_dim),
+                 (c.kv_lora_rank, c.num_attention_heads * (c.qk_head_dim + c.v_head_dim) // tp),
+                 (c.num_attention_heads * c.v_head_dim // tp, h)]
+    else:
+        d, heads, groups = cfg.kv_channels, cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads
+        attn = [(h, (heads + 2 * groups) * d // tp), (heads * d // tp, h)]
+    out = [(tokens, k, n) for k, n in attn]
+    gate = 2 if cfg.swiglu else 1
+    if moe:
+        e = cfg.moe
+        routed = max(1, tokens // (tp if lay.sp else 1) * e.moe_router_topk * lay.ep // e.num_experts)
+        f = e.moe_ffn_hidden_size // lay.etp
+        out += [(routed, h, gate * f), (routed, f, h)]
+        if e.moe_shared_expert_intermediate_size:
+            s = e.moe_shared_expert_intermediate_size // tp
+            out += [(tokens, h, gate * s), (tokens, s, h)]
+    else:
+        f = cfg.ffn_hidden_size // tp
+        out += [(tokens, h, gate * f), (tokens, f, h)]
+    return out
+
+
+def operand_share(shapes: List[Tuple[int, int, int]], a: int, hw: Hardware) -> float:
+    """The GEMMs' operand and result traffic, a (MK + KN + MN) bytes each at the memory bandwidth,
+    over their 2 MKN FLOPs at the GEMM rate (not hidden behind the math: what makes small shapes
+    slower than the large ones a GEMM rate is measured on), FLOP-weighted over the shapes."""
+    ratio = a * hw.gemm_tflops * 1e12 / (2 * hw.hbm_gbps * 1e9)
+    flops = sum(m * k * n for m, k, n in shapes)
+    return ratio * sum(m * k * n * (1 / m + 1 / k + 1 / n) for m, k, n in shapes) / flops
+
+
+@dataclass(frozen=True)
+class Work:
+    """Seconds per token at full width (a TP rank does 1/TP of it) of a piece of the model, by kind."""
+    gemm: float  # weight GEMMs, forward and both backward GEMMs
+    core: float  # the attention core's kernels, forward and backward
+    memory: float  # memory-bound work
+    forward: float  # of all three, the forward's (what recomputation replays)
+    moe: bool = False  # an MoE layer's (its tokens cross the expert all-to-all)
+
+    @property
+    def total(self) -> float:
+        return self.gemm + self.core + self.memory
+
+
+def work_of(c: Counts, operands: float, hw: Hardware, fp8: bool, moe: bool = False) -> Work:
+    """`c` (forward FLOPs, core FLOPs, activation bytes of one token at full width) in seconds."""
+    gemm = 3 * (c.flops - c.core_flops) / (hw.gemm_tflops * 1e12) * (1 / (hw.fp8_rate if fp8 else 1.0) + operands)
+    core = CORE_TRAINING_SHARE * c.core_flops / (hw.attention_tflops * 1e12)
+    memory = ELEMENTWISE_PASSES * c.act_bytes / (hw.hbm_gbps * 1e9)
+    return Work(gemm, core, memory, gemm / 3 + core * CORE_FORWARD_SHARE / CORE_TRAINING_SHARE + memory / 3, moe)
+
+
+def model_work(cfg: ModelConfig, lay: Layout, hw: Hardware) -> Tuple[List[Work], Work]:
+    """Each layer's Work, and the last stage's extra (output layer, loss, multi-token prediction)."""
     a = element_size(lay.params_dtype)
-    tokens = lay.global_batch_size * lay.seq_length
-    m, v, p = lay.num_microbatches, lay.vpp, lay.pp
-    per_token = flops_per_token(cfg, lay.seq_length)
-    model_flops = per_token * tokens / lay.world_size
-    counts = model_counts(cfg, MicroBatch(seq_length=lay.seq_length))  # forward FLOPs per token
-    attention = 3 * sum(layer.core_flops for layer in counts.layers)  # the core's, forward and backward
-    logits = 3 * (counts.output.flops + counts.mtp.flops)  # the output GEMM and MTP's modules (last stage)
-    core = attention / cfg.num_layers
-    # per token and layer, in FLOPs at the bf16 rate: FP8 weight GEMMs count 1 / fp8_rate of theirs
-    per_layer = ((per_token - logits) / cfg.num_layers - core) / (hw.fp8_rate if lay.fp8 else 1.0) + core
-    redo = 0.0  # recomputed forward FLOPs per token and layer (a forward is a third of forward + backward)
-    if lay.recompute == "full":
-        per_chunk = cfg.num_layers // (p * v)
-        share = 1.0 if lay.recompute_method == "uniform" else min(1.0, lay.recompute_num_layers / per_chunk)
-        redo = share * per_layer / 3
-    elif lay.recompute == "selective":
-        redo = core / 3
-    # The pipeline runs at the pace of its busiest rank: the one with the output layer (and the
-    # loss) does that GEMM, and the multi-token prediction modules, on top of its layers.
-    work = []
-    for r in range(p):
-        chunks = stage_chunks(cfg.num_layers, lay, r)
-        layers = sum(hi - lo for (lo, hi), _, _ in chunks)
-        work.append(layers * (per_layer + redo) + (logits if any(post for _, _, post in chunks) else 0.0))
-    per_rank_tokens = tokens / (lay.dp * lay.cp * lay.tp)
-    compute = max(work) * per_rank_tokens / (hw.achievable_tflops * 1e12)
+    counts = model_counts(cfg, MicroBatch(seq_length=lay.seq_length, tokens=1, a=a))
+    fp8 = bool(lay.fp8)
+    kinds = {}
+    for moe, layer in zip(cfg.moe_layers(), counts.layers):
+        if (moe, layer) not in kinds:
+            kinds[(moe, layer)] = work_of(layer, operand_share(gemm_shapes(cfg, lay, moe), a, hw), hw, fp8, moe)
+    layers = [kinds[(moe, layer)] for moe, layer in zip(cfg.moe_layers(), counts.layers)]
+    tokens = lay.seq_length // lay.cp * lay.micro_batch_size
+    head = operand_share([(tokens, cfg.hidden_size, cfg.padded_vocab_size(lay.tp) // lay.tp)], a, hw)
+    last = work_of(counts.output + counts.final_norm, head, hw, False)  # the output GEMM stays in bf16
+    if cfg.mtp_depth:
+        last = _plus(last, work_of(counts.mtp, head, hw, fp8))
+    return layers, last
 
-    backward_cost = 2.0 + (3 * redo / per_layer if redo else 0.0)
-    bubble_fraction = (pipeline_idle(lay.pipeline_schedule, p, m, v, round(backward_cost, 3), stage_weights(cfg, lay))
-                       if p > 1 else 0.0)
-    bubble = bubble_fraction * compute
-    detail = {"busiest_rank_imbalance": max(work) / (sum(work) / p) - 1}
-    if p > 1:  # filling and draining the pipeline crosses every stage boundary once each way
-        sent = a * lay.seq_length // lay.cp * lay.micro_batch_size * cfg.hidden_size // (lay.tp if lay.sp else 1)
-        span = lay.tp * lay.cp * lay.dp * 2  # neighbouring stages are a data-parallel replica apart
-        bubble += 2 * (p * v - 1) * sent / _bw(hw, span)
 
-    layers_here = cfg.num_layers // p
+def _plus(x: Work, y: Work) -> Work:
+    return Work(x.gemm + y.gemm, x.core + y.core, x.memory + y.memory, x.forward + y.forward)
+
+
+def model_parallel_comm(cfg: ModelConfig, lay: Layout, hw: Hardware, rank_work: List[List[Work]], busiest: int,
+                        detail: Dict[str, float]) -> Tuple[float, float, float]:
+    """Exposed TP, CP and EP communication seconds of a step (the busiest pipeline rank's)."""
+    a, m = element_size(lay.params_dtype), lay.num_microbatches
+    mine = rank_work[busiest]
+    per_rank_tokens = lay.global_batch_size * lay.seq_length / (lay.dp * lay.cp * lay.tp)
+    layers_here = max(len(x) for x in rank_work)
     tokens_mb = lay.seq_length // lay.cp * lay.micro_batch_size
     act = a * tokens_mb * cfg.hidden_size  # one [s, b, h] activation of this rank's sequence part
     tp = 0.0
-    if lay.tp > 1:  # 4 all-reduce equivalents per layer and micro-batch (2 forward, 2 backward);
-        # under SP the column-parallel inputs are gathered again in backward, but asynchronously
-        # behind the input-gradient GEMMs (tensor_parallel._ColumnParallelFn): not counted as exposed
-        per = 2 * (lay.tp - 1) / lay.tp * act * (4 + (2 if lay.recompute == "full" else 0))
-        tp = per * layers_here * m / _bw(hw, lay.tp)
+    if lay.tp > 1:
+        # Per layer and micro-batch: the forward's two all-reduce equivalents (SP: all-gather before
+        # the column-parallel GEMMs, reduce-scatter after the row-parallel ones) and, under SP, the
+        # backward's all-gathers of the row-parallel output gradients wait for the GEMMs; the
+        # column-parallel input gradients' all-reduce (SP: reduce-scatter) runs behind the
+        # weight-gradient GEMMs (tensor_parallel._ColumnParallelFn), exposed only where longer.
+        # Full recomputation replays the forward's.
+        one = ring_seconds(hw, 2 * (lay.tp - 1) / lay.tp * act, lay.tp, 1)
+        waited = (2 + (1 if lay.sp else 0) + (2 if lay.recompute == "full" else 0)) * one
+        behind = (1 if lay.sp else 2) * one
+        wgrad = sum(w.gemm for w in mine) / max(1, layers_here) / 3 * tokens_mb / lay.tp
+        tp = (waited + max(0.0, behind - wgrad)) * layers_here * m
     cp = 0.0
     if lay.cp > 1:
         kv = a * tokens_mb * max(1, cfg.num_query_groups // lay.tp) * cfg.kv_channels * 2  # k and v
         q = a * tokens_mb * cfg.num_attention_heads // lay.tp * cfg.kv_channels
-        bw = _bw(hw, lay.tp * lay.cp)
         if lay.cp_comm_type == "a2a":  # q, k, v in and the output back, forward and backward: exposed
-            cp = 2 * (lay.cp - 1) / lay.cp * (2 * q + kv) * layers_here * m / bw
+            cp = 2 * all_to_all_seconds(hw, 2 * q + kv, lay.cp, lay.tp) * layers_here * m
         else:  # ring / all-gather of k, v forward, k, v and their gradients backward: under attention
-            moved = 3 * (lay.cp - 1) * kv * layers_here * m / bw
-            attn = attention / cfg.num_layers * layers_here * tokens / lay.world_size / (hw.achievable_tflops * 1e12)
+            # a ring is as fast as its slowest hop: the network's once the group leaves the node
+            inside = lay.tp * lay.cp <= hw.gpus_per_node
+            hop = kv / ((hw.nvlink_gbps if inside else hw.network_gbps) * 1e9)
+            moved = 3 * (lay.cp - 1) * hop * layers_here * m
+            attn = sum(w.core for w in mine) * per_rank_tokens
             cp = max(0.0, moved - attn)
             detail["cp_comm_s"] = moved
     ep = 0.0
-    if cfg.moe is not None and lay.ep > 1:
-        moe_layers = sum(cfg.moe_layers()) // p
-        rows = a * tokens_mb // lay.tp * cfg.moe.moe_router_topk * cfg.hidden_size
-        ep = 4 * (lay.ep - 1) / lay.ep * rows * moe_layers * m / _bw(hw, lay.tp * lay.ep)
+    if cfg.moe is not None and lay.ep > 1:  # dispatch and combine, forward and backward: exposed
+        moe_layers = max(sum(w.moe for w in ws) for ws in rank_work)
+        rows = a * tokens_mb // (lay.tp if lay.sp else 1) * cfg.moe.moe_router_topk * cfg.hidden_size
+        ep = 4 * all_to_all_seconds(hw, rows, lay.ep, lay.etp) * moe_layers * m
+    return tp, cp, ep
 
-    buckets = rank_bucket_params(cfg.num_layers, lay, pp_rank, inventory)
+
+def dp_comm(num_layers: int, lay: Layout, hw: Hardware, inventory, pp_rank: int, compute: float,
+            detail: Dict[str, float]) -> Tuple[list, float]:
+    """(this rank's buckets, exposed data-parallel seconds of a step): dense buckets over DP x CP,
+    expert buckets over the expert-data-parallel group, each ring priced by its placement."""
+    m = lay.num_microbatches
+    buckets = rank_bucket_params(num_layers, lay, pp_rank, inventory)
     plans = [b for b, _ in buckets]
     gathered = {id(b): gathered_bytes(b, params, lay.fp8_param_gather) for b, params in buckets}
     d, g = lay.dp * lay.cp, element_size(lay.grad_dtype)
@@ -164,17 +247,17 @@ def step_time(cfg: ModelConfig, lay: Layout, hw: Hardware, inventory, pp_rank: i
     dp_s = 0.0
     backward_last = compute * 2 / 3 / m
     forward_first = compute / 3 / m
-    for group, n in ((dense, d), (expert, lay.edp)):
+    for group, n, stride in ((dense, d, lay.tp), (expert, lay.edp, lay.etp * lay.ep)):
         if n <= 1 or not group:
             continue
-        bw = _bw(hw, lay.world_size // lay.pp if n == d else lay.tp * lay.dp * lay.cp)
         grad_full = sum(b.numel for b in group) * g
         param_full = sum(gathered[id(b)] for b in group)
         frac = (n - 1) / n
         if lay.zero_stage == 0:
-            reduce, gather = 2 * frac * grad_full / bw, 0.0
+            reduce, gather = ring_seconds(hw, 2 * frac * grad_full, n, stride), 0.0
         else:
-            reduce, gather = frac * grad_full / bw, frac * param_full / bw
+            reduce = ring_seconds(hw, frac * grad_full, n, stride)
+            gather = ring_seconds(hw, frac * param_full, n, stride)
         last = reduce / len(group)
         exposed_reduce = max(reduce - backward_last, last) if lay.overlap_grad_reduce else reduce
         rounds = m if lay.grad_reduce_per_microbatch else 1
@@ -189,6 +272,52 @@ def step_time(cfg: ModelConfig, lay: Layout, hw: Hardware, inventory, pp_rank: i
         dp_s += exposed_reduce + exposed_gather
         detail[f"{'expert ' if group is expert else ''}dp_comm_s"] = reduce + gather * gathers
 
+    return plans, dp_s
+
+
+def step_time(cfg: ModelConfig, lay: Layout, hw: Hardware, inventory, pp_rank: int = 0) -> StepTime:
+    a = element_size(lay.params_dtype)
+    tokens = lay.global_batch_size * lay.seq_length
+    m, v, p = lay.num_microbatches, lay.vpp, lay.pp
+    model_flops = flops_per_token(cfg, lay.seq_length) * tokens / lay.world_size
+    layer_work, last = model_work(cfg, lay, hw)
+
+    def redo(w: Work) -> float:  # seconds per token recomputation adds to a layer
+        if lay.recompute == "full":
+            per_chunk = cfg.num_layers // (p * v)
+            share = 1.0 if lay.recompute_method == "uniform" else min(1.0, lay.recompute_num_layers / per_chunk)
+            return share * w.forward
+        return w.core * CORE_FORWARD_SHARE / CORE_TRAINING_SHARE if lay.recompute == "selective" else 0.0
+
+    # The pipeline runs at the pace of its busiest rank: the one with the output layer (and the
+    # loss) does that GEMM, and the multi-token prediction modules, on top of its layers.
+    work, forward, rank_work = [], [], []
+    for r in range(p):
+        chunks = stage_chunks(cfg.num_layers, lay, r)
+        mine = [layer_work[i] for (lo, hi), _, _ in chunks for i in range(lo, hi)]
+        post = any(post for _, _, post in chunks)
+        rank_work.append(mine)
+        work.append(sum(w.total + redo(w) for w in mine) + (last.total if post else 0.0))
+        forward.append(sum(w.forward for w in mine) + (last.forward if post else 0.0))
+    busiest = max(range(p), key=lambda r: work[r])
+    per_rank_tokens = tokens / (lay.dp * lay.cp * lay.tp)
+    compute = work[busiest] * per_rank_tokens
+
+    # B + W over F, recomputation in B; to 0.05 (the bubble's share barely moves, the simulator's cache hits)
+    backward_cost = round(20 * (work[busiest] / forward[busiest] - 1)) / 20
+    bubble_fraction = (pipeline_idle(lay.pipeline_schedule, p, m, v, backward_cost, stage_weights(cfg, lay))
+                       if p > 1 else 0.0)
+    bubble = bubble_fraction * compute
+    detail = {"busiest_rank_imbalance": max(work) / (sum(work) / p) - 1,
+              **{f"{kind}_s": sum(getattr(w, attr) for w in rank_work[busiest]) * per_rank_tokens
+                 for kind, attr in (("gemm", "gemm"), ("attention_core", "core"), ("memory_bound", "memory"))}}
+    if p > 1:  # filling and draining the pipeline crosses every stage boundary once each way
+        sent = a * lay.seq_length // lay.cp * lay.micro_batch_size * cfg.hidden_size // (lay.tp if lay.sp else 1)
+        bubble += 2 * (p * v - 1) * p2p_seconds(hw, sent, lay.tp * lay.cp * lay.dp)
+
+    tp, cp, ep = model_parallel_comm(cfg, lay, hw, rank_work, busiest, detail)
+
+    plans, dp_s = dp_comm(cfg.num_layers, lay, hw, inventory, pp_rank, compute, detail)
     shard = sum(b.shard_numel for b in plans)
     offloaded = shard * (lay.optimizer_offload_fraction if lay.optimizer_cpu_offload else 0.0)
     opt = (shard - offloaded) * (16 + 2 * a) / (hw.hbm_gbps * 1e9)
