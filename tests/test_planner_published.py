@@ -91,3 +91,46 @@ def test_the_gpu_record_can_be_overridden(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: --hardware-file {path}: unknown fields ['gemm_tflop']; use some of: name, ")
     assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("model", ["llama3-8b", "deepseek-v3", "qwen3-30b-a3b", "gpt-oss-20b"])
+def test_gemm_shapes_cover_the_weights_the_layer_types_count(model):
+    """The planner's GEMM shapes (what their operand traffic is priced from) hold, per token, the
+    weights each layer kind reports using (transformer/counts.py, MLA's from transformer/mla.py):
+    standard and multi-latent attention, dense MLP, routed and shared experts; the rest a layer
+    counts is its norms, router and biases."""
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.planning.layout import Layout
+    from megatron_lite.planning.timing import gemm_shapes
+    from megatron_lite.transformer.model_counts import MicroBatch, layer_counts
+    from models.zoo import zoo
+
+    cfg = parse_args(["--model", model, "--bf16"], zoo()).model
+    lay = Layout(seq_length=4096, global_batch_size=1)
+    for moe in sorted(set(cfg.moe_layers())):
+        used = layer_counts(cfg, MicroBatch(seq_length=4096), moe).active
+        shaped = sum(c * m * k * n for m, k, n, c in gemm_shapes(cfg, lay, moe)) / 4096
+        rest = used - shaped
+        assert 0 <= rest <= 0.01 * used, (model, moe, used, shaped)
+
+
+def test_multi_token_prediction_adds_its_module_to_the_last_stage():
+    """DeepSeek-V3 at PP16: --mtp-num-layers 1 adds an MoE layer, the 2h -> h projection and an
+    output GEMM to the last pipeline stage, the busiest, and its FLOPs to the MFU numerator."""
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.planning.hardware import GPUS
+    from megatron_lite.planning.layout import Layout
+    from megatron_lite.planning.timing import model_work
+    from megatron_lite.transformer.model_counts import MicroBatch, model_counts
+    from models.zoo import zoo
+
+    plain = parse_args(["--model", "deepseek-v3", "--bf16"], zoo()).model
+    mtp = parse_args(["--model", "deepseek-v3", "--bf16", "--mtp-num-layers", "1"], zoo()).model
+    lay, hw = Layout(pp=16, seq_length=4096, global_batch_size=16), GPUS["H800"]
+    (layers0, last0), (layers1, last1) = model_work(plain, lay, hw), model_work(mtp, lay, hw)
+    assert layers0 == layers1
+    counts = model_counts(mtp, MicroBatch(seq_length=4096))
+    moe_layer = layers1[-1]
+    assert counts.mtp.flops > counts.layers[-1].flops + counts.output.flops  # the layer, projection, output GEMM
+    assert last1.total > last0.total + moe_layer.total  # the layer and an output GEMM's worth more
+    assert last1.total < last0.total * 2 + moe_layer.total * 1.5

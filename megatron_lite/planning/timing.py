@@ -106,9 +106,10 @@ CORE_FORWARD_SHARE, CORE_TRAINING_SHARE = 0.5, 1.75
 ELEMENTWISE_PASSES = 8
 
 
-def gemm_shapes(cfg: ModelConfig, lay: Layout, moe: bool) -> List[Tuple[int, int, int]]:
-    """(M, K, N) of one layer's weight GEMMs for one micro-batch on one rank (TP-local widths;
-    under SP the gathered tokens): what their operand traffic costs next to their FLOPs."""
+def gemm_shapes(cfg: ModelConfig, lay: Layout, moe: bool) -> List[Tuple[int, int, int, int]]:
+    """(M, K, N, count) of one layer's weight GEMMs for one micro-batch on one rank (TP-local
+    widths; under SP the gathered tokens; an MoE layer's experts: `count` local experts, each with
+    its share of the routed tokens): what their operand traffic costs next to their FLOPs."""
     h, tp, tokens = cfg.hidden_size, lay.tp, lay.seq_length // lay.cp * lay.micro_batch_size
     if getattr(cfg, "multi_latent_attention", False):
         c = MLAConfig.from_model(cfg)
@@ -120,29 +121,30 @@ def gemm_shapes(cfg: ModelConfig, lay: Layout, moe: bool) -> List[Tuple[int, int
     else:
         d, heads, groups = cfg.kv_channels, cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads
         attn = [(h, (heads + 2 * groups) * d // tp), (heads * d // tp, h)]
-    out = [(tokens, k, n) for k, n in attn]
+    out = [(tokens, k, n, 1) for k, n in attn]
     gate = 2 if cfg.swiglu else 1
     if moe:
         e = cfg.moe
+        local = e.num_experts // lay.ep
         routed = max(1, tokens // (tp if lay.sp else 1) * e.moe_router_topk * lay.ep // e.num_experts)
         f = e.moe_ffn_hidden_size // lay.etp
-        out += [(routed, h, gate * f), (routed, f, h)]
+        out += [(routed, h, gate * f, local), (routed, f, h, local)]
         if e.moe_shared_expert_intermediate_size:
             s = e.moe_shared_expert_intermediate_size // tp
-            out += [(tokens, h, gate * s), (tokens, s, h)]
+            out += [(tokens, h, gate * s, 1), (tokens, s, h, 1)]
     else:
         f = cfg.ffn_hidden_size // tp
-        out += [(tokens, h, gate * f), (tokens, f, h)]
+        out += [(tokens, h, gate * f, 1), (tokens, f, h, 1)]
     return out
 
 
-def operand_share(shapes: List[Tuple[int, int, int]], a: int, hw: Hardware) -> float:
+def operand_share(shapes: List[Tuple[int, int, int, int]], a: int, hw: Hardware) -> float:
     """The GEMMs' operand and result traffic, a (MK + KN + MN) bytes each at the memory bandwidth,
     over their 2 MKN FLOPs at the GEMM rate (not hidden behind the math: what makes small shapes
     slower than the large ones a GEMM rate is measured on), FLOP-weighted over the shapes."""
     ratio = a * hw.gemm_tflops * 1e12 / (2 * hw.hbm_gbps * 1e9)
-    flops = sum(m * k * n for m, k, n in shapes)
-    return ratio * sum(m * k * n * (1 / m + 1 / k + 1 / n) for m, k, n in shapes) / flops
+    flops = sum(c * m * k * n for m, k, n, c in shapes)
+    return ratio * sum(c * m * k * n * (1 / m + 1 / k + 1 / n) for m, k, n, c in shapes) / flops
 
 
 @dataclass(frozen=True)
@@ -178,7 +180,7 @@ def model_work(cfg: ModelConfig, lay: Layout, hw: Hardware) -> Tuple[List[Work],
             kinds[(moe, layer)] = work_of(layer, operand_share(gemm_shapes(cfg, lay, moe), a, hw), hw, fp8, moe)
     layers = [kinds[(moe, layer)] for moe, layer in zip(cfg.moe_layers(), counts.layers)]
     tokens = lay.seq_length // lay.cp * lay.micro_batch_size
-    head = operand_share([(tokens, cfg.hidden_size, cfg.padded_vocab_size(lay.tp) // lay.tp)], a, hw)
+    head = operand_share([(tokens, cfg.hidden_size, cfg.padded_vocab_size(lay.tp) // lay.tp, 1)], a, hw)
     last = work_of(counts.output + counts.final_norm, head, hw, False)  # the output GEMM stays in bf16
     if cfg.mtp_depth:
         last = _plus(last, work_of(counts.mtp, head, hw, fp8))
