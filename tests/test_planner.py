@@ -6,7 +6,7 @@ schedule, VPP, DP with ZeRO 0-3, full and selective recomputation, CP, EP), on e
     flight, the loss's transients, ZeRO's gathered parameters and full gradients, p2p buffers) is
     within 10 % of the measured one (planning/measure.StepMemory, see tests/planner_harness.py).
 And the CLI: `tools/plan.py --model llama3-70b --world-size 1024 --gpu-memory 80GB --search` runs
-in seconds and proposes what Megatron's published configurations use."""
+in seconds and ranks what Megatron's published configurations use among its three fastest."""
 import os
 import subprocess
 import sys

@@ -2,7 +2,9 @@
 world size, or (--search) the fastest layouts that fit, with the reasons. Nothing is built.
 
 Takes pretrain_gpt.py's flags (paste a launch script's: data, logging and checkpoint flags are
-read and ignored) plus --world-size, --gpu-memory, --gpu and --search:
+read and ignored) plus --world-size, --gpu-memory, --gpu and --search; the GPU record's figures
+(planning/hardware.py, README's table) can be overridden one by one (--gemm-tflops, ...) or from a
+JSON file (--hardware-file):
 
     python tools/plan.py --model llama3-70b --world-size 1024 --gpu-memory 80GB --search
     python tools/plan.py --model llama3-8b --bf16 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \\
