@@ -100,9 +100,11 @@ class StepTime:
 # forwards in training, causal or not): the forward computes the causal half, the backward
 # recomputes the scores and does 2.5 forwards' worth: 0.5 + 1.25 of the model's forward.
 CORE_FORWARD_SHARE, CORE_TRAINING_SHARE = 0.5, 1.75
-# Memory-bound work (norms, activations, RoPE, dropout, residual adds, the loss's softmax): each
-# byte a layer keeps for backward is written in the forward and read in the backward, and so is
-# its gradient: four passes over its activation bytes at the memory bandwidth.
+# Memory-bound work (norms, activations, RoPE, dropout, residual adds, the loss's softmax), in
+# this trainer's unfused PyTorch ops: each byte a layer keeps for backward is read and written by
+# the forward op that makes it (2), read with its output's gradient and its own gradient written
+# in backward (3), and the residual stream's and norms' fp32 work adds about as much again: 8
+# passes over the layer's kept activation bytes at the memory bandwidth.
 ELEMENTWISE_PASSES = 8
 
 
@@ -182,7 +184,7 @@ def model_work(cfg: ModelConfig, lay: Layout, hw: Hardware) -> Tuple[List[Work],
     tokens = lay.seq_length // lay.cp * lay.micro_batch_size
     head = operand_share([(tokens, cfg.hidden_size, cfg.padded_vocab_size(lay.tp) // lay.tp, 1)], a, hw)
     last = work_of(counts.output + counts.final_norm, head, hw, False)  # the output GEMM stays in bf16
-    if cfg.mtp_depth:
+    if cfg.mtp_depth:  # its layer's GEMMs as the decoder's (FP8 with it; its output GEMM too, a simplification)
         last = _plus(last, work_of(counts.mtp, head, hw, fp8))
     return layers, last
 
