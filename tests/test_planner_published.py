@@ -134,3 +134,27 @@ def test_multi_token_prediction_adds_its_module_to_the_last_stage():
     assert counts.mtp.flops > counts.layers[-1].flops + counts.output.flops  # the layer, projection, output GEMM
     assert last1.total > last0.total + moe_layer.total  # the layer and an output GEMM's worth more
     assert last1.total < last0.total * 2 + moe_layer.total * 1.5
+
+
+def test_zero3_gathers_and_reduce_scatters_share_the_link():
+    """Llama-3 8B, ZeRO-3 over 8 GPUs of a node, 2 micro-batches: each micro-batch's parameter
+    gathers (forward and backward) and gradient reduce-scatter hide behind compute while all of
+    them together fit under it; past that, the step waits for the remainder."""
+    import torch
+
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.planning.layout import Layout
+    from megatron_lite.planning.timing import step_time
+    from models.gpt_inventory import GPTInventory
+    from models.zoo import zoo
+
+    cfg = parse_args(["--model", "llama3-8b", "--bf16"], zoo()).model
+    inventory = GPTInventory(cfg, torch.bfloat16).chunk
+    lay = Layout(dp=8, zero_stage=3, seq_length=8192, global_batch_size=16, overlap_grad_reduce=True,
+                 overlap_param_gather=True)
+    fast = step_time(cfg, lay, GPUS["H100"].with_(nvlink_gbps=80.0), inventory)
+    slow = step_time(cfg, lay, GPUS["H100"].with_(nvlink_gbps=40.0), inventory)
+    assert fast.compute_s == slow.compute_s
+    assert fast.detail["dp_comm_s"] < fast.compute_s and fast.dp_s < 0.05 * fast.detail["dp_comm_s"]
+    assert slow.detail["dp_comm_s"] > slow.compute_s
+    assert slow.dp_s == pytest.approx(slow.detail["dp_comm_s"] - slow.compute_s)

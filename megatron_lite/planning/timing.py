@@ -273,7 +273,10 @@ def dp_comm(num_layers: int, lay: Layout, hw: Hardware, inventory, pp_rank: int,
             exposed_gather = max(gather - forward_first, gather / len(group)) if lay.overlap_param_gather else gather
         else:
             exposed_gather = 0.0
-        dp_s += exposed_reduce + exposed_gather
+        exposed = exposed_reduce + exposed_gather
+        if lay.zero_stage == 3:  # its gathers and reduce-scatters share the links: what compute cannot cover waits
+            exposed = max(exposed, gather * gathers + reduce - compute)
+        dp_s += exposed
         detail[f"{'expert ' if group is expert else ''}dp_comm_s"] = reduce + gather * gathers
 
     return plans, dp_s
