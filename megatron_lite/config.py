@@ -279,6 +279,9 @@ class TrainingConfig:
                                              "step them there with the fused CPU Adam", store="true")
     optimizer_offload_fraction: float = arg(1.0, "with --optimizer-cpu-offload: the fraction of each rank's "
                                                  "optimizer shard kept on the host (the rest stays on the device)")
+    optimizer_offload_nvme_path: Optional[str] = arg(None, "keep every bucket shard's fp32 main params and optimizer "
+                                                           "state in one file per rank under this directory, read into "
+                                                           "two staging buffers around each bucket's update")
     use_cpu_initialization: bool = arg(False, "draw the initial weights on the CPU and copy them to the device "
                                               "(the same weights as a CPU run)", store="true")
     clip_grad: float = arg(1.0, "clip the global gradient norm to this (0: no clipping)")
@@ -466,6 +469,7 @@ class TrainingConfig:
             _require(zero_stage >= 1, "--use-precision-aware-optimizer needs the distributed optimizer "
                                       "(--use-distributed-optimizer or --zero-stage >= 1)")
         self.optimizer_precision()
+        self._validate_nvme_offload(zero_stage)
         _require(not (self.optimizer_cpu_offload and self.use_precision_aware_optimizer),
                  "--optimizer-cpu-offload keeps fp32 state in host memory: drop --use-precision-aware-optimizer "
                  "(or the offload)")
@@ -496,6 +500,21 @@ class TrainingConfig:
                  f"--straggler-minmax-count ({self.straggler_minmax_count}) must be >= 1")
         _require(self.eval_interval >= 1, f"eval_interval ({self.eval_interval}) must be >= 1")
         self._validate_checkpointing()
+
+    def _validate_nvme_offload(self, zero_stage: int) -> None:
+        path, flag = self.optimizer_offload_nvme_path, "--optimizer-offload-nvme-path"
+        if not path:
+            return
+        _require(not self.optimizer_cpu_offload, f"{flag} and --optimizer-cpu-offload are exclusive: the state lives "
+                                                 f"in the file or in host memory; choose one")
+        _require(not self.use_precision_aware_optimizer, f"{flag} keeps fp32 state: drop "
+                                                         f"--use-precision-aware-optimizer (or the offload)")
+        _require(self.optimizer != "muon", f"{flag} with --optimizer muon is not implemented: use --optimizer adam")
+        existing = path
+        while existing and not os.path.exists(existing):
+            existing = os.path.dirname(existing.rstrip("/")) or "."
+        _require(os.path.isdir(existing), f"{flag} {path}: {existing} is not a directory")
+        _require(os.access(existing, os.W_OK | os.X_OK), f"{flag} {path} is not writable: give a writable directory")
 
     def _validate_muon(self, zero_stage: int) -> None:
         if self.optimizer != "muon":
