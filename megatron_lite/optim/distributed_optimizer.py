@@ -357,6 +357,33 @@ class DistributedOptimizer:
     def zero_grad(self) -> None:
         self.sync.zero_grad()
 
+    @torch.no_grad()
+    def scale_rows_(self, scales: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Multiply rows of parameters (after an update): (param, factor of each row of this rank's
+        piece) pairs; the params and their main params both (QK-clip). Every rank passes its own
+        pieces' factors; a ZeRO shard takes the part of them that falls in it."""
+        if self.spill is not None or not self.precision.is_default:
+            raise ValueError("scale_rows_ needs the main params in memory, in fp32")
+        self.sync.wait_param_gather()
+        factors = {id(p): (p, f) for p, f in scales}
+        sharded_params = self.sync.stage == 3
+        if not sharded_params:
+            for p, f in factors.values():  # every rank's full piece (the shard is a view of it)
+                p.mul_(f.to(p.dtype).view(-1, *([1] * (p.dim() - 1))))
+        for s in self.shards:
+            main, shard = s.store.tensors["main"], s.bucket.param_shard_view()
+            for i, lo, hi in s.segment_params:
+                if id(s.bucket.params[i]) not in factors:
+                    continue
+                p, f = factors[id(s.bucket.params[i])]
+                per_element = f.float().repeat_interleave(math.prod(s.bucket.shapes[i][1:]))
+                a = s.bucket.shard_lo + lo - s.bucket.offsets[i][0]
+                part = per_element[a:a + hi - lo]
+                if s.owns_main:
+                    main[lo:hi].mul_(part)
+                if sharded_params:
+                    shard[lo:hi].mul_(part.to(shard.dtype))
+
     def memory_bytes(self) -> Dict[str, int]:
         """Bytes this rank holds across steps: params, grads, optimizer state (main params and the
         rule's states) on the device, and the offloaded optimizer state (with its gradient staging

@@ -143,6 +143,9 @@ class Trainer:
                 self.hooks.add(gemm.delayed)  # folds the amaxes once per step
         self.optimizer, self.grad_sync = build_optimizer(self.chunks, dims, t, p, t.optimizer_precision(),
                                                          p.num_distributed_optimizer_instances)
+        if t.qk_clip or t.log_max_attention_logit:
+            from .qk_clip import QKClip
+            self.hooks.add(QKClip(self.chunks, dims, self.optimizer, t.qk_clip_threshold, t.qk_clip_alpha, t.qk_clip))
         clock = _phase_done("model build", clock)
         self.lr_schedule = t.param_scheduler()  # counts samples, as Megatron-LM's
         self.batch_schedule = t.batch_schedule(dims.dp)  # the global batch of each step (ramp-up)
