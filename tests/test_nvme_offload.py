@@ -151,3 +151,14 @@ def test_a_full_directory_is_one_line_on_every_rank(tmp_path, monkeypatch):
 ])
 def test_bad_nvme_flags_are_one_line(flags, fragment, monkeypatch, capsys):
     assert_one_line_error(TINY + flags, fragment, monkeypatch, capsys)
+
+
+@pytest.mark.slow  # (the default cells already hold memory_bytes(), the planner's function, to the tensors)
+def test_the_planner_counts_the_staging_buffers_and_the_file(tmp_path):
+    from tests.planner_harness import MODEL_A, measure_layouts, predict
+    argv = MODEL_A + ["--zero-stage", "1", "--ddp-bucket-size", "40000", "--optimizer-offload-nvme-path", str(tmp_path)]
+    for rank in run_distributed(measure_layouts, 2, [argv]):
+        got = rank[0]
+        planned = predict(argv, 2, got["pp_rank"], got["tp_rank"])["accounted"]
+        assert got["accounted"] == got["held"] == planned, (got["accounted"], got["held"], planned)
+        assert planned["optimizer_state_bytes"] == 0 and planned["optimizer_staging_bytes"] > 0

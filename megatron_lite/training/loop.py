@@ -237,6 +237,11 @@ class Trainer:
             self.logger.info("> fp8: " + self.gemm.describe(params_dtype(self.cfg), self.cfg.model.moe_layers(),
                                                                 self.cfg.model.multi_latent_attention))
         self.logger.info("> memory on this rank: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in mem.items()))
+        spill = self.optimizer.spill
+        if spill is not None:
+            self.logger.info(f"> optimizer state on NVMe: {spill.path} ({spill.file_bytes / 2**20:.1f} MiB, "
+                             f"{'O_DIRECT' if spill.direct else 'buffered + fdatasync'}); held in memory: two "
+                             f"staging buffers of {spill.staging_bytes / 2 / 2**20:.1f} MiB")
         printed = len(self.profiler.notes)
         for note in self.profiler.notes:
             self.logger.info(f"> {note}")
