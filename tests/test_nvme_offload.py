@@ -24,10 +24,10 @@ from training_utils import ROOT, TINY, assert_one_line_error, losses_of, torchru
 STEPS = 3
 
 
-def _run(tp, stage, nvme_dir, bucket_size):
+def _run(tp, stage, nvme_dir, bucket_size, bf16=False):
     dims = ParallelDims.from_world(tp=tp)
-    chunks = build_model_for(dims)
-    tcfg = TrainingConfig(lr=LR, clip_grad=1.0, optimizer_offload_nvme_path=nvme_dir)
+    chunks = build_model_for(dims, torch.bfloat16 if bf16 else torch.float32)
+    tcfg = TrainingConfig(lr=LR, clip_grad=1.0, optimizer_offload_nvme_path=nvme_dir, bf16=bf16)
     pcfg = ParallelConfig(tensor_model_parallel_size=tp, zero_stage=stage, ddp_bucket_size=bucket_size)
     optimizer, sync = build_optimizer(chunks, dims, tcfg, pcfg)
     records, io = [], []
@@ -48,17 +48,17 @@ def _run(tp, stage, nvme_dir, bucket_size):
     return records, full_params(chunks, sync, dims), optimizer.memory_bytes(), optimizer.held_bytes(), io, expected_io
 
 
-def build_model_for(dims):
+def build_model_for(dims, dtype=torch.float32):
     from models.gpt import build_model
-    return build_model(ModelConfig(**MODEL), dims, seed=5)
+    return build_model(ModelConfig(**MODEL), dims, seed=5, params_dtype=dtype)
 
 
-def _both(rank, world, tp, stage, nvme_dir, bucket_size):
-    return _run(tp, stage, None, bucket_size), _run(tp, stage, nvme_dir, bucket_size)
+def _both(rank, world, tp, stage, nvme_dir, bucket_size, bf16):
+    return _run(tp, stage, None, bucket_size, bf16), _run(tp, stage, nvme_dir, bucket_size, bf16)
 
 
-def _check(tmp_path, world, tp, stage, bucket_size):
-    ref, got = run_distributed(_both, world, tp, stage, str(tmp_path / "nvme"), bucket_size)[0]
+def _check(tmp_path, world, tp, stage, bucket_size, bf16=False):
+    ref, got = run_distributed(_both, world, tp, stage, str(tmp_path / "nvme"), bucket_size, bf16)[0]
     what = f"tp{tp} dp{world // tp} zero-{stage} nvme"
     assert got[0] == ref[0], f"{what}: losses / grad norms {got[0]} != {ref[0]}"  # bitwise
     for name in ref[1]:
@@ -76,10 +76,11 @@ def test_nvme_offload_is_bitwise_the_in_memory_run(tmp_path, tp, world, stage, b
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,world,stage,bucket_size", [(1, 2, 1, None), (1, 2, 3, 3000), (2, 4, 1, 3000),
-                                                        (2, 4, 2, None), (1, 1, 0, 3000)])
-def test_nvme_offload_is_bitwise_the_in_memory_run_more_layouts(tmp_path, tp, world, stage, bucket_size):
-    _check(tmp_path, world, tp, stage, bucket_size)
+@pytest.mark.parametrize("tp,world,stage,bucket_size,bf16", [
+    (1, 2, 1, None, False), (1, 2, 3, 3000, False), (2, 4, 1, 3000, False), (2, 4, 2, None, False),
+    (1, 1, 0, 3000, False), (1, 2, 1, 3000, True), (1, 2, 3, None, True)])
+def test_nvme_offload_is_bitwise_the_in_memory_run_more_layouts(tmp_path, tp, world, stage, bucket_size, bf16):
+    _check(tmp_path, world, tp, stage, bucket_size, bf16)
 
 
 NVME_TINY = TINY + ["--use-distributed-optimizer", "--ddp-bucket-size", "20000"]

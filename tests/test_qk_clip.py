@@ -11,7 +11,7 @@ import torch
 
 from megatron_lite.testing import assert_close, assert_same_run, run_distributed
 from megatron_lite.transformer.qk_clip import head_max_logits
-from training_utils import TINY, assert_one_line_error, train_in_process
+from training_utils import TINY, assert_one_line_error, records_of, train_in_process
 from test_mla import MLA
 
 MUON = TINY + ["--optimizer", "muon", "--log-max-attention-logit"]
@@ -70,7 +70,7 @@ def test_after_the_clip_no_head_exceeds_tau(extra, heads_per_group, tau):
 
 
 def _records(world, argv):
-    return run_distributed(train_in_process, world, argv)[0]
+    return records_of(run_distributed(train_in_process, world, argv))
 
 
 FAST = ["--lr", "0.02"]  # logits grow past 0.3 (MLA's: 0.05) by the third step
@@ -98,10 +98,11 @@ ADAM = ["--optimizer", "adam"]
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,extra,tau", [
     (["--context-parallel-size", "2"], [], 0.3), (["--use-distributed-optimizer"], [], 0.3),
+    (["--pipeline-model-parallel-size", "2"], [], 0.3),
     (["--tensor-model-parallel-size", "2"], ROPE_MLA, 0.05),
     (["--zero-stage", "3"], ADAM, 0.3),  # the clip scales the param shards
     (["--use-distributed-optimizer", "--optimizer-cpu-offload"], ADAM, 0.3),  # ... and main params apart
-], ids=["cp2", "dp2-zero1", "mla-tp2", "adam-dp2-zero3", "adam-dp2-host-offload"])
+], ids=["cp2", "dp2-zero1", "pp2", "mla-tp2", "adam-dp2-zero3", "adam-dp2-host-offload"])
 def test_clip_equals_single_process_more_layouts(layout, extra, tau):
     _assert_layout_matches(layout, 2, extra, tau)
 
