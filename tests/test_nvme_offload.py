@@ -17,7 +17,7 @@ from megatron_lite.errors import ConfigError
 from megatron_lite.optim.optimizer import build_optimizer
 from megatron_lite.parallel.bucket_plan import region_bytes
 from megatron_lite.parallel.state import ParallelDims
-from megatron_lite.testing import run_distributed
+from megatron_lite.testing import assert_same_run, run_distributed
 from tests.test_zero import LR, MODEL, full_params, make_batches, run_step
 from training_utils import ROOT, TINY, assert_one_line_error, losses_of, torchrun_command, train_in_process
 
@@ -45,6 +45,7 @@ def _run(tp, stage, nvme_dir, bucket_size, bf16=False):
         # the initial state written once at start-up, then each step reads and writes every region once
         expected_io = [(per_step * (k + 1), per_step * (k + 2)) for k in range(STEPS)]
         assert os.path.getsize(optimizer.spill.path) == per_step
+        assert optimizer.spill.direct == bool(getattr(os, "O_DIRECT", 0)), "ext4 takes O_DIRECT"
     return records, full_params(chunks, sync, dims), optimizer.memory_bytes(), optimizer.held_bytes(), io, expected_io
 
 
@@ -76,6 +77,12 @@ def test_nvme_offload_is_bitwise_the_in_memory_run(tmp_path, tp, world, stage, b
 
 
 @pytest.mark.slow
+def test_without_o_direct_buffered_writes_give_the_same_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "O_DIRECT", 0, raising=False)  # a file system without direct I/O (tmpfs)
+    _check(tmp_path, 2, 1, 2, 3000)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("tp,world,stage,bucket_size,bf16", [
     (1, 2, 1, None, False), (1, 2, 3, 3000, False), (2, 4, 1, 3000, False), (2, 4, 2, None, False),
     (1, 1, 0, 3000, False), (1, 2, 1, 3000, True), (1, 2, 3, None, True)])
@@ -97,6 +104,8 @@ def test_checkpoints_save_from_and_load_into_the_file(tmp_path):
     resumed = run(nvme + ["--save", ckpt + "-more", "--load", ckpt])
     assert first + resumed == straight
     assert run(["--load", ckpt, "--train-iters", "5"]) == straight[3:]  # the file's state is the in-memory one's
+    resharded = losses_of(run_distributed(train_in_process, 1, NVME_TINY + nvme + ["--load", ckpt]))
+    assert_same_run(straight[3:], resharded, rtol=1e-5, what="DP2 checkpoint into one rank's file")
     plain = str(tmp_path / "plain")
     run(["--save", plain, "--exit-interval", "3"])
     assert run(nvme + ["--load", plain]) == straight[3:]  # and an in-memory run's checkpoint fills the file
