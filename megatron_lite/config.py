@@ -275,10 +275,19 @@ class TrainingConfig:
                                choices=["spectral", "unit_rms_norm", "shape_scaling"])
     muon_extra_scale_factor: float = arg(1.0, "Muon: factor on the update scale (0.2 with spectral: Moonlight's "
                                               "AdamW-matched RMS)")
+    qk_clip: bool = arg(False, "QK-clip (Kimi-K2's MuonClip): after each update, scale the query and key weights of "
+                               "each head whose largest attention logit exceeded --qk-clip-threshold", store="true")
+    qk_clip_threshold: float = arg(100.0, "QK-clip: the largest attention logit a head may keep (tau)")
+    qk_clip_alpha: float = arg(0.5, "QK-clip: the query takes eta^alpha of the scale, the key eta^(1 - alpha)")
+    log_max_attention_logit: bool = arg(False, "record the step's largest attention logit (max_attention_logit) "
+                                               "in the metrics", store="true")
     optimizer_cpu_offload: bool = arg(False, "keep the fp32 main params and Adam state in (pinned) host memory and "
                                              "step them there with the fused CPU Adam", store="true")
     optimizer_offload_fraction: float = arg(1.0, "with --optimizer-cpu-offload: the fraction of each rank's "
                                                  "optimizer shard kept on the host (the rest stays on the device)")
+    optimizer_offload_nvme_path: Optional[str] = arg(None, "keep every bucket shard's fp32 main params and optimizer "
+                                                           "state in one file per rank under this directory, read into "
+                                                           "two staging buffers around each bucket's update")
     use_cpu_initialization: bool = arg(False, "draw the initial weights on the CPU and copy them to the device "
                                               "(the same weights as a CPU run)", store="true")
     clip_grad: float = arg(1.0, "clip the global gradient norm to this (0: no clipping)")
@@ -466,6 +475,8 @@ class TrainingConfig:
             _require(zero_stage >= 1, "--use-precision-aware-optimizer needs the distributed optimizer "
                                       "(--use-distributed-optimizer or --zero-stage >= 1)")
         self.optimizer_precision()
+        self._validate_nvme_offload(zero_stage)
+        self._validate_qk_clip()
         _require(not (self.optimizer_cpu_offload and self.use_precision_aware_optimizer),
                  "--optimizer-cpu-offload keeps fp32 state in host memory: drop --use-precision-aware-optimizer "
                  "(or the offload)")
@@ -496,6 +507,32 @@ class TrainingConfig:
                  f"--straggler-minmax-count ({self.straggler_minmax_count}) must be >= 1")
         _require(self.eval_interval >= 1, f"eval_interval ({self.eval_interval}) must be >= 1")
         self._validate_checkpointing()
+
+    def _validate_qk_clip(self) -> None:
+        if not self.qk_clip:
+            _require(self.qk_clip_threshold == 100.0 and self.qk_clip_alpha == 0.5,
+                     "--qk-clip-threshold and --qk-clip-alpha need --qk-clip")
+            return
+        _require(self.qk_clip_threshold > 0, f"--qk-clip-threshold ({self.qk_clip_threshold}) must be > 0")
+        _require(0.0 < self.qk_clip_alpha < 1.0, f"--qk-clip-alpha ({self.qk_clip_alpha}) must lie in (0, 1)")
+        _require(not self.use_precision_aware_optimizer and not self.optimizer_offload_nvme_path,
+                 "--qk-clip scales fp32 main params in memory: drop --use-precision-aware-optimizer and "
+                 "--optimizer-offload-nvme-path")
+
+    def _validate_nvme_offload(self, zero_stage: int) -> None:
+        path, flag = self.optimizer_offload_nvme_path, "--optimizer-offload-nvme-path"
+        if not path:
+            return
+        _require(not self.optimizer_cpu_offload, f"{flag} and --optimizer-cpu-offload are exclusive: the state lives "
+                                                 f"in the file or in host memory; choose one")
+        _require(not self.use_precision_aware_optimizer, f"{flag} keeps fp32 state: drop "
+                                                         f"--use-precision-aware-optimizer (or the offload)")
+        _require(self.optimizer != "muon", f"{flag} with --optimizer muon is not implemented: use --optimizer adam")
+        existing = path
+        while existing and not os.path.exists(existing):
+            existing = os.path.dirname(existing.rstrip("/")) or "."
+        _require(os.path.isdir(existing), f"{flag} {path}: {existing} is not a directory")
+        _require(os.access(existing, os.W_OK | os.X_OK), f"{flag} {path} is not writable: give a writable directory")
 
     def _validate_muon(self, zero_stage: int) -> None:
         if self.optimizer != "muon":
@@ -607,6 +644,8 @@ class Config:
             self._validate_pipeline(m)
         self._validate_pipeline(t.num_microbatches(dp))  # evaluation
         self._validate_fp8()
+        _require(not (t.qk_clip and self.model.qk_layernorm), "--qk-clip scales the query and key weights, which "
+                                                              "--qk-layernorm normalises away: drop one of them")
 
     def _validate_fp8(self) -> None:
         t, p, moe = self.training, self.parallel, self.model.moe

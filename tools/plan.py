@@ -218,6 +218,8 @@ def _one(cfg, lay, hw, inventory) -> int:
         print(f"  pipeline rank {r.pp_rank}: params {gib(s['param_bytes'])}, grads {gib(s['grad_bytes'])}, optimizer "
               f"{gib(s['optimizer_state_bytes'])}" + (f" (+ host {gib(s['optimizer_host_bytes'])})"
                                                        if s.get("optimizer_host_bytes") else "")
+              + (f" (+ host staging {gib(s['optimizer_staging_bytes'])}, NVMe {gib(s['optimizer_nvme_bytes'])})"
+                 if s.get("optimizer_nvme_bytes") else "")
               + f", activations {gib(r.step.activations)} ({r.step.in_flight} in flight)"
               + "".join(f", {k.replace('_', ' ')} {gib(v)}" for k, v in r.step.buffers.items() if v)
               + f" -> {gib(r.device_bytes)}")

@@ -20,10 +20,13 @@ updated in fp32 and stored again.
 
 With --optimizer-cpu-offload the state of the first --optimizer-offload-fraction of the buckets
 lives in host memory and the rule runs there (HostStore): the norm and clipping still run on
-the device gradients, so the numerics are those of the device run.
+the device gradients, so the numerics are those of the device run. With
+--optimizer-offload-nvme-path every bucket's state lives in a file instead (nvme_store.py), read
+into staging buffers around each bucket's update.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
@@ -31,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import TrainingConfig
-from ..errors import NonFiniteError
+from ..errors import NonFiniteError, agree_on_errors
 from ..parallel.bucket_plan import offloaded_buckets, state_bytes
 from ..parallel.data_parallel import Bucket, GradientSync
 from ..parallel.sharding import counts_in_norm, spec_of
@@ -40,6 +43,7 @@ from .adam import AdamW
 from .loss_scaler import ConstantLossScaler, DynamicLossScaler
 from .lr_scheduler import DECOUPLED_GROUP, DEFAULT_GROUP
 from .precision import OptimizerPrecision, StateStorage
+from .nvme_store import NvmeSpill, NvmeStore, update_all
 from .state_store import DeviceStore, HostStore, held_bytes
 
 _NORM_SLICE = 1 << 18  # elements per float64 slice of the gradient norm
@@ -228,8 +232,12 @@ class DistributedOptimizer:
         self.rule = rule or AdamW(tcfg.adam_beta1, tcfg.adam_beta2, tcfg.adam_eps)  # the update rule (adam.py)
         offload = offloaded_buckets([b.shard_numel for b in grad_sync.buckets],
                                     tcfg.optimizer_offload_fraction if tcfg.optimizer_cpu_offload else 0.0)
-        self.shards = [_ShardState(b, self.dims, HostStore if off else DeviceStore, self.rule.state_names,
-                                   self.precision) for b, off in zip(grad_sync.buckets, offload)]
+        stores = [HostStore if off else DeviceStore for off in offload]
+        self.spill = self._nvme_spill(tcfg.optimizer_offload_nvme_path)
+        if self.spill is not None:
+            stores = [functools.partial(NvmeStore, self.spill, k) for k in range(len(grad_sync.buckets))]
+        self.shards = [_ShardState(b, self.dims, store, self.rule.state_names, self.precision)
+                       for b, store in zip(grad_sync.buckets, stores)]
         if tcfg.fp16 and tcfg.loss_scale is not None:
             self.scaler = ConstantLossScaler(tcfg.loss_scale)
         elif tcfg.fp16:
@@ -240,6 +248,17 @@ class DistributedOptimizer:
         self.num_updates = 0
         params = [b.param_shard_view() for b in grad_sync.buckets]
         self.device = params[0].device if params else None
+
+    def _nvme_spill(self, directory: Optional[str]) -> Optional[NvmeSpill]:
+        """This rank's optimizer file under --optimizer-offload-nvme-path (collective: a directory that
+        is full or unwritable on any rank is every rank's one-line error)."""
+        if not directory:
+            return None
+        buckets = self.sync.buckets
+        pin = bool(buckets) and buckets[0].param_shard_view().device.type == "cuda"
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return agree_on_errors(lambda: NvmeSpill(directory, rank, [b.shard_numel for b in buckets],
+                                                 ("main", *self.rule.state_names), pin))
 
     @property
     def loss_scale(self) -> float:
@@ -320,10 +339,14 @@ class DistributedOptimizer:
         self.num_updates += 1
         lr_of = (lambda g: lr) if not isinstance(lr, Mapping) else (lambda g: lr.get(g, lr[DEFAULT_GROUP]))
         wd = self.tcfg.weight_decay if weight_decay is None else weight_decay
-        staged = [s.store.stage(g) for s, g in zip(self.shards, grads)]  # offloaded: all copies in flight
-        _wait_copies(self.device)
-        for s, g in zip(self.shards, staged):
-            s.update(self.rule, g, lr_of, wd, step=self.num_updates)
+        if self.spill is not None:
+            update_all(self.spill, [s.store for s in self.shards], grads,
+                       lambda k, g: self.shards[k].update(self.rule, g, lr_of, wd, step=self.num_updates))
+        else:
+            staged = [s.store.stage(g) for s, g in zip(self.shards, grads)]  # offloaded: all copies in flight
+            _wait_copies(self.device)
+            for s, g in zip(self.shards, staged):
+                s.update(self.rule, g, lr_of, wd, step=self.num_updates)
         if check and self.tcfg.fp16 and self._found_inf([s.bucket.param_shard_view() for s in self.shards], False)[0]:
             raise NonFiniteError("fp16 parameters overflow (|w| > 65504) when cast from their fp32 main params: the "
                                  "model diverged; lower --lr, or train with --bf16")
@@ -334,13 +357,40 @@ class DistributedOptimizer:
     def zero_grad(self) -> None:
         self.sync.zero_grad()
 
+    @torch.no_grad()
+    def scale_rows_(self, scales: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Multiply rows of parameters (after an update): (param, factor of each row of this rank's
+        piece) pairs; the params and their main params both (QK-clip). Every rank passes its own
+        pieces' factors; a ZeRO shard takes the part of them that falls in it."""
+        if self.spill is not None or not self.precision.is_default:
+            raise ValueError("scale_rows_ needs the main params in memory, in fp32")
+        self.sync.wait_param_gather()
+        factors = {id(p): (p, f) for p, f in scales}
+        sharded_params = self.sync.stage == 3
+        if not sharded_params:
+            for p, f in factors.values():  # every rank's full piece (the shard is a view of it)
+                p.mul_(f.to(p.dtype).view(-1, *([1] * (p.dim() - 1))))
+        for s in self.shards:
+            main, shard = s.store.tensors["main"], s.bucket.param_shard_view()
+            for i, lo, hi in s.segment_params:
+                if id(s.bucket.params[i]) not in factors:
+                    continue
+                p, f = factors[id(s.bucket.params[i])]
+                per_element = f.float().repeat_interleave(math.prod(s.bucket.shapes[i][1:]))
+                a = s.bucket.shard_lo + lo - s.bucket.offsets[i][0]
+                part = per_element[a:a + hi - lo]
+                if s.owns_main:
+                    main[lo:hi].mul_(part)
+                if sharded_params:
+                    shard[lo:hi].mul_(part.to(shard.dtype))
+
     def memory_bytes(self) -> Dict[str, int]:
         """Bytes this rank holds across steps: params, grads, optimizer state (main params and the
         rule's states) on the device, and the offloaded optimizer state (with its gradient staging
         buffer) on the host, as bucket_plan.state_bytes accounts them (the planner's figures; `held_bytes`
         measures the tensors; tests hold the two equal). Low-precision states count as stored."""
         out = state_bytes(self.sync.plans, self.sync.stage, self.sync.grad_dtype,
-                          [s.store.on_host for s in self.shards])
+                          [s.store.on_host for s in self.shards], nvme=self.spill is not None)
         if not self.precision.is_default:
             out["optimizer_state_bytes"] = sum(s.nbytes for s in self.shards if not s.store.on_host)
         return out
@@ -349,6 +399,10 @@ class DistributedOptimizer:
         """memory_bytes() measured from the tensors this rank holds."""
         out = self.sync.held_bytes()
         out["optimizer_state_bytes"] = sum(s.nbytes for s in self.shards if not s.store.on_host)
+        if self.spill is not None:  # the state is in the file; the staging buffers are what is held
+            out["optimizer_staging_bytes"] = self.spill.staging_bytes
+            out["optimizer_nvme_bytes"] = self.spill.file_bytes
+            return out
         host = sum(s.nbytes for s in self.shards if s.store.on_host)
         if host:
             out["optimizer_host_bytes"] = host
@@ -365,16 +419,20 @@ class DistributedOptimizer:
         out = []
         for s in self.shards:
             tensors = {k: v for k, v in s.tensors().items() if k != "main" or s.owns_main}
-            s.staged = tensors if for_loading and not s.plain else None
+            if for_loading and self.spill is not None:  # NVMe: fp32 copies, written to the file on commit
+                tensors = {k: v.clone() for k, v in tensors.items()}  # (what the load leaves keeps its value)
+            s.staged = tensors if for_loading and (not s.plain or self.spill is not None) else None
             out.append((s.bucket, tensors))
         return out
 
     def commit_loaded_state(self) -> None:
         """After filling shard_tensors(for_loading=True): store the filled low-precision states."""
-        for s in self.shards:
-            if s.staged is not None:
+        for k, s in enumerate(self.shards):
+            if s.staged is not None and self.spill is not None:
+                self.spill.store(k, s.staged)
+            elif s.staged is not None:
                 s.load(s.staged)
-                s.staged = None
+            s.staged = None
 
     def scalar_state(self) -> dict:
         return {"num_updates": self.num_updates, "loss_scaler": type(self.scaler).__name__,

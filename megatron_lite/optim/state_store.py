@@ -7,7 +7,8 @@ copies updated main params into the param shard.
   (StateStorage); fp32 params are their own main params.
 - HostStore (--optimizer-cpu-offload; --optimizer-offload-fraction picks the buckets): fp32 in host
   memory, pinned beside a GPU (asynchronous copies), with a host buffer for the gradient.
-An NVMe store would read its tensors into host buffers in `stage` and write them back after `publish`.
+- NvmeStore (--optimizer-offload-nvme-path; nvme_store.py): in one file per rank, read into one of two
+  staging buffers around the shard's update and written back behind it.
 """
 from __future__ import annotations
 

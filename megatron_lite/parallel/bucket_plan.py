@@ -86,14 +86,24 @@ def _bytes(dtype: torch.dtype) -> int:
 
 
 def state_bytes(buckets: Sequence[BucketPlan], stage: int, grad_dtype: torch.dtype = torch.float32,
-                offloaded: Optional[Sequence[bool]] = None) -> Dict[str, int]:
+                offloaded: Optional[Sequence[bool]] = None, nvme: bool = False) -> Dict[str, int]:
     """Bytes a rank keeps across steps for these buckets (all of its chunks'):
       param_bytes            full flat params (stage 3: the shard)
       grad_bytes             full flat grads (stages 2-3: the reduced shard)
       optimizer_state_bytes  per shard element: Adam m and v in fp32, plus fp32 main params when the
                              params are not fp32 (else the param shard is the main copy)
       optimizer_host_bytes   (only with offloaded buckets) their m, v, main params and gradient
-                             staging buffer, all fp32, in host memory instead"""
+                             staging buffer, all fp32, in host memory instead
+    With `nvme` (--optimizer-offload-nvme-path) every bucket's m, v and main params are in a file:
+      optimizer_staging_bytes  two staging buffers, each the largest shard's region and its gradient
+      optimizer_nvme_bytes     the file (optim/nvme_store.py's layout)"""
+    if nvme:
+        out = state_bytes(buckets, stage, grad_dtype)
+        shards = [b.shard_numel for b in buckets]
+        out["optimizer_state_bytes"] = 0
+        out["optimizer_staging_bytes"] = 2 * slot_bytes(shards, 3)
+        out["optimizer_nvme_bytes"] = sum(region_bytes(n, 3) for n in shards)
+        return out
     offloaded = offloaded or [False] * len(buckets)
     out = {"param_bytes": 0, "grad_bytes": 0, "optimizer_state_bytes": 0}
     host = 0
@@ -108,6 +118,20 @@ def state_bytes(buckets: Sequence[BucketPlan], stage: int, grad_dtype: torch.dty
     if host:
         out["optimizer_host_bytes"] = host
     return out
+
+
+NVME_ALIGN = 4096  # O_DIRECT wants offsets, lengths and buffer addresses aligned to the logical block
+
+
+def region_bytes(shard_numel: int, num_tensors: int) -> int:
+    """Bytes of one bucket shard's region in the NVMe offload file (optim/nvme_store.py): its fp32
+    tensors back to back, padded to NVME_ALIGN."""
+    return -(-num_tensors * 4 * shard_numel // NVME_ALIGN) * NVME_ALIGN
+
+
+def slot_bytes(shard_numels: Sequence[int], num_tensors: int) -> int:
+    """Bytes of one NVMe staging buffer: the largest region and that shard's fp32 gradient."""
+    return max((region_bytes(n, num_tensors) + 4 * n for n in shard_numels), default=0)
 
 
 def offloaded_buckets(shard_numels: Sequence[int], fraction: float) -> List[bool]:

@@ -170,6 +170,9 @@ def memory_line(ev: Evaluation) -> str:
     parts += [f"{k.replace('_', ' ')} {gib(v)}" for k, v in w.step.buffers.items() if v]
     if s.get("optimizer_host_bytes"):
         parts.append(f"host: optimizer {gib(s['optimizer_host_bytes'])}")
+    if s.get("optimizer_nvme_bytes"):
+        parts.append(f"host: optimizer staging {gib(s['optimizer_staging_bytes'])} (NVMe: optimizer "
+                     f"{gib(s['optimizer_nvme_bytes'])})")
     return (f"{gib(ev.peak_bytes)} of {gib(ev.usable)} usable on pipeline rank {w.pp_rank}: " + ", ".join(parts))
 
 

@@ -55,4 +55,4 @@ def rank_state_bytes(num_layers: int, lay: Layout, pp_rank: int, inventory: Inve
     plans = rank_buckets(num_layers, lay, pp_rank, inventory)
     fraction = lay.optimizer_offload_fraction if lay.optimizer_cpu_offload else 0.0
     return state_bytes(plans, lay.zero_stage, lay.grad_dtype, offloaded_buckets([b.shard_numel for b in plans],
-                                                                                 fraction))
+                                                                                 fraction), nvme=lay.optimizer_offload_nvme)

@@ -143,6 +143,9 @@ class Trainer:
                 self.hooks.add(gemm.delayed)  # folds the amaxes once per step
         self.optimizer, self.grad_sync = build_optimizer(self.chunks, dims, t, p, t.optimizer_precision(),
                                                          p.num_distributed_optimizer_instances)
+        if t.qk_clip or t.log_max_attention_logit:
+            from .qk_clip import QKClip
+            self.hooks.add(QKClip(self.chunks, dims, self.optimizer, t.qk_clip_threshold, t.qk_clip_alpha, t.qk_clip))
         clock = _phase_done("model build", clock)
         self.lr_schedule = t.param_scheduler()  # counts samples, as Megatron-LM's
         self.batch_schedule = t.batch_schedule(dims.dp)  # the global batch of each step (ramp-up)
@@ -234,6 +237,11 @@ class Trainer:
             self.logger.info("> fp8: " + self.gemm.describe(params_dtype(self.cfg), self.cfg.model.moe_layers(),
                                                                 self.cfg.model.multi_latent_attention))
         self.logger.info("> memory on this rank: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in mem.items()))
+        spill = self.optimizer.spill
+        if spill is not None:
+            self.logger.info(f"> optimizer state on NVMe: {spill.path} ({spill.file_bytes / 2**20:.1f} MiB, "
+                             f"{'O_DIRECT' if spill.direct else 'buffered + fdatasync'}); held in memory: two "
+                             f"staging buffers of {spill.staging_bytes / 2 / 2**20:.1f} MiB")
         printed = len(self.profiler.notes)
         for note in self.profiler.notes:
             self.logger.info(f"> {note}")

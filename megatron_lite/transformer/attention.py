@@ -22,6 +22,7 @@ from ..parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from .core_attention import PackedSeq
 from .counts import Counts, MicroBatch, weights
 from .norm import FullWidthRMSNorm, head_norm, norm_weights
+from .qk_clip import MaxLogitObserver, RowScales, balancing_eta, rows
 from .rope import apply_rope
 
 
@@ -48,6 +49,7 @@ class SelfAttention(nn.Module):
     # Generation only: stores this layer's new K/V in the KV cache, returns (every cached K, V, the
     # number of tokens cached before these). Set by KVCache.attached while the model decodes.
     cache_update: Optional[Callable[..., Tuple]] = None
+    max_logits: Optional[MaxLogitObserver] = None  # set while --qk-clip measures (transformer/qk_clip.py)
 
     def __init__(self, cfg, ctx, layer_number: int, core_attention, config: Optional[AttentionConfig] = None):
         super().__init__()
@@ -64,7 +66,7 @@ class SelfAttention(nn.Module):
         # With fewer query groups than TP ranks, each K/V group is replicated on tp / groups
         # consecutive ranks (their weight gradients are summed over those ranks after backward).
         kv_replicas = max(1, tp // groups)
-        self.groups = max(1, groups // tp)
+        self.groups, self.query_groups = max(1, groups // tp), groups
         gemm = ctx.gemm
         self.linear_q = ColumnParallelLinear(cfg.hidden_size, q_size, dims, bias=config.qkv_bias, sequence_parallel=sp,
                                              dtype=dt, gemm=gemm)
@@ -125,12 +127,32 @@ class SelfAttention(nn.Module):
         q_offset = 0
         if self.cache_update is not None:  # causality by absolute position: the queries sit after the cache
             k, v, q_offset = self.cache_update(k, v)
+        elif self.max_logits is not None and self.training:
+            self.max_logits.observe(q, k, packed, getattr(self.core_attention, "window", None))
         if self.recompute_core and self.training:
             out = recompute(self._core, self.tracker, q, k, v, packed)
         else:
             out = self._core(q, k, v, packed, q_offset)
         out = out.transpose(0, 1).reshape(s, b, self.heads * dv)
         return self.linear_proj(out)
+
+    def qk_clip_rows(self, max_logits: torch.Tensor, tau: float, alpha: float) -> RowScales:
+        """The factors of this rank's query and key rows (QK-clip) given every head's largest logit
+        [num heads]: per query group, as Megatron-LM (one group per head without GQA)."""
+        heads, groups, rank = max_logits.numel(), self.query_groups, self.dims.tp_rank
+        eta = balancing_eta(max_logits.view(groups, heads // groups).amax(dim=1), tau)  # [groups]
+        local_heads = torch.arange(rank * self.heads, (rank + 1) * self.heads, device=eta.device)
+        if groups >= self.tp:
+            local_groups = torch.arange(rank * self.groups, (rank + 1) * self.groups, device=eta.device)
+        else:  # each group replicated on tp / groups consecutive ranks
+            local_groups = torch.tensor([rank // (self.tp // groups)], device=eta.device)
+        q = rows(eta[local_heads // (heads // groups)][:, None] ** alpha, [self.head_dim])
+        k = eta[local_groups][:, None] ** (1.0 - alpha)
+        kv = torch.cat([rows(k, [self.head_dim]), torch.ones(self.groups * self.v_head_dim, device=eta.device)])
+        out = [(self.linear_q.weight, q), (self.linear_kv.weight, kv)]
+        if self.linear_q.bias is not None:
+            out += [(self.linear_q.bias, q), (self.linear_kv.bias, kv)]
+        return out
 
     @classmethod
     def counts(cls, cfg, mb: MicroBatch, window: Optional[int] = None) -> Counts:

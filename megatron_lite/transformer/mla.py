@@ -33,6 +33,7 @@ from .attention import SelfAttention
 from .core_attention import PackedSeq
 from .counts import Counts, MicroBatch, weights
 from .norm import head_norm, norm_weights
+from .qk_clip import MaxLogitObserver, RowScales, balancing_eta, rows
 from .rope import apply_rope, softmax_scale_factor
 
 
@@ -59,13 +60,14 @@ class MLAConfig:
 class MLASelfAttention(nn.Module):
     # Generation only: stores this layer's new latents in the cache (see attention.py / kv_cache.py).
     cache_update: Optional[Callable[..., Tuple]] = None
+    max_logits: Optional[MaxLogitObserver] = None  # set while --qk-clip measures (transformer/qk_clip.py)
 
     def __init__(self, cfg, ctx, layer_number: int, core_attention, config: Optional[MLAConfig] = None):
         super().__init__()
         c = self.config = config or MLAConfig.from_model(cfg)
         dims, sp, dt, gemm = ctx.dims, ctx.sequence_parallel, ctx.params_dtype, ctx.gemm
         tp, h, heads = dims.tp, cfg.hidden_size, c.num_attention_heads
-        self.heads, self.tp, self.tracker, self.gemm = heads // tp, tp, ctx.tracker, gemm
+        self.heads, self.tp, self.tracker, self.gemm, self.dims = heads // tp, tp, ctx.tracker, gemm, dims
         self.layer_number = layer_number
         self.recompute_core = ctx.recompute_granularity == "selective"
         q_head = c.qk_head_dim + c.qk_pos_emb_head_dim
@@ -129,11 +131,27 @@ class MLASelfAttention(nn.Module):
             # The core scales by 1/sqrt(dn + dr): the rest of the softmax scale goes into the query.
             q = torch.cat([q_nope, q_rope], dim=-1) * (c.softmax_scale * math.sqrt(dn + dr))
             k = torch.cat([k_nope, k_rope.expand(b, s, self.heads, dr)], dim=-1)
+            if self.max_logits is not None and self.training:
+                self.max_logits.observe(q, k, packed, getattr(self.core_attention, "window", None))
             if self.recompute_core and self.training:
                 out = recompute(self._core, self.tracker, q, k, v, packed)
             else:
                 out = self._core(q, k, v, packed)
         return self.linear_proj(out.transpose(0, 1).reshape(s, b, self.heads * dv))
+
+    def qk_clip_rows(self, max_logits: torch.Tensor, tau: float, alpha: float) -> RowScales:
+        """QK-clip's factors of this rank's rows given every head's largest logit [num heads], as
+        Kimi-K2's report scales MLA: per head, q_nope by eta^alpha, k_nope by eta^(1 - alpha), q_rope
+        by eta; the shared RoPE key (in the KV down-projection) is not touched."""
+        c, rank = self.config, self.dims.tp_rank
+        eta = balancing_eta(max_logits[rank * self.heads:(rank + 1) * self.heads], tau)[:, None]  # [heads, 1]
+        q = rows(torch.cat([eta ** alpha, eta], dim=1), [c.qk_head_dim, c.qk_pos_emb_head_dim])
+        kv = rows(torch.cat([eta ** (1.0 - alpha), torch.ones_like(eta)], dim=1), [c.qk_head_dim, c.v_head_dim])
+        q_layer = self.linear_q_proj if c.q_lora_rank is None else self.linear_q_up_proj
+        out = [(q_layer.weight, q), (self.linear_kv_up_proj.weight, kv)]
+        if c.bias:
+            out += [(q_layer.bias, q), (self.linear_kv_up_proj.bias, kv)]
+        return out
 
     def _absorbed(self, q_nope, q_rope, latent, k_rope, packed):
         """Decoding over the cache of latents: scores q_nope W_UK^T c + q_rope k_rope, output
