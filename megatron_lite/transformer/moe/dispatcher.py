@@ -38,7 +38,8 @@ from .router import Routing
 # --- exchanges with uneven splits (autograd) --------------------------------------------------
 def _exchange(x: torch.Tensor, group, out_splits: List[int], in_splits: List[int], comm: Communicator) -> torch.Tensor:
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    comm.all_to_all(out, x.contiguous(), group, out_splits, in_splits)
+    # asynchronous: in DualPipe-V's overlapped pairs the other micro-batch computes meanwhile
+    comm.wait_overlapped(comm.all_to_all(out, x.contiguous(), group, out_splits, in_splits, async_op=True))
     return out
 
 
