@@ -135,6 +135,9 @@ CASES = [
     (1, ["--hang-detection-factor", "5", "--hang-detection-warmup-steps", "0"],
      ["--hang-detection-warmup-steps (0) must be >= 1"]),
     (1, ["--log-straggler", "--straggler-minmax-count", "0"], ["--straggler-minmax-count (0) must be >= 1"]),
+    (2, ["--pipeline-model-parallel-size", "2", "--num-layers", "6", "--pipeline-schedule", "zb-v",
+         "--pipeline-model-parallel-layout", "Et|t|t|t|t|tL", "--global-batch-size", "8"],
+     ["'Et|t|t|t|t|tL' has 6 stages", "give 2 x 2 = 4 stages"]),
     # DualPipe-V's overlapped pairs (--overlap-moe-expert-parallel-comm)
     (4, DUALPIPE_MOE + ["--pipeline-schedule", "zb-v"], ["--overlap-moe-expert-parallel-comm", "dualpipe-v"]),
     (2, DUALPIPE_MOE[:2] + ["--pipeline-schedule", "dualpipe-v", "--overlap-moe-expert-parallel-comm",
