@@ -172,6 +172,8 @@ class PipelineExecutor:
                         t.requires_grad_(True)
                 chunk.set_input_tensor(x[0] if len(x) == 1 else x)
             out, loss_func = self.forward_step(self.batches[mb], chunk)
+            if not self.placement.is_first(self.rank, c):  # self.inputs holds it for the backward; the
+                chunk.set_input_tensor(None)  # chunk would keep it alive until its next forward
             if last:
                 loss_sum, tokens, logs = loss_func(out)
                 self.totals.add(loss_sum, tokens, logs)
