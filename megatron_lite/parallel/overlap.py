@@ -76,7 +76,7 @@ class Interleaver:
     def switch(self) -> bool:
         """Hand the baton to the other computation if it is still running, and wait for it back.
         A no-op (False) off the two threads, once the other has finished, or in a recomputed forward."""
-        role = self._roles.get(threading.get_ident())
+        role = self._role()
         if role is None or not self._alive[1 - role] or _in_recomputed_forward():
             return False
         self._record(role, "start")
@@ -88,9 +88,17 @@ class Interleaver:
         return True
 
     def record_wait(self) -> None:
-        role = self._roles.get(threading.get_ident())
+        role = self._role()
         if role is not None:
             self._record(role, "wait")
+
+    def _role(self) -> Optional[int]:
+        """The calling thread's role; on another thread while a pair runs, the baton holder's: only
+        it runs, so the caller works for it (CUDA's autograd runs a backward on a device thread)."""
+        role = self._roles.get(threading.get_ident())
+        if role is None and all(self._alive):
+            role = self._turn
+        return role
 
     def _record(self, role: int, event: str) -> None:
         if self.log is not None:

@@ -4,7 +4,10 @@ One executor serves every schedule. Each rank walks its list in order; consecuti
 actions form one batch posted with batch_isend_irecv and waited for lazily (just before the
 first compute that needs what it received, before the next batch is posted, and at the end),
 which schedules.py proves deadlock-free. The zero-bubble B/W split defers the weight-gradient
-GEMMs of the layers built with the executor's GemmPath from B to the later W.
+GEMMs of the layers built with the executor's GemmPath from B to the later W. With `overlap`
+(dualpipe-v, --overlap-moe-expert-parallel-comm) the lists put each BW/F pair side by side and the
+executor runs the two as interleaved pieces (parallel/overlap.py), each MoE all-to-all of one
+micro-batch in flight while the other computes.
 
 A forward is the forward-step protocol (training/step.py): `forward_step(batch, chunk)` after
 `chunk.set_input_tensor(received)` on a later stage, and on the last virtual stage the loss

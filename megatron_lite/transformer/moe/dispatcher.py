@@ -168,7 +168,8 @@ class AllToAllDispatcher:
         """Tokens every EP (and ETP) source sends to each of this rank's experts."""
         per_rank = counts.view(self.ep, self.num_local_experts).contiguous()
         received = torch.empty_like(per_rank)
-        self.dims.comm.all_to_all(received, per_rank, self.dims.ep_group)
+        comm = self.dims.comm
+        comm.wait_overlapped(comm.all_to_all(received, per_rank, self.dims.ep_group, async_op=True))
         if self.etp == 1:
             return received.unsqueeze(0)
         return self.dims.comm.gather_along(received.unsqueeze(0), 0, self.dims.etp_group)
