@@ -84,11 +84,12 @@ def _train_logged(rank, world, argv):
         executor.interleaver.log = log
     history = trainer.train()
     params = {}
-    for chunk in trainer.chunks:
-        for name, p in chunk.named_parameters():
-            tied_copy = spec_of(p).tie is not None and not chunk.pre_process  # the loss end's copy
-            if ".experts." not in name and not tied_copy:  # each EP rank holds half the experts: see the losses
-                params[name] = gather_full(p.data, p, trainer.dims).float()
+    with trainer.grad_sync.gathered_params():  # ZeRO-3 keeps only shards between steps
+        for chunk in trainer.chunks:
+            for name, p in chunk.named_parameters():
+                tied_copy = spec_of(p).tie is not None and not chunk.pre_process  # the loss end's copy
+                if ".experts." not in name and not tied_copy:  # each EP rank holds half the experts: see the losses
+                    params[name] = gather_full(p.data, p, trainer.dims).float()
     return history, params, executor.trace, trainer.dims.pp_rank, log, trainer.dims.ep_rank
 
 
@@ -106,12 +107,13 @@ def _overlaps(log):
     return hits
 
 
-def _run(argv, world):
-    ref, ref_params = single_process_reference(BASE)
-    results = run_distributed(_train_logged, world, argv)
+def _run(base, extra, world):
+    """The run of base + extra on `world` ranks, checked against the single-process run of base."""
+    ref, ref_params = single_process_reference(base)
+    results = run_distributed(_train_logged, world, base + extra)
     params = merged_params([r[:4] for r in results])
     assert_same_run(ref, records_of([r[0] for r in results]), rtol=1e-5, grad_norm_rtol=1e-6, params=params,
-                    ref_params={k: v for k, v in ref_params.items() if k in params}, what=" ".join(argv))
+                    ref_params={k: v for k, v in ref_params.items() if k in params}, what=" ".join(extra))
     return results
 
 
@@ -120,8 +122,8 @@ def test_overlapped_pairs_at_pp2_ep2_match_single_process_and_serialized():
     the overlapped run executes the paired list, its all-to-alls overlap the other micro-batch's
     compute in both directions (a backward's hides a forward and the reverse), and the two EP
     ranks of each stage log the same order of pieces (hence of collectives)."""
-    serial = _run(BASE + PP2_EP2 + OVERLAP[1:], 4)
-    overlapped = _run(BASE + PP2_EP2 + OVERLAP, 4)
+    serial = _run(BASE, PP2_EP2 + OVERLAP[1:], 4)
+    overlapped = _run(BASE, PP2_EP2 + OVERLAP + ["--distributed-timeout-minutes", "0.25"], 4)  # a mismatch: 15 s
     for (h1, *_), (h2, *_) in zip(serial, overlapped):
         assert [r["lm_loss"] for r in h1] == [r["lm_loss"] for r in h2]  # the same arithmetic, reordered
     logs = {}
@@ -132,3 +134,28 @@ def test_overlapped_pairs_at_pp2_ep2_match_single_process_and_serialized():
         logs.setdefault(pp_rank, []).append(log)
     for pp_rank, (a, b) in logs.items():
         assert a == b, pp_rank
+
+
+COMBINATIONS = {
+    "full-recompute": (4, ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                           "--recompute-num-layers", "1"]),
+    "moe-layer-recompute": (4, ["--moe-layer-recompute"]),
+    "selective-recompute": (4, ["--recompute-granularity", "selective"]),
+    "zero3-no-reshard": (4, ["--zero-stage", "3", "--no-reshard-after-forward"]),
+    "zero1-overlap-grad-reduce": (4, ["--zero-stage", "1", "--overlap-grad-reduce"]),
+    "cp2-ep2": (4, ["--context-parallel-size", "2", "--global-batch-size", "4"]),  # ring attention inside pairs
+    "pp4-ep2": (8, ["--pipeline-model-parallel-size", "4", "--num-layers", "8", "--global-batch-size", "16"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(COMBINATIONS))
+def test_overlapped_pairs_combined_match_single_process(name):
+    """Recomputation (whose replayed forward inside a backward is no switch point: it swaps the RNG
+    state), ZeRO-3 with parameters kept for the step, ZeRO-1 with gradient buckets reduced from the
+    backward thread, CP2 (EP over the CP ranks), and PP4 x EP2, each overlapped like the single process."""
+    world, extra = COMBINATIONS[name]
+    base = BASE + [x for i, flag in enumerate(extra) if flag in ("--num-layers", "--global-batch-size")
+                   for x in extra[i:i + 2]]
+    results = _run(base, PP2_EP2 + OVERLAP + extra, world)
+    assert all(_overlaps(r[4]) > 0 for r in results)
