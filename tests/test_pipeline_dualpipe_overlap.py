@@ -18,7 +18,7 @@ from megatron_lite.testing import assert_same_run, run_distributed
 from training_utils import merged_params, records_of, single_process_reference
 
 
-@pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.parametrize("p", [2, 3, 4, pytest.param(8, marks=pytest.mark.slow)])
 def test_paired_lists_are_deadlock_free(p):
     """Each pair (a BW followed by an F in DualPipe-V's compute order) adjacent: its F input
     received before it, the BW's gradient sent after it. Complete and deadlock-free for every
