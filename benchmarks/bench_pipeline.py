@@ -7,6 +7,9 @@ F = B = W over pp and m (no training).
     python benchmarks/bench_pipeline.py              # real compute: GPT-2 style, 8 layers, h 512
     python benchmarks/bench_pipeline.py --emulate    # sleep-based stage costs on a tiny model
     python benchmarks/bench_pipeline.py --simulate   # bubble table for pp 4/8/16, m 8-64
+    python benchmarks/bench_pipeline.py --moe-overlap  # dualpipe-v PP2 x EP2 MoE: pairs serialized vs overlapped
+                                                       # (--a2a-ms 20: each all-to-all takes >= 20 ms)
+    python benchmarks/bench_pipeline.py --memory     # peak activation bytes per rank: measured vs simulated
 
 Every configuration trains warm-up + measured steps with the project's Trainer in forked gloo ranks
 (one torch thread each). In those ranks only, the benchmark wraps PipelineExecutor.run and
@@ -229,6 +232,103 @@ def report(rows: List[dict], args) -> None:
         print(f"  {r['label']:<20} busy {busy:<24} {costs}   final loss {r['loss']:.4f}")
 
 
+MOE_OVERLAP = [("dualpipe-v, pairs serialized", []), ("dualpipe-v, pairs overlapped", ["--overlap-moe-expert-parallel-comm"])]
+
+
+class _SlowWork:
+    """An asynchronous collective that completes no sooner than `seconds` after it was posted (an
+    emulated network): waiting for it sleeps the rest, which `exposed` adds up."""
+
+    def __init__(self, work, seconds: float, exposed: list):
+        self.work, self.ready, self.exposed = work, time.perf_counter() + seconds, exposed
+
+    def wait(self):
+        rest = self.ready - time.perf_counter()
+        if rest > 0:
+            self.exposed[0] += rest
+            time.sleep(rest)
+        return self.work.wait()
+
+
+def _moe_worker(rank: int, world: int, argv: List[str], a2a_s: float) -> dict:
+    """Per step on this rank: forward-backward seconds, seconds blocked in collectives and waits
+    (Communicator.blocked_s) and the emulated all-to-all latency left exposed (a2a_s > 0)."""
+    os.environ["WORLD_SIZE"] = str(world)
+    from pretrain_gpt import make_trainer, resolve
+    from megatron_lite.parallel.comm import Communicator
+
+    exposed = [0.0]
+    if a2a_s > 0:  # this forked rank only: every asynchronous all-to-all takes at least a2a_s
+        plain = Communicator.all_to_all
+
+        def slow(self, *a, async_op=False, **k):
+            work = plain(self, *a, async_op=async_op, **k)
+            return _SlowWork(work, a2a_s, exposed) if async_op and work is not None else work
+
+        Communicator.all_to_all = slow
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+        cfg, tokenizer = resolve(argv)
+        trainer = make_trainer(cfg, tokenizer, torch.device("cpu"))
+        comm, inner, records = trainer.dims.comm, trainer.forward_backward, []
+
+        def timed(*a, **k):
+            blocked, hidden, start = comm.blocked_s, exposed[0], time.perf_counter()
+            out = inner(*a, **k)
+            records.append((time.perf_counter() - start, comm.blocked_s - blocked, exposed[0] - hidden))
+            return out
+
+        trainer.forward_backward = timed
+        history = trainer.train()
+    return {"records": records, "step_time": [h["step_time_s"] for h in history], "loss": history[-1]["lm_loss"]}
+
+
+def moe_overlap(args) -> None:
+    """DualPipe-V at PP2 x EP2 on an MoE model (4 ranks): its F/B pairs serialized, then overlapped."""
+    argv = ["--num-layers", "4", "--hidden-size", str(args.hidden_size), "--num-attention-heads", "8",
+            "--seq-length", str(args.seq_length), "--micro-batch-size", "1", "--global-batch-size", "16",
+            "--num-experts", "8", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+            "--moe-token-dispatcher-type", "alltoall", "--pipeline-model-parallel-size", "2",
+            "--pipeline-schedule", "dualpipe-v", "--train-iters", str(args.warmup + args.steps),
+            "--eval-iters", "0", "--lr", "1e-4", "--device", "cpu", "--log-interval", "1000000",
+            "--attention-dropout", "0", "--hidden-dropout", "0"]
+    print(f"\nPP=2 x EP=2 (4 ranks), m=8, 4 MoE layers (8 experts, top 2, alltoall), h {args.hidden_size}, "
+          f"seq {args.seq_length}, all-to-all latency emulated to >= {args.a2a_ms} ms; medians of {args.steps} "
+          f"steps after {args.warmup} warm-up; {os.cpu_count()} CPUs, torch {torch.__version__}\n")
+    print("| dualpipe-v | step ms | fwd-bwd ms | blocked in comm ms | exposed a2a latency ms | final loss |")
+    print("|---|---|---|---|---|---|")
+    for label, extra in MOE_OVERLAP * args.rounds:  # alternating: the machine's load drifts
+        ranks = run_distributed(_moe_worker, 4, argv + extra, args.a2a_ms / 1e3, timeout=1800)
+        steps = range(args.warmup, args.warmup + args.steps)
+        step = statistics.median(max(r["step_time"][s] for r in ranks) for s in steps)
+        fb, blocked, exposed = (statistics.median(max(r["records"][s][i] for r in ranks) for s in steps)
+                                for i in range(3))  # each the worst rank's
+        loss = next(r["loss"] for r in ranks if r["loss"])
+        print(f"| {label} | {step * 1e3:.0f} | {fb * 1e3:.0f} | {blocked * 1e3:.0f} | {exposed * 1e3:.0f} "
+              f"| {loss:.6f} |")
+
+
+def memory_table() -> None:
+    """Peak activation bytes per rank, measured in a real step and simulated from the same lists
+    (tests/pipeline_memory_harness.py), for the V schedules and 1F1B at PP2 and PP4 (h 64, seq 64)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
+    from pipeline_memory_harness import measured_and_simulated
+
+    print("| schedule | pp | m | per rank: measured KiB = simulated KiB (peak in flight x KiB per chunk F) |")
+    print("|---|---|---|---|")
+    for p, m in ((2, 4), (4, 8)):
+        argv = ["--num-layers", str(2 * p), "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+                "--micro-batch-size", "1", "--global-batch-size", str(m), "--train-iters", "2", "--device", "cpu",
+                "--attention-dropout", "0", "--hidden-dropout", "0", "--eval-iters", "0",
+                "--pipeline-model-parallel-size", str(p)]
+        for schedule, vpp in (("1f1b", 1), ("zb-v", 2), ("dualpipe-v", 2)):
+            with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+                rows = measured_and_simulated(argv + ["--pipeline-schedule", schedule], schedule, p, m, vpp)
+            cells = [f"{r['measured'] / 1024:.1f} {'=' if r['measured'] == r['simulated'] else '!='} "
+                     f"{r['simulated'] / 1024:.1f} ({r['in_flight']} x "
+                     + "/".join(f"{b / 1024:.1f}" for _, b in sorted(r["held"].items())) + ")" for r in rows]
+            print(f"| {schedule} | {p} | {m} | " + "; ".join(cells) + " |")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--emulate", action="store_true", help="sleep-based stage costs on a tiny model")
@@ -240,11 +340,23 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--only", default=None, help="comma-separated schedules, e.g. gpipe,zb-h1 (PP=1 always runs)")
     ap.add_argument("--simulate", action="store_true", help="only the simulator's bubble table (pp 4/8/16, m 8-64)")
+    ap.add_argument("--moe-overlap", action="store_true",
+                    help="only dualpipe-v at PP2 x EP2 on an MoE model, F/B pairs serialized vs overlapped")
+    ap.add_argument("--rounds", type=int, default=1, help="--moe-overlap: alternate the two runs this many times")
+    ap.add_argument("--a2a-ms", type=float, default=0.0,
+                    help="--moe-overlap: every MoE all-to-all completes no sooner than this (an emulated network)")
+    ap.add_argument("--memory", action="store_true", help="only peak activation memory per rank, measured vs simulated")
     args = ap.parse_args(argv)
+    if args.memory:
+        memory_table()
+        return 0
     if args.simulate:
         simulate_table()
         return 0
     torch.set_num_threads(1)
+    if args.moe_overlap:
+        moe_overlap(args)
+        return 0
     wanted = None if args.only is None else set(args.only.split(","))
     rows = [measure(*s, args) for s in SCHEDULES if wanted is None or s[1] == 1 or s[2] in wanted]
     report(rows, args)

@@ -229,11 +229,17 @@ def _parallel_config(args: argparse.Namespace, model: ModelConfig) -> ParallelCo
     layout = given.get("pipeline_model_parallel_layout")
     if layout is not None:  # its stage count sets the virtual size, as in Megatron-LM
         from .parallel.pipeline.partition import parse_layout
+        from .parallel.pipeline.schedules import V_SCHEDULES
 
         pp, stages = given.get("pipeline_model_parallel_size", 1), len(parse_layout(layout))
         if stages % pp:
             raise ConfigError(f"--pipeline-model-parallel-layout {layout!r} has {stages} stages, not a multiple of "
                               f"--pipeline-model-parallel-size ({pp}); give pp x virtual-stages stages separated by |")
+        schedule = given.get("pipeline_schedule")
+        if schedule in V_SCHEDULES and stages != 2 * pp:
+            raise ConfigError(f"--pipeline-model-parallel-layout {layout!r} has {stages} stages but --pipeline-schedule "
+                              f"{schedule} runs two chunks per rank (V: down the ranks and back up): give 2 x "
+                              f"{pp} = {2 * pp} stages separated by |")
         vpp = given.get("virtual_pipeline_model_parallel_size")
         if vpp is not None and vpp != stages // pp:
             raise ConfigError(f"--pipeline-model-parallel-layout gives {stages // pp} virtual stages per rank but the "

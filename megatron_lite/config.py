@@ -41,6 +41,9 @@ class ParallelConfig:
                                                  "zb-v: zero-bubble V, dualpipe-v: DualPipe-V (two chunks per rank, "
                                                  "V placement)",
                                            choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v"])
+    overlap_moe_expert_parallel_comm: bool = arg(
+        False, "dualpipe-v: run each paired forward and backward of two micro-batches as interleaved pieces, each "
+               "MoE all-to-all of one in flight while the other computes (needs MoE at EP > 1)", store="true")
     sequence_parallel: bool = arg(False, "split norms and dropout along the sequence over TP", store="true")
     zero_stage: int = arg(0, "ZeRO stage: 1 shards the optimizer state over DP, 2 also the gradients, 3 also "
                              "the parameters (--use-distributed-optimizer: 1)", choices=[0, 1, 2, 3])
@@ -177,8 +180,26 @@ class ParallelConfig:
         self._validate_context_parallel(model, seq_length)
         self._validate_experts(world_size, model)
 
+    def _validate_moe_overlap(self, model: ModelConfig) -> None:
+        if not self.overlap_moe_expert_parallel_comm:
+            return
+        ep, flag = self.expert_model_parallel_size, "--overlap-moe-expert-parallel-comm"
+        _require(self.pipeline_schedule == "dualpipe-v",
+                 f"{flag} overlaps DualPipe-V's forward/backward pairs: add --pipeline-schedule dualpipe-v or drop it")
+        _require(model.moe is not None and bool(model.moe.num_experts) and ep > 1,
+                 f"{flag} hides MoE all-to-alls, which need an MoE model (--num-experts) with "
+                 f"--expert-model-parallel-size > 1 (got {ep}); add them or drop the flag")
+        dispatcher = model.moe.moe_token_dispatcher_type
+        _require(dispatcher == "alltoall", f"{flag} overlaps the all-to-all token dispatcher's exchanges (got "
+                                           f"--moe-token-dispatcher-type {dispatcher}); add "
+                                           f"--moe-token-dispatcher-type alltoall")
+        _require(self.zero_stage < 3 or not self.reshard_after_forward,
+                 f"{flag} with --zero-stage 3 needs --no-reshard-after-forward: a paired backward would free the "
+                 f"parameters of a layer its forward still uses")
+
     def _validate_experts(self, world_size: int, model: ModelConfig) -> None:
         ep, etp, tp = self.expert_model_parallel_size, self.expert_tensor_parallel_size, self.tp
+        self._validate_moe_overlap(model)
         if model.moe is None or not model.moe.num_experts:
             _require(ep == 1 and etp == 1, f"expert_model_parallel_size ({ep}) / expert_tensor_parallel_size ({etp}) "
                                            f"> 1 need an MoE model: add --num-experts")

@@ -163,6 +163,13 @@ LAYOUTS = {
     "pp2-cp2": (4, ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"]),
     "pp2-dp2-zero2-overlap": (4, ["--pipeline-model-parallel-size", "2", "--zero-stage", "2", "--overlap-grad-reduce",
                                   "--global-batch-size", "8"]),  # the tied buckets wait for the local sum
+    # ZeRO-3 gathers each chunk's units on their own (root + layers per chunk): rank 0's two ends too
+    "pp2-dp2-zero3": (4, ["--pipeline-model-parallel-size", "2", "--zero-stage", "3", "--global-batch-size", "8"]),
+    "pp2-dp2-zero3-keep": (4, ["--pipeline-model-parallel-size", "2", "--zero-stage", "3", "--no-reshard-after-forward",
+                               "--global-batch-size", "8"]),
+    # the layout's stages in virtual-stage order: under V stage 1 is rank 1's chunk 0, stage 2 its chunk 1
+    "pp2-layout": (2, ["--pipeline-model-parallel-size", "2", "--num-layers", "6",
+                       "--pipeline-model-parallel-layout", "Et|ttt|tt|L"]),
 }
 RECOMPUTE = {"none": [], "full": ["--recompute-granularity", "full", "--recompute-method", "uniform",
                                   "--recompute-num-layers", "1"], "selective": ["--recompute-granularity", "selective"]}
@@ -183,6 +190,16 @@ CASES = [(family, layout, "none") for family in ("gpt2", "llama") for layout in 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("schedule,family,layout", [("zb-v", "gpt2", "pp2-dp2-zero3"),
+                                                     ("dualpipe-v", "llama", "pp2-layout")])
+def test_zero3_and_layout_under_v(schedule, family, layout):
+    """ZeRO-3 (tied GPT-2: both embedding copies sharded and gathered on rank 0) and a
+    --pipeline-model-parallel-layout placed on the V; more cells in the matrices below."""
+    world, extra = LAYOUTS[layout]
+    _assert_like_single_process(_base(family, extra), world, extra, schedule=schedule)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("family,layout,recompute", CASES)
 def test_zb_v_layouts_match_single_process(family, layout, recompute):
     world, extra = LAYOUTS[layout]
@@ -195,7 +212,10 @@ DUALPIPE_LAYOUTS = {**LAYOUTS, "pp4-m8": (4, LAYOUTS["pp4"][1] + ["--global-batc
 @pytest.mark.slow
 @pytest.mark.parametrize("family,layout,recompute", [("llama", "pp2", "none"), ("gpt2", "pp4-m8", "none"),
                                                      ("llama", "pp4-m8", "selective"), ("gpt2", "pp2", "full"),
-                                                     ("llama", "pp2-dp2-zero1", "none"), ("gpt2", "pp2-cp2", "none")])
+                                                     ("llama", "pp2-dp2-zero1", "none"), ("gpt2", "pp2-cp2", "none"),
+                                                     ("gpt2", "pp2-dp2-zero3", "none"),
+                                                     ("llama", "pp2-dp2-zero3-keep", "full"),
+                                                     ("gpt2", "pp2-layout", "selective")])
 def test_dualpipe_v_layouts_match_single_process(family, layout, recompute):
     world, extra = DUALPIPE_LAYOUTS[layout]
     _assert_like_single_process(_base(family, extra), world, extra + RECOMPUTE[recompute], schedule="dualpipe-v")

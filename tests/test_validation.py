@@ -11,6 +11,9 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--micro-batch-size", "2", "--train-iters", "5", "--device", "cpu", "--attention-dropout", "0",
         "--hidden-dropout", "0"]
 
+DUALPIPE_MOE = ["--pipeline-model-parallel-size", "2", "--num-experts", "4", "--expert-model-parallel-size", "2",
+                "--global-batch-size", "16", "--overlap-moe-expert-parallel-comm", "--moe-token-dispatcher-type",
+                "alltoall"]
 CASES = [
     # (world size, extra flags, fragments the message must contain)
     (5, ["--num-attention-heads", "12", "--hidden-size", "96", "--tensor-model-parallel-size", "5"],
@@ -132,6 +135,16 @@ CASES = [
     (1, ["--hang-detection-factor", "5", "--hang-detection-warmup-steps", "0"],
      ["--hang-detection-warmup-steps (0) must be >= 1"]),
     (1, ["--log-straggler", "--straggler-minmax-count", "0"], ["--straggler-minmax-count (0) must be >= 1"]),
+    (2, ["--pipeline-model-parallel-size", "2", "--num-layers", "6", "--pipeline-schedule", "zb-v",
+         "--pipeline-model-parallel-layout", "Et|t|t|t|t|tL", "--global-batch-size", "8"],
+     ["'Et|t|t|t|t|tL' has 6 stages", "give 2 x 2 = 4 stages"]),
+    # DualPipe-V's overlapped pairs (--overlap-moe-expert-parallel-comm)
+    (4, DUALPIPE_MOE + ["--pipeline-schedule", "zb-v"], ["--overlap-moe-expert-parallel-comm", "dualpipe-v"]),
+    (2, DUALPIPE_MOE[:2] + ["--pipeline-schedule", "dualpipe-v", "--overlap-moe-expert-parallel-comm",
+                            "--global-batch-size", "8"], ["--num-experts", "--expert-model-parallel-size > 1 (got 1)"]),
+    (4, DUALPIPE_MOE + ["--pipeline-schedule", "dualpipe-v", "--moe-token-dispatcher-type", "allgather"],
+     ["--moe-token-dispatcher-type allgather", "add --moe-token-dispatcher-type alltoall"]),
+    (4, DUALPIPE_MOE + ["--pipeline-schedule", "dualpipe-v", "--zero-stage", "3"], ["--no-reshard-after-forward"]),
 ]
 
 

@@ -120,6 +120,7 @@ class Communicator:
         self.counter = counter
         self.group_names: Dict[int, str] = {}  # id(group) -> its name in ParallelDims (error lines)
         self.blocked_s = 0.0  # seconds spent in blocking collectives and in waits on async ones
+        self.interleaver = None  # parallel/overlap.py's Interleaver while an overlapped pair runs
 
     def _count(self, kind: str, t: torch.Tensor) -> None:
         if self.counter is not None:
@@ -174,13 +175,23 @@ class Communicator:
         return self._run("reduce_scatter", group, lambda: _REDUCE_SCATTER(out, inp.contiguous(), group=group,
                                                                           async_op=async_op), async_op)
 
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group, out_splits=None, in_splits=None):
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group, out_splits=None, in_splits=None,
+                   async_op: bool = False):
         if group_size(group) == 1:
             out.copy_(inp)
             return None
         self._count("all_to_all", inp)
-        return self._run("all_to_all", group, lambda: dist.all_to_all_single(out, inp.contiguous(), out_splits,
-                                                                             in_splits, group=group))
+        return self._run("all_to_all", group, lambda: dist.all_to_all_single(
+            out, inp.contiguous(), out_splits, in_splits, group=group, async_op=async_op), async_op)
+
+    def wait_overlapped(self, work) -> None:
+        """Wait for an asynchronous collective; inside an overlapped pair (`self.interleaver`, set
+        by the pipeline executor around DualPipe-V's pairs) first let the other computation run."""
+        if work is None:
+            return
+        if self.interleaver is not None and self.interleaver.switch():
+            self.interleaver.record_wait()
+        work.wait()
 
     def record_p2p(self, t: torch.Tensor) -> None:
         """Count a point-to-point send (posted by the caller: batched with its receives)."""

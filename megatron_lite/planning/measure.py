@@ -55,3 +55,42 @@ class StepMemory(TorchDispatchMode):
     def _drop(self, key: int) -> None:
         _, n = self._alive.pop(key, (None, 0))
         self.live_bytes -= n
+
+
+class SavedActivations(StepMemory):
+    """StepMemory that also counts, in `saved_bytes` (peak: `peak_saved_bytes`), the storages made
+    inside the block that autograd saved for a backward (or that a deferred weight-gradient GEMM
+    still holds), while they live: the activations a pipeline rank holds between its forwards and
+    backwards, without the temporaries of the op running now."""
+
+    def __init__(self):
+        super().__init__()
+        self._saved, self.saved_bytes, self.peak_saved_bytes = {}, 0, 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def hold(self, t: torch.Tensor) -> None:
+        """Count t's storage, if made in the block, while it lives (e.g. a forward's output that a
+        pipeline executor keeps for the backward)."""
+        if t.device.type != "meta":
+            st = t.untyped_storage()
+            entry = self._alive.get(id(st))
+            if entry is not None and id(st) not in self._saved:
+                self._saved[id(st)] = entry[1]
+                self.saved_bytes += entry[1]
+                self.peak_saved_bytes = max(self.peak_saved_bytes, self.saved_bytes)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.hold(t)
+        return t.detach()  # not the tensor itself: an output saving its own grad_fn would make a cycle
+
+    def _drop(self, key: int) -> None:
+        super()._drop(key)
+        self.saved_bytes -= self._saved.pop(key, 0)
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        return self._hooks.__exit__(*exc)

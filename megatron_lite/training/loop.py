@@ -152,7 +152,8 @@ class Trainer:
         self.num_microbatches = t.num_microbatches(dims.dp)  # at the full global batch: evaluation
         self.forward_backward = forward_backward_no_pipelining
         if dims.pp > 1:
-            executor = PipelineExecutor(self.chunks, dims, schedule, device, gemm)
+            executor = PipelineExecutor(self.chunks, dims, schedule, device, gemm,
+                                        overlap=p.overlap_moe_expert_parallel_comm)
             self.forward_backward = pipelined_forward_backward(executor)
 
         evals = t.train_iters // t.eval_interval + 1

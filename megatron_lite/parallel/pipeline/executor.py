@@ -4,7 +4,10 @@ One executor serves every schedule. Each rank walks its list in order; consecuti
 actions form one batch posted with batch_isend_irecv and waited for lazily (just before the
 first compute that needs what it received, before the next batch is posted, and at the end),
 which schedules.py proves deadlock-free. The zero-bubble B/W split defers the weight-gradient
-GEMMs of the layers built with the executor's GemmPath from B to the later W.
+GEMMs of the layers built with the executor's GemmPath from B to the later W. With `overlap`
+(dualpipe-v, --overlap-moe-expert-parallel-comm) the lists put each BW/F pair side by side and the
+executor runs the two as interleaved pieces (parallel/overlap.py), each MoE all-to-all of one
+micro-batch in flight while the other computes.
 
 A forward is the forward-step protocol (training/step.py): `forward_step(batch, chunk)` after
 `chunk.set_input_tensor(received)` on a later stage, and on the last virtual stage the loss
@@ -24,6 +27,7 @@ import torch.nn as nn
 
 from ..state import ParallelDims
 from ..gemm import GemmPath
+from ..overlap import Interleaver
 from .p2p import P2PBatch
 from .schedules import Action, build_schedule, comm_peer, group_steps
 
@@ -38,8 +42,11 @@ def _differentiable(msg: Message) -> List[torch.Tensor]:
 
 class PipelineExecutor:
     def __init__(self, chunks: List[nn.Module], dims: ParallelDims, schedule: str, device,
-                 gemm: Optional[GemmPath] = None):
+                 gemm: Optional[GemmPath] = None, overlap: bool = False):
         self.chunks, self.dims, self.schedule, self.device = chunks, dims, schedule, device
+        # DualPipe-V's pairs run overlapped (--overlap-moe-expert-parallel-comm): Interleaver.log
+        # records the order of their pieces when set to a list
+        self.interleaver = Interleaver() if overlap else None
         self.placement, self.rank = dims.placement, dims.pp_rank
         self.gemm = gemm  # the chunks' weight GEMMs defer into it during B (zb-h1, zb-v)
         self.trace: Optional[List[Action]] = None  # set to [] to record the executed actions
@@ -49,7 +56,8 @@ class PipelineExecutor:
     def actions(self, num_microbatches: int, forward_only: bool) -> List[Action]:
         key = (num_microbatches, forward_only)
         if key not in self._lists:
-            acts = build_schedule(self.schedule, self.dims.pp, num_microbatches, self.dims.vpp)[self.rank]
+            acts = build_schedule(self.schedule, self.dims.pp, num_microbatches, self.dims.vpp,
+                                  overlap=self.interleaver is not None)[self.rank]
             assert all(a.kind != "B" for a in acts) or (self.gemm is not None and self.gemm.deferrable), \
                 f"the {self.schedule} schedule needs a deferrable GemmPath"
             if forward_only:  # evaluation: the same order without any backward work
@@ -76,16 +84,24 @@ class PipelineExecutor:
         self.totals = totals
         pending: Optional[P2PBatch] = None
         pending_keys: set = set()
-        for step in group_steps(self.actions(len(batches), forward_only)):
+        steps = group_steps(self.actions(len(batches), forward_only))
+        paired = None  # the F of an overlapped pair, run with its BW
+        for i, step in enumerate(steps):
             if isinstance(step, tuple):  # one batch of communication
                 if pending is not None:
                     pending.wait()
                 pending, pending_keys = self._post(step), {(a.kind, a.microbatch, a.chunk) for a in step}
                 continue
-            if pending is not None and self._uses(step, pending_keys):
+            if step is paired:
+                continue
+            paired = self._partner(step, steps[i + 1] if i + 1 < len(steps) else None)
+            if pending is not None and any(self._uses(a, pending_keys) for a in (step, paired) if a is not None):
                 pending.wait()
                 pending, pending_keys = None, set()
-            self._compute(step)
+            if paired is None:
+                self._compute(step)
+            else:
+                self._run_pair(step, paired)
         if pending is not None:
             pending.wait()
         assert not self.deferred, "weight-gradient passes left undone"
@@ -121,6 +137,22 @@ class PipelineExecutor:
         return False
 
     # --- computation ---------------------------------------------------------------------------
+    def _partner(self, step: Action, nxt) -> Optional[Action]:
+        """The F that runs overlapped with `step` (a BW followed at once by an F), or None."""
+        if self.interleaver is None or self.forward_only or step.kind != "BW":
+            return None
+        return nxt if isinstance(nxt, Action) and nxt.kind == "F" else None
+
+    def _run_pair(self, backward: Action, forward: Action) -> None:
+        """BW and F of two micro-batches as interleaved pieces: each hands over to the other after
+        starting an MoE all-to-all (Communicator.wait_overlapped), backward first on every rank."""
+        comm = self.dims.comm
+        comm.interleaver = self.interleaver
+        try:
+            self.interleaver.run(lambda: self._compute(backward), lambda: self._compute(forward))
+        finally:
+            comm.interleaver = None
+
     def _compute(self, a: Action) -> None:
         if self.trace is not None:
             self.trace.append(a)
@@ -143,6 +175,8 @@ class PipelineExecutor:
                         t.requires_grad_(True)
                 chunk.set_input_tensor(x[0] if len(x) == 1 else x)
             out, loss_func = self.forward_step(self.batches[mb], chunk)
+            if not self.placement.is_first(self.rank, c):  # self.inputs holds it for the backward; the
+                chunk.set_input_tensor(None)  # chunk would keep it alive until its next forward
             if last:
                 loss_sum, tokens, logs = loss_func(out)
                 self.totals.add(loss_sum, tokens, logs)

@@ -303,6 +303,49 @@ def _dualpipe_v(p: int, m: int, r: int) -> List[Action]:
     return order
 
 
+def overlapped_pairs(actions: Sequence[Action]) -> List[Tuple[int, int]]:
+    """(index of BW, index of F) of each overlapped pair of a DualPipe-V list made by
+    `build_schedule(..., overlap=True)`: a BW followed at once by an F."""
+    return [(i, i + 1) for i in range(len(actions) - 1)
+            if actions[i].kind == "BW" and actions[i + 1].kind == "F"]
+
+
+def _pair_comm(actions: List[Action]) -> List[Action]:
+    """DualPipe-V's list with each pair (a BW followed in compute order by an F) made adjacent, so
+    that both can run at once: the pair's F input is received before the BW (joining the batch
+    before it), and the rest of the comm between them (the BW's gradient sent back, later
+    receives) goes after the F (in front of the batch after it). Sends keep their order among
+    sends and receives among receives, so FIFO pairing holds; the simulator proves the result
+    deadlock-free (tests). Serialized it costs p - 1 more units (each pair's send waits for its F)."""
+    steps = group_steps(actions)
+    out: List[Step] = []
+    i = 0
+    while i < len(steps):
+        bw = steps[i]
+        between = steps[i + 1] if i + 1 < len(steps) and isinstance(steps[i + 1], tuple) else ()
+        j = i + 1 + bool(between)
+        f = steps[j] if j < len(steps) else None
+        if not (isinstance(bw, Action) and bw.kind == "BW" and isinstance(f, Action) and f.kind == "F"):
+            out.append(bw)
+            i += 1
+            continue
+        needed = tuple(a for a in between if a == Action("RECV_F", f.microbatch, f.chunk))
+        later = tuple(a for a in between if a not in needed)
+        if needed:
+            if out and isinstance(out[-1], tuple):
+                out[-1] = out[-1] + needed
+            else:
+                out.append(needed)
+        out += [bw, f]
+        if later:
+            if j + 1 < len(steps) and isinstance(steps[j + 1], tuple):
+                steps[j + 1] = later + steps[j + 1]
+            else:
+                out.append(later)
+        i = j + 1
+    return [a for step in out for a in (step if isinstance(step, tuple) else (step,))]
+
+
 def compute_orders(name: str, pp_size: int, num_microbatches: int, vpp: int = 1) -> List[List[Action]]:
     """Compute actions only, per rank, in execution order."""
     p, m = pp_size, num_microbatches
@@ -455,9 +498,14 @@ def validate_schedule_args(name: str, pp_size: int, num_microbatches: int, vpp: 
                                             f"--num-layers-per-virtual-pipeline-stage")
 
 
-def build_schedule(name: str, pp_size: int, num_microbatches: int, vpp: Optional[int] = 1) -> List[List[Action]]:
-    """Per-rank action lists (compute + comm) for one training step. See the module docstring."""
+def build_schedule(name: str, pp_size: int, num_microbatches: int, vpp: Optional[int] = 1,
+                   overlap: bool = False) -> List[List[Action]]:
+    """Per-rank action lists (compute + comm) for one training step. See the module docstring.
+    `overlap` (dualpipe-v only): each forward/backward pair adjacent, to run overlapped."""
     vpp = schedule_vpp(name, vpp)
     validate_schedule_args(name, pp_size, num_microbatches, vpp)
+    if overlap and name != "dualpipe-v":
+        raise ValueError(f"overlapped pairs are DualPipe-V's, not {name!r}'s")
     placement = StagePlacement(pp_size, vpp, schedule_placement(name))
-    return place_comm(compute_orders(name, pp_size, num_microbatches, vpp), placement)
+    lists = place_comm(compute_orders(name, pp_size, num_microbatches, vpp), placement)
+    return [_pair_comm(lst) for lst in lists] if overlap else lists

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from megatron_lite.parallel.pipeline.placement import StagePlacement
 from megatron_lite.parallel.pipeline.schedules import (
@@ -214,16 +214,25 @@ def _summarize(timelines, clock, stages) -> SimResult:
     makespan = max(clock) if clock else 0.0
     busy = [sum(e - s for s, e, _ in tl) for tl in timelines]
     bubble = [(makespan - b) / b if b else float("inf") for b in busy]
-    peaks = []
-    for tl in timelines:
-        # +1 at F start, -1 at B/BW end; at equal times release before acquiring.
-        marks = [(s, 1) for s, _, a in tl if a.kind == "F"] + [(e, -1) for _, e, a in tl if a.kind in ("B", "BW")]
-        live = peak = 0
-        for _, d in sorted(marks):
-            live += d
-            peak = max(peak, live)
-        peaks.append(peak)
+    peaks = [held_peak(tl, _in_flight) for tl in timelines]
     return SimResult(timelines, makespan, busy, bubble, peaks, stages)
+
+
+def held_peak(timeline: Sequence[Tuple[float, float, Action]], change: Callable[[Action], float]) -> float:
+    """Peak of what one rank's timeline holds when each compute action changes it by `change(a)`:
+    at an F's start (what its forward keeps for the backward), at a B / BW / W's end (what it frees).
+    F: +1, B / BW: -1, W: 0 counts the micro-batches in flight; measured bytes per action kind and
+    chunk give the activation memory (tests/test_pipeline_v_memory.py)."""
+    marks = sorted((s if a.kind == "F" else e, a.kind == "F", change(a)) for s, e, a in timeline)
+    live = peak = 0  # at equal times a release comes before an acquisition
+    for _, _, d in marks:
+        live += d
+        peak = max(peak, live)
+    return peak
+
+
+def _in_flight(a: Action) -> int:
+    return {"F": 1, "B": -1, "BW": -1}.get(a.kind, 0)
 
 
 def _costs(costs) -> Dict[str, float]:

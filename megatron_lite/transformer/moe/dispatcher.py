@@ -38,7 +38,8 @@ from .router import Routing
 # --- exchanges with uneven splits (autograd) --------------------------------------------------
 def _exchange(x: torch.Tensor, group, out_splits: List[int], in_splits: List[int], comm: Communicator) -> torch.Tensor:
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    comm.all_to_all(out, x.contiguous(), group, out_splits, in_splits)
+    # asynchronous: in DualPipe-V's overlapped pairs the other micro-batch computes meanwhile
+    comm.wait_overlapped(comm.all_to_all(out, x.contiguous(), group, out_splits, in_splits, async_op=True))
     return out
 
 
@@ -167,7 +168,8 @@ class AllToAllDispatcher:
         """Tokens every EP (and ETP) source sends to each of this rank's experts."""
         per_rank = counts.view(self.ep, self.num_local_experts).contiguous()
         received = torch.empty_like(per_rank)
-        self.dims.comm.all_to_all(received, per_rank, self.dims.ep_group)
+        comm = self.dims.comm
+        comm.wait_overlapped(comm.all_to_all(received, per_rank, self.dims.ep_group, async_op=True))
         if self.etp == 1:
             return received.unsqueeze(0)
         return self.dims.comm.gather_along(received.unsqueeze(0), 0, self.dims.etp_group)
