@@ -14,8 +14,9 @@ save_pretrained writes them, with transformers' in-memory fused expert tensors a
              and shared experts after leading dense layers
   olmoe      llama with top-k softmax MoE MLPs and q/k RMSNorm over all heads together (OLMoE)
   deepseek_v3  multi-latent attention (RoPE rows interleaved in HF), YaRN, sigmoid group-limited routing
-             with expert bias and a scaling factor, shared experts, leading dense layers; also Kimi-K2
-             and Moonlight, which HF loads as deepseek_v3
+             with expert bias and a scaling factor, shared experts, leading dense layers, the multi-token
+             prediction modules (decoder layers num_hidden_layers.., which transformers ignores); also
+             Kimi-K2 and Moonlight, which HF loads as deepseek_v3
   deepseek_v2  the same attention; softmax routing over all experts without renormalization (greedy)
   gpt_oss    attention sinks and biases, sliding-window and full layers alternating, YaRN (unrounded ramp),
              top-k softmax MoE with router and expert biases, a clamped quick-GELU gated unit; the fused
@@ -104,7 +105,30 @@ _GPT_OSS = _LLAMA_CORE + [
     R("layers.{i}.mlp.experts.weight2", L + "mlp.experts.down_proj", "et", when="moe"),
     R("layers.{i}.mlp.experts.bias2", L + "mlp.experts.down_proj_bias", when="moe"),
 ]
-_DEEPSEEK = [r for r in _LLAMA_CORE if ".self_attention." not in r.ours[0]] + _MLA + _DEEPSEEK_MOE
+_DEEPSEEK_DECODER = [r for r in _LLAMA_CORE if ".self_attention." not in r.ours[0]] + _MLA + _DEEPSEEK_MOE
+
+
+def _mtp_rules(decoder: List[Rule]) -> List[Rule]:
+    """DeepSeek-V3's multi-token prediction modules as its HF checkpoints store them (transformers
+    ignores them): depth d is decoder layer {n} = num_hidden_layers + d, a whole decoder layer plus
+    enorm / hnorm / eh_proj, shared_head.norm (our final_layernorm) and copies of the embedding and
+    the output layer (embed_tokens, shared_head.head)."""
+    n, ours = "model.layers.{n}.", "mtp.layers.{d}."
+    rules = [R(ours + "enorm.weight", n + "enorm.weight"), R(ours + "hnorm.weight", n + "hnorm.weight"),
+             R(ours + "eh_proj.weight", n + "eh_proj.weight"),
+             R(ours + "final_layernorm.weight", n + "shared_head.norm.weight"),
+             R("embedding.word_embeddings.weight", n + "embed_tokens.weight", "dup"),
+             R("output_layer.weight", n + "shared_head.head.weight", "dup", when="untied"),
+             R("embedding.word_embeddings.weight", n + "shared_head.head.weight", "dup", when="tied")]
+    for r in decoder:
+        if all(t.startswith("layers.{i}.") for t in r.ours):
+            rules.append(Rule(tuple(t.replace("layers.{i}.", ours + "transformer_layer.", 1) for t in r.ours),
+                              tuple(t.replace(L, n) for t in r.hf), r.op, r.when,
+                              tuple(t.replace(L, n) for t in r.fused_hf)))
+    return rules
+
+
+_DEEPSEEK = _DEEPSEEK_DECODER + _mtp_rules(_DEEPSEEK_DECODER)
 M = "model.layers.{i}.block_sparse_moe."
 _MIXTRAL_MOE = [  # Mixtral on disk: block_sparse_moe.gate, experts.{e}.w1 (gate) / w3 (up) / w2 (down)
     R("layers.{i}.mlp.router.weight", M + "gate.weight", when="moe"),
@@ -341,9 +365,10 @@ def _deepseek_to_ours(c, family: str) -> ModelConfig:
         raise ConversionError("deepseek_v3 rope_interleave=False is not supported")
     if family == "deepseek_v2" and c.topk_method != "greedy":
         raise ConversionError(f"deepseek_v2 topk_method {c.topk_method!r} is not supported (greedy is)")
+    mtp = getattr(c, "num_nextn_predict_layers", 0) or None  # V3's MTP modules (transformers ignores them)
     return _llama_like(c, multi_latent_attention=True, q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
                        qk_head_dim=c.qk_nope_head_dim, qk_pos_emb_head_dim=c.qk_rope_head_dim,
-                       v_head_dim=c.v_head_dim, moe=_deepseek_moe(c, family), family=family)
+                       v_head_dim=c.v_head_dim, moe=_deepseek_moe(c, family), family=family, mtp_num_layers=mtp)
 
 
 def _deepseek_moe(c, family: str) -> MoEConfig:
@@ -535,10 +560,13 @@ def _deepseek_to_hf(family: str):
                   qk_rope_head_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim, attention_bias=False,
                   **_deepseek_moe_hf_kw(cfg, family))
         if family == "deepseek_v2":
+            if cfg.mtp_depth:
+                raise ConversionError("deepseek_v2 has no multi-token prediction modules: convert with "
+                                      "--family deepseek_v3, or train without --mtp-num-layers")
             for k in ("n_group", "topk_group", "norm_topk_prob"):
                 del kw[k]
             return _hf_config("DeepseekV2Config", topk_method="greedy", norm_topk_prob=False, mlp_bias=False, **kw)
-        return _hf_config("DeepseekV3Config", rope_interleave=True, **kw)
+        return _hf_config("DeepseekV3Config", rope_interleave=True, num_nextn_predict_layers=cfg.mtp_depth, **kw)
     return to_hf
 
 

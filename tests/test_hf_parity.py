@@ -77,7 +77,8 @@ def _hf_config(name: str):
         # MLA with YaRN; 4 layers: one dense, then sigmoid group-limited routing with expert bias, one shared expert
         "deepseek_v3": lambda: t.DeepseekV3Config(**dict(_DEEPSEEK, num_hidden_layers=4), n_group=4, topk_group=2,
                                                   num_experts_per_tok=4, routed_scaling_factor=2.5, norm_topk_prob=True,
-                                                  q_lora_rank=24, rope_parameters=dict(YARN)),
+                                                  q_lora_rank=24, rope_parameters=dict(YARN),
+                                                  num_nextn_predict_layers=0),  # MTP: test_hf_deepseek_checkpoints
         # V2-Lite's kind: no query compression, softmax routing without renormalization, two shared experts
         "deepseek_v2": lambda: t.DeepseekV2Config(**dict(_DEEPSEEK, n_shared_experts=2), num_experts_per_tok=2,
                                                   topk_method="greedy", q_lora_rank=None, rope_parameters=rope),

@@ -53,7 +53,7 @@ from megatron_lite.config import ModelConfig  # noqa: E402
 from megatron_lite.errors import ConfigError  # noqa: E402
 from models.hf_conversion import (ConversionError, hf_config_to_model_config, hf_names,  # noqa: E402
                                   hf_to_ours_stream, model_config_to_hf_config, our_names, our_sizes,
-                                  ours_to_hf_stream)
+                                  ours_to_hf_stream, without_absent_mtp)
 from models.hf_families import FAMILIES, family_of  # noqa: E402
 from models.hf_tokenizers import hf_tokenizer  # noqa: E402
 
@@ -253,9 +253,13 @@ def cmd_hf_to_ml(args) -> None:
     from transformers import AutoConfig
 
     _require_dir(args.hf_dir, "HF model directory")
-    cfg = hf_config_to_model_config(AutoConfig.from_pretrained(args.hf_dir, local_files_only=True))
-    fam = family_of(cfg)
+    declared = hf_config_to_model_config(AutoConfig.from_pretrained(args.hf_dir, local_files_only=True))
     weights = HFWeights(args.hf_dir)
+    cfg = without_absent_mtp(declared, weights.has)
+    if cfg.mtp_depth != declared.mtp_depth:
+        print(f"note: the config declares {declared.mtp_depth} multi-token prediction layers but the weights hold "
+              f"none (transformers drops them): converted without them")
+    fam = family_of(cfg)
     _layout(args, cfg)  # a bad layout fails before anything is read
     dtype = DTYPES[args.dtype] or weights.dtype()
     stream = hf_to_ours_stream(weights.get, weights.has, cfg, fam.rules, our_sizes(cfg))

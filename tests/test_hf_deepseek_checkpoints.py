@@ -1,0 +1,168 @@
+"""DeepSeek-V3 checkpoints as the Hub ships them, beyond what transformers' own model reads:
+
+- the multi-token prediction module, stored as decoder layer `num_hidden_layers` (enorm, hnorm,
+  eh_proj, shared_head.norm / head, embed_tokens and a whole decoder layer; transformers ignores
+  it): hf-to-ml takes --mtp-num-layers from num_nextn_predict_layers, the round trip is exact, and a
+  run from the converted checkpoint starts from HF's main loss and from the MTP loss of a reference
+  written here by hand from the HF tensors (the MTP decoder layer run as transformers' own layer);
+- FP8 weights (float8_e4m3fn with 128 x 128 fp32 `weight_scale_inv` blocks): dequantized on the way
+  in, the logits those of the HF model holding the dequantized weights.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from megatron_lite.data.gpt_dataset import MockGPTDataset, SampleOptions  # noqa: E402
+from megatron_lite.parallel.state import ParallelDims  # noqa: E402
+from megatron_lite.testing import run_distributed  # noqa: E402
+from models.gpt import build_model  # noqa: E402
+from models.hf_conversion import (gather_full_state_dict, hf_config_to_model_config,  # noqa: E402
+                                  hf_to_megatron_lite, megatron_lite_to_hf)
+from test_hf_parity import _DEEPSEEK, YARN  # noqa: E402
+from training_utils import ROOT, records_of, train_in_process  # noqa: E402
+
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import convert_checkpoint as tool  # noqa: E402
+
+VOCAB, SEQ, BATCH, SEED = _DEEPSEEK["vocab_size"], 16, 4, 1234
+N = 2  # decoder layers: one dense, one MoE; the MTP module is HF's layer 2
+RUN = ["--mock-data", "--vocab-size", str(VOCAB - 1), "--seq-length", str(SEQ), "--micro-batch-size", "2",
+       "--global-batch-size", str(BATCH), "--train-iters", "1", "--eval-iters", "0", "--device", "cpu",
+       "--use-checkpoint-args", "--seed", str(SEED)]
+
+
+def _config(layers: int, mtp: int = 1):
+    return transformers.DeepseekV3Config(**dict(_DEEPSEEK, num_hidden_layers=layers), n_group=4, topk_group=2,
+                                         num_experts_per_tok=4, routed_scaling_factor=2.5, norm_topk_prob=True,
+                                         q_lora_rank=24, rope_parameters=dict(YARN), num_nextn_predict_layers=mtp)
+
+
+def _perturbed(build, seed: int):
+    torch.manual_seed(seed)
+    model = build()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.add_(torch.randn_like(b) * 0.1)
+    return model.eval()
+
+
+@functools.lru_cache(maxsize=None)
+def _hub_like(root: str):
+    """(HF main model, HF model whose layer N is the MTP decoder layer, the MTP module's own tensors,
+    directory of the checkpoint as the Hub lays it out: main model + `model.layers.N.*`)."""
+    main = _perturbed(lambda: transformers.DeepseekV3ForCausalLM(_config(N)), 1)
+    longer = _perturbed(lambda: transformers.DeepseekV3ForCausalLM(_config(N + 1)), 2)
+    main.save_pretrained(os.path.join(root, "main"))
+    longer.save_pretrained(os.path.join(root, "longer"))
+    on_disk = load_file(os.path.join(root, "main", "model.safetensors"))
+    layer = f"model.layers.{N}."
+    g = torch.Generator().manual_seed(3)
+    h = _DEEPSEEK["hidden_size"]
+    own = {layer + "enorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+           layer + "hnorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+           layer + "shared_head.norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+           layer + "eh_proj.weight": 0.1 * torch.randn(h, 2 * h, generator=g)}
+    on_disk.update({k: v for k, v in load_file(os.path.join(root, "longer", "model.safetensors")).items()
+                    if k.startswith(layer)})
+    on_disk.update(own, **{layer + "embed_tokens.weight": on_disk["model.embed_tokens.weight"].clone(),
+                           layer + "shared_head.head.weight": on_disk["lm_head.weight"].clone()})
+    hub = os.path.join(root, "hub")
+    main.config.save_pretrained(hub)  # num_nextn_predict_layers=1
+    save_file(on_disk, os.path.join(hub, "model.safetensors"))
+    return main, longer, own, hub
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    return _hub_like(str(tmp_path_factory.mktemp("deepseek")))
+
+
+def _rms(x, w):
+    eps = _DEEPSEEK["rms_norm_eps"]
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _reference_losses(main, longer, own, tokens, labels):
+    """(HF's main loss, the MTP loss) by hand from the HF tensors: depth 1 at position t combines the
+    main model's normed output at t with the embedding of token t + 1 and predicts label t + 1."""
+    from transformers.masking_utils import create_causal_mask
+
+    layer = f"model.layers.{N}."
+    with torch.no_grad():
+        h = main.model(tokens).last_hidden_state  # after the final norm
+        main_loss = F.cross_entropy(main.lm_head(h).reshape(-1, VOCAB), labels.reshape(-1))
+        emb = main.model.embed_tokens(tokens[:, 1:])
+        x = torch.cat([_rms(emb, own[layer + "enorm.weight"]), _rms(h[:, :-1], own[layer + "hnorm.weight"])], -1)
+        x = x @ own[layer + "eh_proj.weight"].t()
+        pos = torch.arange(SEQ - 1).unsqueeze(0)
+        mask = create_causal_mask(config=longer.config, inputs_embeds=x, attention_mask=None, cache=None,
+                                  position_ids=pos)
+        x = longer.model.layers[N](x, attention_mask=mask, position_ids=pos,
+                                   position_embeddings=longer.model.rotary_emb(x, pos))
+        logits = main.lm_head(_rms(x, own[layer + "shared_head.norm.weight"]))
+        mtp_loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+    return main_loss.item(), mtp_loss.item()
+
+
+def _first_batch():
+    data = MockGPTDataset(VOCAB, SEQ, BATCH, SEED, SampleOptions(eod=VOCAB - 1))
+    return (torch.stack([data[i]["tokens"] for i in range(BATCH)]),
+            torch.stack([data[i]["labels"] for i in range(BATCH)]))
+
+
+@pytest.mark.parametrize("layout", ["tp1", pytest.param("tp2pp2", marks=pytest.mark.slow)])
+def test_mtp_module_converts_and_trains_from_hf_losses(hub, tmp_path, layout):
+    main, longer, own, hub_dir = hub
+    flags, world = {"tp1": ([], 1), "tp2pp2": (["--tensor-model-parallel-size", "2",
+                                                "--pipeline-model-parallel-size", "2"], 4)}[layout]
+    ckpt = tmp_path / "ckpt"
+    assert tool.main(["hf-to-ml", "--hf-dir", hub_dir, "--out", str(ckpt), *flags]) == 0
+    meta = json.load(open(ckpt / "iter_0000000" / "metadata.json"))
+    assert meta["model_config"]["mtp_num_layers"] == 1
+    first = records_of(run_distributed(train_in_process, world, RUN + flags + ["--load", str(ckpt)]))[0]
+    main_loss, mtp_loss = _reference_losses(main, longer, own, *_first_batch())
+    assert abs(first["lm_loss"] - main_loss) < 1e-4, (first["lm_loss"], main_loss)
+    assert abs(first["mtp_loss"] - mtp_loss) < 1e-4, (first["mtp_loss"], mtp_loss)
+
+
+def test_mtp_module_round_trips_exactly(hub):
+    """Hub layout -> ours -> Hub layout identical (the copies of the embedding and the head included);
+    ours (our own initialization) -> HF -> ours identical; the config keeps num_nextn_predict_layers."""
+    main, _, _, hub_dir = hub
+    on_disk = load_file(os.path.join(hub_dir, "model.safetensors"))
+    cfg = hf_config_to_model_config(transformers.AutoConfig.from_pretrained(hub_dir))
+    assert cfg.mtp_num_layers == 1
+    ours = hf_to_megatron_lite(on_disk, cfg)
+    assert any(k.startswith("mtp.layers.0.transformer_layer.mlp.experts.") for k in ours)
+    again = megatron_lite_to_hf(ours, cfg, tied_lm_head=False)
+    assert again.keys() == on_disk.keys()
+    assert all(torch.equal(again[k], v) for k, v in on_disk.items())
+    dims = ParallelDims().build_groups()
+    fresh = gather_full_state_dict(build_model(cfg, dims, seed=11)[0], dims)
+    back = hf_to_megatron_lite(megatron_lite_to_hf(fresh, cfg), cfg)
+    assert back.keys() == fresh.keys() and all(torch.equal(back[k], v) for k, v in fresh.items())
+    from models.hf_conversion import model_config_to_hf_config
+    assert model_config_to_hf_config(cfg).num_nextn_predict_layers == 1
+
+
+def test_transformers_saved_checkpoint_without_mtp_tensors_converts_without_mtp(hub, tmp_path, capsys):
+    """transformers keeps num_nextn_predict_layers in the config it saves but drops the MTP layer."""
+    main, _, _, hub_dir = hub
+    saved = os.path.join(os.path.dirname(hub_dir), "main")
+    assert json.load(open(os.path.join(saved, "config.json")))["num_nextn_predict_layers"] == 1
+    assert tool.main(["hf-to-ml", "--hf-dir", saved, "--out", str(tmp_path / "ckpt")]) == 0
+    assert json.load(open(tmp_path / "ckpt" / "iter_0000000" / "metadata.json"))["model_config"]["mtp_num_layers"] is None
+    assert "converted without them" in capsys.readouterr().out
