@@ -219,6 +219,38 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return values.flatten(-2).transpose(1, 2).to(torch.bfloat16)
 
 
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: Tuple[int, int]) -> torch.Tensor:
+    """DeepSeek-V3's FP8 weights (`quantization_config: {quant_method: fp8, weight_block_size: [bo, bi]}`):
+    a float8 [out, in] weight and its fp32 `weight_scale_inv` [ceil(out / bo), ceil(in / bi)], the factor
+    each block is multiplied by (the last blocks may be partial) -> fp32."""
+    rows, cols = weight.shape
+    expected = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scale_inv.shape) != expected:
+        raise ConversionError(f"weight_scale_inv {tuple(scale_inv.shape)} does not match a [{rows}, {cols}] weight in "
+                              f"{block[0]} x {block[1]} blocks (expected {expected})")
+    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return weight.float() * scale
+
+
+def fp8_block_size(hf_config) -> Optional[Tuple[int, int]]:
+    """The weight block of a block-scaled FP8 checkpoint (None: not one); other quantizations that no
+    family's table reads are refused."""
+    q = getattr(hf_config, "quantization_config", None)
+    if q is None:
+        return None
+    q = q if isinstance(q, dict) else q.to_dict()
+    method = q.get("quant_method")
+    if method == "fp8":
+        if q.get("fmt", "e4m3") != "e4m3" or q.get("scale_fmt") not in (None, "float"):
+            raise ConversionError(f"FP8 quantization_config {q} is not supported (e4m3 weights with float block "
+                                  f"scales are)")
+        return tuple(q.get("weight_block_size") or (128, 128))
+    if method == "mxfp4" and hf_config.model_type == "gpt_oss":  # its experts' blocks: the gpt_oss table
+        return None
+    raise ConversionError(f"quantization_config quant_method {method!r} is not supported (fp8 with block scales, "
+                          f"and gpt-oss's mxfp4 experts, are): dequantize the checkpoint first")
+
+
 # --- configs: HF -> ours ----------------------------------------------------------------------
 def _rope(c) -> dict:
     params = dict(getattr(c, "rope_parameters", None) or {})

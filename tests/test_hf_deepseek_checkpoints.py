@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -29,7 +30,7 @@ from models.gpt import build_model  # noqa: E402
 from models.hf_conversion import (gather_full_state_dict, hf_config_to_model_config,  # noqa: E402
                                   hf_to_megatron_lite, megatron_lite_to_hf)
 from test_hf_parity import _DEEPSEEK, YARN  # noqa: E402
-from training_utils import ROOT, records_of, train_in_process  # noqa: E402
+from training_utils import ROOT, logits_of_checkpoint, records_of, train_in_process  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import convert_checkpoint as tool  # noqa: E402
@@ -166,3 +167,65 @@ def test_transformers_saved_checkpoint_without_mtp_tensors_converts_without_mtp(
     assert tool.main(["hf-to-ml", "--hf-dir", saved, "--out", str(tmp_path / "ckpt")]) == 0
     assert json.load(open(tmp_path / "ckpt" / "iter_0000000" / "metadata.json"))["model_config"]["mtp_num_layers"] is None
     assert "converted without them" in capsys.readouterr().out
+
+
+def _quantized(w: torch.Tensor, block):
+    """(float8_e4m3fn weight, fp32 weight_scale_inv, the dequantized weight) as DeepSeek-V3 quantizes:
+    each block scaled by its absolute maximum / 448 (e4m3's largest value), the last blocks partial."""
+    rows, cols = w.shape
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    q, scale_inv, dequantized = torch.empty(rows, cols, dtype=torch.float8_e4m3fn), torch.empty(grid), torch.empty_like(w)
+    for i in range(grid[0]):
+        for j in range(grid[1]):
+            at = (slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1]))
+            s = w[at].abs().max().clamp(min=1e-12) / 448.0
+            q[at] = (w[at] / s).to(torch.float8_e4m3fn)
+            scale_inv[i, j] = s
+            dequantized[at] = q[at].float() * s
+    return q, scale_inv, dequantized
+
+
+def test_fp8_block_scaled_weights_are_dequantized_on_the_way_in(hub, tmp_path, capsys):
+    """Every linear weight of the layers but the router quantized as DeepSeek-V3 ships them (16 x 32 blocks here, from the config, so that
+    the tiny shapes have partial blocks): hf-to-ml gives the weights of the dequantized checkpoint exactly,
+    and the logits of transformers' model loaded from the dequantized weights."""
+    main, _, _, hub_dir = hub
+    saved = os.path.join(os.path.dirname(hub_dir), "main")
+    block = (16, 32)
+    stored, dequantized = {}, {}
+    for name, t in load_file(os.path.join(saved, "model.safetensors")).items():
+        if ".layers." in name and t.dim() == 2 and not name.endswith(("layernorm.weight", "mlp.gate.weight")):
+            q, scale_inv, dequantized[name] = _quantized(t, block)
+            stored.update({name: q, name + "_scale_inv": scale_inv})
+        else:
+            stored[name] = dequantized[name] = t
+    kv_a = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    assert stored[kv_a].shape[0] % block[0] and stored[kv_a + "_scale_inv"].shape[0] == 2  # a partial block
+    assert not torch.equal(dequantized[kv_a], load_file(os.path.join(saved, "model.safetensors"))[kv_a])
+    fp8_dir, plain_dir = tmp_path / "fp8", tmp_path / "dequantized"
+    config = main.config.to_dict()
+    for where, weights, quant in ((fp8_dir, stored, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme":
+                                                     "dynamic", "weight_block_size": list(block)}),
+                                  (plain_dir, dequantized, None)):
+        os.makedirs(where)
+        json.dump(dict(config, **({"quantization_config": quant} if quant else {})), open(where / "config.json", "w"))
+        save_file(weights, str(where / "model.safetensors"))
+    assert tool.main(["hf-to-ml", "--hf-dir", str(fp8_dir), "--out", str(tmp_path / "ckpt")]) == 0
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    ours, _, state = logits_of_checkpoint(tmp_path / "ckpt", tokens)
+    ours = ours[..., :VOCAB]
+    cfg = hf_config_to_model_config(main.config)
+    expected_state = hf_to_megatron_lite(dequantized, dataclasses.replace(cfg, mtp_num_layers=None))
+    assert all(torch.equal(state[k], v) for k, v in expected_state.items())
+    reference = transformers.DeepseekV3ForCausalLM.from_pretrained(plain_dir).eval()
+    with torch.no_grad():
+        expected = reference(tokens).logits.float()
+    assert (ours - expected).abs().max().item() < 1e-4
+
+    # an FP8 weight whose config does not say how it is scaled; a quantization no table reads
+    json.dump(config, open(fp8_dir / "config.json", "w"))
+    assert tool.main(["hf-to-ml", "--hf-dir", str(fp8_dir), "--out", str(tmp_path / "bad")]) == 2
+    assert "without" in capsys.readouterr().err
+    json.dump(dict(config, quantization_config={"quant_method": "awq"}), open(fp8_dir / "config.json", "w"))
+    assert tool.main(["hf-to-ml", "--hf-dir", str(fp8_dir), "--out", str(tmp_path / "bad2")]) == 2
+    assert "quant_method 'awq' is not supported" in capsys.readouterr().err

@@ -38,8 +38,7 @@ from megatron_lite.data.gpt_dataset import MockGPTDataset, SampleOptions  # noqa
 from megatron_lite.parallel.state import ParallelDims  # noqa: E402
 from megatron_lite.testing import run_distributed  # noqa: E402
 from models.gpt import build_model  # noqa: E402
-from models.hf_conversion import load_full_state_dict_into_model  # noqa: E402
-from training_utils import ROOT, train_in_process  # noqa: E402
+from training_utils import ROOT, logits_of_checkpoint, train_in_process  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import convert_checkpoint as tool  # noqa: E402
@@ -122,14 +121,7 @@ def _convert(*args) -> int:
 
 def _our_logits(ckpt, tokens):
     """Our single-process forward from the converted checkpoint's full weights."""
-    with open_checkpoint(str(ckpt)) as reader:
-        cfg = ModelConfig(**reader.meta["model_config"])
-        state = full_weights(reader, fp32_from_main=False)
-    dims = ParallelDims()
-    model = build_model(cfg, dims)[0].eval()
-    load_full_state_dict_into_model(model, state, dims)
-    with torch.no_grad():
-        return model(tokens), cfg
+    return logits_of_checkpoint(ckpt, tokens)[:2]
 
 
 def _logit_cases():

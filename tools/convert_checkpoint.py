@@ -54,10 +54,11 @@ from megatron_lite.errors import ConfigError  # noqa: E402
 from models.hf_conversion import (ConversionError, hf_config_to_model_config, hf_names,  # noqa: E402
                                   hf_to_ours_stream, model_config_to_hf_config, our_names, our_sizes,
                                   ours_to_hf_stream, without_absent_mtp)
-from models.hf_families import FAMILIES, family_of  # noqa: E402
+from models.hf_families import FAMILIES, family_of, fp8_block_size  # noqa: E402
 from models.hf_tokenizers import hf_tokenizer  # noqa: E402
 
 ML_WEIGHTS, ML_CONFIG = "model.safetensors", "config.json"
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 DTYPES = {"keep": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Failures caused by the user's input: reported in one line, exit status 2.
 USER_ERRORS = (ConversionError, ConfigError, OSError, ValueError, KeyError, TypeError, SafetensorError)
@@ -72,8 +73,9 @@ class HFWeights:
     """The tensors of a save_pretrained directory (single or sharded safetensors, else .bin), read
     one at a time when asked for; `unused()` lists the ones never read."""
 
-    def __init__(self, hf_dir: str):
+    def __init__(self, hf_dir: str, fp8_block: Optional[Tuple[int, int]] = None):
         self.dir, self.where, self.handles, self.read = hf_dir, {}, {}, set()
+        self.fp8_block = fp8_block  # FP8 weights' scale blocks: dequantized when read
         for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
             path = os.path.join(hf_dir, index_name)
             if os.path.exists(path):
@@ -116,14 +118,22 @@ class HFWeights:
             raise ConversionError(f"HF checkpoint {self.dir} is missing {key!r}")
         self.read.add(key)
         h = self._handle(self.where[key])
-        return h.get_tensor(key) if hasattr(h, "get_tensor") else h[key]
+        t = h.get_tensor(key) if hasattr(h, "get_tensor") else h[key]
+        if t.dtype in FP8_DTYPES:
+            scale = key + "_scale_inv"
+            if self.fp8_block is None or scale not in self.where:
+                raise ConversionError(f"{key} is {t.dtype} without {scale} and a block-scaled FP8 "
+                                      f"quantization_config in config.json: cannot dequantize it")
+            from models.hf_families import dequantize_fp8_blocks
+            t = dequantize_fp8_blocks(t, self.get(scale), self.fp8_block)
+        return t
 
     def dtype(self) -> torch.dtype:
         """The dtype the weights were saved in (that of the first floating tensor)."""
-        for key in sorted(self.where):
+        for key in sorted(k for k in self.where if not k.endswith("_scale_inv")):
             h = self._handle(self.where[key])
             dtype = h.dtype(key) if isinstance(h, _SafetensorsFile) else h[key].dtype
-            if dtype.is_floating_point:
+            if dtype.is_floating_point and dtype not in FP8_DTYPES:
                 return dtype
         return torch.float32
 
@@ -253,8 +263,9 @@ def cmd_hf_to_ml(args) -> None:
     from transformers import AutoConfig
 
     _require_dir(args.hf_dir, "HF model directory")
-    declared = hf_config_to_model_config(AutoConfig.from_pretrained(args.hf_dir, local_files_only=True))
-    weights = HFWeights(args.hf_dir)
+    hf_config = AutoConfig.from_pretrained(args.hf_dir, local_files_only=True)
+    declared = hf_config_to_model_config(hf_config)
+    weights = HFWeights(args.hf_dir, fp8_block_size(hf_config))
     cfg = without_absent_mtp(declared, weights.has)
     if cfg.mtp_depth != declared.mtp_depth:
         print(f"note: the config declares {declared.mtp_depth} multi-token prediction layers but the weights hold "
