@@ -329,8 +329,9 @@ def _megatron_flag_dest(flag: str) -> str:
 
 
 def _megatron_model(src, args) -> ModelConfig:
-    """Our model config of a Megatron checkpoint: its args, with the model flags given over them,
-    and the true vocabulary (--vocab-size, NullTokenizer's from the args, else every stored row)."""
+    """Our model config of a Megatron checkpoint: its args, with the model flags given over them. The
+    vocabulary: every stored row, as Megatron's softmax has them (the tokenizer's from --vocab-size or
+    NullTokenizer's args recorded apart), or only the tokenizer's under --trim-padded-vocab."""
     from models.megatron_conversion import model_config_from_megatron_args, true_vocab_size
 
     given = {}
@@ -343,10 +344,18 @@ def _megatron_model(src, args) -> ModelConfig:
                        f"--num-attention-heads, ...)")
     margs = {**src.args, **given}
     rows = src.rows("embedding.word_embeddings.weight")
-    vocab = true_vocab_size(margs, args.vocab_size) or margs.get("padded_vocab_size") or rows
-    if rows is not None and vocab > rows:
-        raise CLIError(f"vocabulary size {vocab} exceeds the {rows} rows of the checkpoint's word embeddings")
-    return model_config_from_megatron_args(margs, vocab)
+    tokenizer_vocab = true_vocab_size(margs, args.vocab_size)
+    if args.trim_padded_vocab and tokenizer_vocab is None:
+        raise CLIError("--trim-padded-vocab needs the tokenizer's vocabulary, which the checkpoint's args do not "
+                       "say: give --vocab-size")
+    vocab = tokenizer_vocab if args.trim_padded_vocab else margs.get("padded_vocab_size") or rows
+    if rows is not None and max(vocab, tokenizer_vocab or 0) > rows:
+        raise CLIError(f"vocabulary size {max(vocab, tokenizer_vocab)} exceeds the {rows} rows of the checkpoint's "
+                       f"word embeddings")
+    cfg = model_config_from_megatron_args(margs, vocab)
+    if tokenizer_vocab is not None and tokenizer_vocab < vocab:
+        cfg = dataclasses.replace(cfg, tokenizer_vocab_size=tokenizer_vocab)
+    return cfg
 
 
 def cmd_megatron_to_ml(args) -> None:
@@ -375,7 +384,9 @@ def cmd_megatron_to_ml(args) -> None:
         args, cfg, stream, our_names(cfg, MEGATRON_RULES), dtype,
         f"megatron-to-ml {os.path.abspath(src.dir)} ({src.format}, iteration {src.iteration})")
     rows = src.rows("embedding.word_embeddings.weight")
-    padding = "" if cfg.vocab_size < rows else " (all of Megatron's padded rows: --vocab-size drops the padding)"
+    padding = " (the tokenizer's: --trim-padded-vocab)" if cfg.vocab_size < rows else \
+        f" (Megatron's padded rows, in the softmax as Megatron has them; the tokenizer's {cfg.tokenizer_vocab_size})" \
+        if cfg.tokenizer_vocab_size else " (Megatron's padded rows, in the softmax as Megatron has them)"
     print(f"wrote Megatron-Core GPT weights ({cfg.num_parameters():,} parameters, {dtype}, vocabulary "
           f"{cfg.vocab_size}{padding}) from {src.dir} ({src.format}, iteration {src.iteration}) as a training "
           f"checkpoint for tp={tp} pp={pp} ({tp * pp * dp} files) to {final}")
@@ -399,7 +410,7 @@ def cmd_ml_to_megatron(args) -> None:
         margs = megatron_args_of_config(cfg, tp, pp, ep)
         data = (ckpt_meta.get("config") or {}).get("data") or {}
         if data.get("tokenizer_type") == "NullTokenizer":  # Megatron's NullTokenizer adds the end of document
-            margs.update(tokenizer_type="NullTokenizer", vocab_size=cfg.vocab_size - 1)
+            margs.update(tokenizer_type="NullTokenizer", vocab_size=cfg.tokenizer_vocab - 1)
         dtype = DTYPES[args.dtype]
         release = os.path.join(args.out, "release")
         stream = ((n, t if dtype is None or not t.is_floating_point() else t.to(dtype))
@@ -608,8 +619,12 @@ def _add_megatron_to_ml(sub) -> None:
     p.add_argument("--out", required=True, help="output checkpoint root (what --load takes)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="keep", help="stored dtype (keep: the checkpoint's)")
     p.add_argument("--vocab-size", type=int, default=None,
-                   help="the tokenizer's vocabulary: rows past it are Megatron's padding, dropped (default: "
-                        "NullTokenizer's from the args, else every row of the padded vocabulary)")
+                   help="the tokenizer's vocabulary (default: NullTokenizer's from the args): rows past it are "
+                        "Megatron's padding, kept as logits in the softmax as Megatron-LM has them")
+    p.add_argument("--trim-padded-vocab", action="store_true",
+                   help="drop Megatron's padding rows: the model's vocabulary is the tokenizer's, which runs pad "
+                        "again per --make-vocab-size-divisible-by x TP, outside the softmax (the loss then differs "
+                        "from Megatron's)")
     _add_layout(p, data_parallel=False)
     g = p.add_argument_group("model (Megatron-LM's flags: for checkpoints without args, or to override theirs)")
     for flag, kind in MEGATRON_MODEL_FLAGS:
