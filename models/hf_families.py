@@ -11,7 +11,7 @@ save_pretrained writes them, with transformers' in-memory fused expert tensors a
   qwen2_moe  qwen2 with MoE MLPs, a gated shared expert, dense layers (mlp_only_layers)
   qwen3_moe  qwen3 with MoE MLPs
   glm4_moe   GLM-4.5: Q/K/V biases, partial RoPE, optional q/k norms per head, DeepSeek-V3's routing
-             and shared experts after leading dense layers
+             and shared experts after leading dense layers, MTP modules stored as DeepSeek-V3's
   olmoe      llama with top-k softmax MoE MLPs and q/k RMSNorm over all heads together (OLMoE)
   deepseek_v3  multi-latent attention (RoPE rows interleaved in HF), YaRN, sigmoid group-limited routing
              with expert bias and a scaling factor, shared experts, leading dense layers, the multi-token
@@ -129,6 +129,7 @@ def _mtp_rules(decoder: List[Rule]) -> List[Rule]:
 
 
 _DEEPSEEK = _DEEPSEEK_DECODER + _mtp_rules(_DEEPSEEK_DECODER)
+_GLM4_MOE = _LLAMA_CORE + _DEEPSEEK_MOE + _mtp_rules(_LLAMA_CORE + _DEEPSEEK_MOE)  # GLM-4.5 stores MTP as V3 does
 M = "model.layers.{i}.block_sparse_moe."
 _MIXTRAL_MOE = [  # Mixtral on disk: block_sparse_moe.gate, experts.{e}.w1 (gate) / w3 (up) / w2 (down)
     R("layers.{i}.mlp.router.weight", M + "gate.weight", when="moe"),
@@ -432,7 +433,8 @@ def _glm4_moe_to_ours(c) -> ModelConfig:
     rope = dict(getattr(c, "rope_parameters", None) or {})
     partial = float(rope.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0)))
     return _llama_like(c, add_qkv_bias=bool(c.attention_bias), qk_layernorm=bool(c.use_qk_norm),
-                       rotary_percent=partial, moe=_deepseek_moe(c, "glm4_moe"), family="glm4_moe")
+                       rotary_percent=partial, moe=_deepseek_moe(c, "glm4_moe"), family="glm4_moe",
+                       mtp_num_layers=getattr(c, "num_nextn_predict_layers", 0) or None)
 
 
 def _alternation(c) -> dict:
@@ -608,7 +610,7 @@ def _glm4_moe_to_hf(cfg):
     kw = _llama_kw(dataclasses.replace(cfg, rotary_percent=1.0), "Glm4MoeForCausalLM")
     kw["rope_parameters"]["partial_rotary_factor"] = cfg.rotary_percent
     return _hf_config("Glm4MoeConfig", attention_bias=cfg.add_qkv_bias, use_qk_norm=cfg.qk_layernorm,
-                      num_nextn_predict_layers=0, **_deepseek_moe_hf_kw(cfg, "glm4_moe"), **kw)
+                      num_nextn_predict_layers=cfg.mtp_depth, **_deepseek_moe_hf_kw(cfg, "glm4_moe"), **kw)
 
 
 def _gpt_oss_to_hf(cfg):
@@ -644,8 +646,7 @@ FAMILIES: Dict[str, Family] = {f.name: f for f in [
            lambda c: _qwen_moe(c, "qwen3_moe", qk_layernorm=True),
            _qwen_moe_to_hf("Qwen3MoeConfig", "Qwen3MoeForCausalLM", attention_bias=False)),
     Family("olmoe", "olmoe", "OlmoeForCausalLM", _LLAMA_CORE + _QWEN_MOE, _olmoe_to_ours, _olmoe_to_hf),
-    Family("glm4_moe", "glm4_moe", "Glm4MoeForCausalLM", _LLAMA_CORE + _DEEPSEEK_MOE, _glm4_moe_to_ours,
-           _glm4_moe_to_hf),
+    Family("glm4_moe", "glm4_moe", "Glm4MoeForCausalLM", _GLM4_MOE, _glm4_moe_to_ours, _glm4_moe_to_hf),
     Family("deepseek_v3", "deepseek_v3", "DeepseekV3ForCausalLM", _DEEPSEEK, lambda c: _deepseek_to_ours(c, "deepseek_v3"),
            _deepseek_to_hf("deepseek_v3")),
     Family("deepseek_v2", "deepseek_v2", "DeepseekV2ForCausalLM", _DEEPSEEK, lambda c: _deepseek_to_ours(c, "deepseek_v2"),

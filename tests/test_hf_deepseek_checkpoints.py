@@ -1,4 +1,4 @@
-"""DeepSeek-V3 checkpoints as the Hub ships them, beyond what transformers' own model reads:
+"""DeepSeek-V3 (and GLM-4.5) checkpoints as the Hub ships them, beyond what transformers' own model reads:
 
 - the multi-token prediction module, stored as decoder layer `num_hidden_layers` (enorm, hnorm,
   eh_proj, shared_head.norm / head, embed_tokens and a whole decoder layer; transformers ignores
@@ -29,7 +29,7 @@ from megatron_lite.testing import run_distributed  # noqa: E402
 from models.gpt import build_model  # noqa: E402
 from models.hf_conversion import (gather_full_state_dict, hf_config_to_model_config,  # noqa: E402
                                   hf_to_megatron_lite, megatron_lite_to_hf)
-from test_hf_parity import _DEEPSEEK, YARN  # noqa: E402
+from test_hf_parity import _DEEPSEEK, _LLAMA, YARN  # noqa: E402
 from training_utils import ROOT, logits_of_checkpoint, records_of, train_in_process  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -42,10 +42,20 @@ RUN = ["--mock-data", "--vocab-size", str(VOCAB - 1), "--seq-length", str(SEQ), 
        "--use-checkpoint-args", "--seed", str(SEED)]
 
 
-def _config(layers: int, mtp: int = 1):
-    return transformers.DeepseekV3Config(**dict(_DEEPSEEK, num_hidden_layers=layers), n_group=4, topk_group=2,
-                                         num_experts_per_tok=4, routed_scaling_factor=2.5, norm_topk_prob=True,
-                                         q_lora_rank=24, rope_parameters=dict(YARN), num_nextn_predict_layers=mtp)
+MODELS = {"deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+
+
+def _config(family: str, layers: int, mtp: int = 1):
+    routing = dict(n_group=4, topk_group=2, num_experts_per_tok=4, routed_scaling_factor=2.5, norm_topk_prob=True,
+                   num_nextn_predict_layers=mtp)
+    if family == "glm4_moe":  # partial RoPE, Q/K/V biases, q/k norms per head
+        return transformers.Glm4MoeConfig(**dict(_LLAMA, num_hidden_layers=layers), head_dim=24, attention_bias=True,
+                                          use_qk_norm=True, moe_intermediate_size=32, n_routed_experts=8,
+                                          n_shared_experts=1, first_k_dense_replace=1, tie_word_embeddings=False,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 5000.0,
+                                                           "partial_rotary_factor": 0.5}, **routing)
+    return transformers.DeepseekV3Config(**dict(_DEEPSEEK, num_hidden_layers=layers), q_lora_rank=24,
+                                         rope_parameters=dict(YARN), **routing)
 
 
 def _perturbed(build, seed: int):
@@ -61,11 +71,13 @@ def _perturbed(build, seed: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _hub_like(root: str):
+def _hub_like(root: str, family: str = "deepseek_v3"):
     """(HF main model, HF model whose layer N is the MTP decoder layer, the MTP module's own tensors,
     directory of the checkpoint as the Hub lays it out: main model + `model.layers.N.*`)."""
-    main = _perturbed(lambda: transformers.DeepseekV3ForCausalLM(_config(N)), 1)
-    longer = _perturbed(lambda: transformers.DeepseekV3ForCausalLM(_config(N + 1)), 2)
+    model_class = getattr(transformers, MODELS[family])
+    main = _perturbed(lambda: model_class(_config(family, N)), 1)
+    longer = _perturbed(lambda: model_class(_config(family, N + 1)), 2)
+    root = os.path.join(root, family)
     main.save_pretrained(os.path.join(root, "main"))
     longer.save_pretrained(os.path.join(root, "longer"))
     on_disk = load_file(os.path.join(root, "main", "model.safetensors"))
@@ -87,8 +99,14 @@ def _hub_like(root: str):
 
 
 @pytest.fixture(scope="module")
-def hub(tmp_path_factory):
-    return _hub_like(str(tmp_path_factory.mktemp("deepseek")))
+def hubs(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("hub"))
+    return lambda family="deepseek_v3": _hub_like(root, family)
+
+
+@pytest.fixture(scope="module")
+def hub(hubs):
+    return hubs()
 
 
 def _rms(x, w):
@@ -124,9 +142,10 @@ def _first_batch():
             torch.stack([data[i]["labels"] for i in range(BATCH)]))
 
 
-@pytest.mark.parametrize("layout", ["tp1", pytest.param("tp2pp2", marks=pytest.mark.slow)])
-def test_mtp_module_converts_and_trains_from_hf_losses(hub, tmp_path, layout):
-    main, longer, own, hub_dir = hub
+@pytest.mark.parametrize("family,layout", [("deepseek_v3", "tp1"), ("glm4_moe", "tp1"),
+                                           pytest.param("deepseek_v3", "tp2pp2", marks=pytest.mark.slow)])
+def test_mtp_module_converts_and_trains_from_hf_losses(hubs, tmp_path, family, layout):
+    main, longer, own, hub_dir = hubs(family)
     flags, world = {"tp1": ([], 1), "tp2pp2": (["--tensor-model-parallel-size", "2",
                                                 "--pipeline-model-parallel-size", "2"], 4)}[layout]
     ckpt = tmp_path / "ckpt"
@@ -139,10 +158,11 @@ def test_mtp_module_converts_and_trains_from_hf_losses(hub, tmp_path, layout):
     assert abs(first["mtp_loss"] - mtp_loss) < 1e-4, (first["mtp_loss"], mtp_loss)
 
 
-def test_mtp_module_round_trips_exactly(hub):
+@pytest.mark.parametrize("family", list(MODELS))
+def test_mtp_module_round_trips_exactly(hubs, family):
     """Hub layout -> ours -> Hub layout identical (the copies of the embedding and the head included);
     ours (our own initialization) -> HF -> ours identical; the config keeps num_nextn_predict_layers."""
-    main, _, _, hub_dir = hub
+    main, _, _, hub_dir = hubs(family)
     on_disk = load_file(os.path.join(hub_dir, "model.safetensors"))
     cfg = hf_config_to_model_config(transformers.AutoConfig.from_pretrained(hub_dir))
     assert cfg.mtp_num_layers == 1
