@@ -4,7 +4,8 @@
   eh_proj, shared_head.norm / head, embed_tokens and a whole decoder layer; transformers ignores
   it): hf-to-ml takes --mtp-num-layers from num_nextn_predict_layers, the round trip is exact, and a
   run from the converted checkpoint starts from HF's main loss and from the MTP loss of a reference
-  written here by hand from the HF tensors (the MTP decoder layer run as transformers' own layer);
+  written here by hand from the HF tensors (the MTP decoder layer run as transformers' own layer),
+  which for GLM-4.5 equals the loss of transformers' own MTP drafter (MtpModel);
 - FP8 weights (float8_e4m3fn with 128 x 128 fp32 `weight_scale_inv` blocks): dequantized on the way
   in, the logits those of the HF model holding the dequantized weights.
 """
@@ -136,6 +137,21 @@ def _reference_losses(main, longer, own, tokens, labels):
     return main_loss.item(), mtp_loss.item()
 
 
+def _transformers_mtp_loss(hub_dir: str, tokens, labels) -> float:
+    """The MTP loss by transformers' own MtpModel (its speculative-decoding drafter; GLM-4.5 only),
+    loaded from the Hub layout: an oracle for the hand-written reference."""
+    from transformers.modeling_layers import MtpModel
+
+    main = transformers.Glm4MoeForCausalLM.from_pretrained(hub_dir).eval()
+    main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{N}\..*"]  # it names GLM-4.5's own layers 46 / 92
+    mtp = MtpModel.from_pretrained(main).eval()
+    with torch.no_grad():
+        h = main.model(tokens).last_hidden_state
+        x = mtp.forward_layer(0, h[:, :-1], torch.arange(SEQ - 1).unsqueeze(0), None, input_ids=tokens[:, 1:])
+        logits = mtp._project_to_logits(x)
+    return F.cross_entropy(logits.reshape(-1, VOCAB), labels[:, 1:].reshape(-1)).item()
+
+
 def _first_batch():
     data = MockGPTDataset(VOCAB, SEQ, BATCH, SEED, SampleOptions(eod=VOCAB - 1))
     return (torch.stack([data[i]["tokens"] for i in range(BATCH)]),
@@ -154,6 +170,8 @@ def test_mtp_module_converts_and_trains_from_hf_losses(hubs, tmp_path, family, l
     assert meta["model_config"]["mtp_num_layers"] == 1
     first = records_of(run_distributed(train_in_process, world, RUN + flags + ["--load", str(ckpt)]))[0]
     main_loss, mtp_loss = _reference_losses(main, longer, own, *_first_batch())
+    if family == "glm4_moe":
+        assert abs(_transformers_mtp_loss(hub_dir, *_first_batch()) - mtp_loss) < 1e-5
     assert abs(first["lm_loss"] - main_loss) < 1e-4, (first["lm_loss"], main_loss)
     assert abs(first["mtp_loss"] - mtp_loss) < 1e-4, (first["mtp_loss"], mtp_loss)
 
