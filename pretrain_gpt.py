@@ -42,13 +42,16 @@ def resolve(argv=None) -> tuple:
         if inherited is not None and int(os.environ.get("RANK", "0")) == 0:
             print(f"> global batch size {inherited} from the checkpoint in --save (--global-batch-size not given)")
     tokenizer = tokenizer_from_config(d)
-    vocab = saved["model_config"]["vocab_size"] if saved is not None else tokenizer.vocab_size
+    # the checkpoint's model may have more rows than its tokenizer (Megatron-LM's padded vocabulary)
+    vocab = cfg.model.tokenizer_vocab if saved is not None else tokenizer.vocab_size
     if vocab != tokenizer.vocab_size:
         from megatron_lite.checkpoint.loader import vocab_hint
 
-        raise ConfigError(f"--use-checkpoint-args: the checkpoint's vocab_size is {vocab} and {tokenizer.name}'s "
+        what = "tokenizer_vocab_size" if saved is not None and cfg.model.tokenizer_vocab_size else "vocab_size"
+        raise ConfigError(f"--use-checkpoint-args: the checkpoint's {what} is {vocab} and {tokenizer.name}'s "
                           f"{tokenizer.vocab_size}{vocab_hint(vocab, use_checkpoint_args=True)}")
-    cfg.model.vocab_size = tokenizer.vocab_size
+    if saved is None:
+        cfg.model.vocab_size = tokenizer.vocab_size
     if int(os.environ.get("RANK", "0")) == 0:
         for note in cfg.notes:
             print(f"> note: {note}", flush=True)

@@ -724,7 +724,7 @@ class Config:
                             f"tensorwise or rowwise")
 
     def _validate_pipeline(self, num_microbatches: int) -> None:
-        from .parallel.pipeline.partition import LayerSplit, stage_layer_ranges
+        from .parallel.pipeline.partition import LayerSplit, layout_mtp_layers, stage_layer_ranges
         from .parallel.pipeline.schedules import default_schedule, validate_schedule_args
 
         p = self.parallel
@@ -738,6 +738,11 @@ class Config:
                                    self.model.num_layers if split.even else None)  # the split checked its own
         vpp = p.vpp if p.pp > 1 else 1
         ranges = stage_layer_ranges(self.model.num_layers, p.pp, vpp, split, p.pp_placement)
+        if split.layout is not None:  # as Megatron-Core: the layout's m entries are the MTP layers
+            placed = layout_mtp_layers(split.layout)
+            _require(placed == self.model.mtp_depth,
+                     f"--pipeline-model-parallel-layout places {placed} multi-token prediction layers (m) but "
+                     f"--mtp-num-layers is {self.model.mtp_depth}: give one m per MTP layer, just before L")
         t = self.training
         if t.recompute_granularity == "full":
             most = max(end - start for start, end in ranges)

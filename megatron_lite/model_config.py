@@ -30,6 +30,9 @@ class ModelConfig:
     kv_channels: Optional[int] = arg(None, "head size; None: hidden_size / num_attention_heads")
     vocab_size: int = arg(257, "true vocabulary size (from the tokenizer; padded for TP internally)", flag=None)
     make_vocab_size_divisible_by: int = arg(128, "pad the vocabulary to a multiple of this x TP")
+    tokenizer_vocab_size: Optional[int] = arg(None, "the tokenizer's vocabulary where the model has more rows, all of "
+                                                    "them logits in the softmax (a Megatron-LM checkpoint's padded "
+                                                    "vocabulary, kept by megatron-to-ml); None: vocab_size", flag=None)
     max_position_embeddings: int = arg(1024, "positions of the learned position embedding")
     normalization: str = arg("LayerNorm", "norm of every layer", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = arg(1e-5, "norm epsilon", aliases=["--layernorm-epsilon"])
@@ -121,6 +124,11 @@ class ModelConfig:
         if self.moe is not None and self.moe.moe_ffn_hidden_size is None:  # Megatron: the dense MLP's size
             self.moe = self.moe.with_defaults(self.ffn_hidden_size)
 
+    @property
+    def tokenizer_vocab(self) -> int:
+        """The vocabulary of the tokenizer this model takes (at most vocab_size)."""
+        return self.tokenizer_vocab_size or self.vocab_size
+
     def padded_vocab_size(self, tp: int) -> int:
         """Vocab rounded up to a multiple of make_vocab_size_divisible_by * tp (Megatron's rule).
 
@@ -174,6 +182,8 @@ class ModelConfig:
         _require(0.0 <= self.attention_dropout < 1 and 0.0 <= self.hidden_dropout < 1,
                  "dropout probabilities must lie in [0, 1)")
         _require(self.vocab_size > 0, f"vocab_size ({self.vocab_size}) must be positive")
+        _require(self.tokenizer_vocab_size is None or 0 < self.tokenizer_vocab_size <= self.vocab_size,
+                 f"tokenizer_vocab_size ({self.tokenizer_vocab_size}) must lie in [1, vocab_size ({self.vocab_size})]")
         _require(0 < self.rotary_percent <= 1, f"rotary_percent ({self.rotary_percent}) must lie in (0, 1]")
         _require(self.window_size is None or self.window_size >= 1,
                  f"window_size ({self.window_size}) must be >= 1 (or unset: full causal attention)")

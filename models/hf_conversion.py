@@ -18,6 +18,12 @@ templates with {i} for the layer and {e} for the expert) and the transform betwe
   glu_et   gpt-oss's fused expert [gate | up]: gate and up columns interleaved (g0 u0 g1 u1 ...), in
            the [E, H, 2F] weight (also transposed per expert) and the [E, 2F] bias
            (et / glu_et weights also read from the Hub's MXFP4 `_blocks` / `_scales`, dequantized)
+  dup      an HF copy of one of our tensors (DeepSeek-V3's MTP layer repeats the embedding and the
+           output layer): written from ours, read and dropped on the way in
+
+Multi-token prediction depths: rules with `{d}` (our depth) and `{n}` (HF's layer number of that depth,
+num_layers + d: DeepSeek-V3 stores its MTP module as one more decoder layer) apply once per depth,
+with the conditions of the last decoder layer (whose spec the MTP layers take).
 
 The same engine maps Megatron-Core's names (models/megatron_conversion.py: its table puts
 Megatron-Core's full-tensor names where an HF table has HF's).
@@ -28,6 +34,7 @@ back goes through each parameter's ShardSpec only (`load_full_state_dict_into_mo
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -41,7 +48,7 @@ from megatron_lite.parallel.state import ParallelDims
 
 StateDict = Dict[str, torch.Tensor]
 Getter = Callable[[str], torch.Tensor]
-OPS = ("copy", "t", "cat", "t_split", "experts", "qkv", "rope_q", "rope_kv", "et", "glu_et")
+OPS = ("copy", "t", "cat", "t_split", "experts", "qkv", "rope_q", "rope_kv", "et", "glu_et", "dup")
 
 
 class ConversionError(ValueError):
@@ -75,6 +82,7 @@ CONDITIONS: Dict[str, Callable[[ModelConfig, Optional[int]], bool]] = {
     "layernorm": lambda c, i: c.normalization == "LayerNorm",
     "learned_pos": lambda c, i: c.position_embedding_type == "learned_absolute",
     "untied": lambda c, i: c.untie_embeddings_and_output_weights,
+    "tied": lambda c, i: not c.untie_embeddings_and_output_weights,
     "qk_norm": lambda c, i: c.qk_layernorm,
     "dense": lambda c, i: i is None or not c.moe_layers()[i],
     "moe": lambda c, i: i is not None and c.moe_layers()[i],
@@ -99,7 +107,14 @@ def _applies(rule: Rule, cfg: ModelConfig, layer: Optional[int]) -> bool:
 
 
 def _instances(rule: Rule, cfg: ModelConfig) -> Iterator[Tuple[Optional[int], Rule]]:
-    """(layer, rule) for every layer a {i} rule applies to; (None, rule) for global rules."""
+    """(layer, rule) for every layer a {i} rule applies to; (None, rule) for global rules; (None, the
+    rule at depth d) for every MTP depth of a {d} / {n} rule."""
+    if any("{d}" in t or "{n}" in t for t in rule.ours + rule.hf):
+        for d in range(cfg.mtp_depth if _applies(rule, cfg, cfg.num_layers - 1) else 0):
+            def at(ts, d=d):
+                return tuple(t.replace("{d}", str(d)).replace("{n}", str(cfg.num_layers + d)) for t in ts)
+            yield None, Rule(at(rule.ours), at(rule.hf), rule.op, rule.when, at(rule.fused_hf))
+        return
     layered = any("{i}" in t for t in rule.ours + rule.hf)
     for i in (range(cfg.num_layers) if layered else [None]):
         if _applies(rule, cfg, i):
@@ -160,7 +175,9 @@ def _gpt_oss_expert_tensor(name: str, get: Getter, has: Callable[[str], bool]) -
 def _to_ours(rule: Rule, layer, get: Getter, has: Callable[[str], bool], cfg: ModelConfig,
              sizes: Dict[str, int]) -> Iterator[Tuple[str, torch.Tensor]]:
     ours = _fmt(rule.ours, layer)
-    if rule.op == "copy":
+    if rule.op == "dup":  # a copy of a tensor another rule reads: read (so it counts as read) and dropped
+        get(_fmt(rule.hf, layer)[0])
+    elif rule.op == "copy":
         yield ours[0], get(_fmt(rule.hf, layer)[0])
     elif rule.op == "t":
         yield ours[0], get(_fmt(rule.hf, layer)[0]).t().contiguous()
@@ -201,7 +218,7 @@ def hf_to_ours_stream(get: Getter, has: Callable[[str], bool], cfg: ModelConfig,
 # --- ours -> HF --------------------------------------------------------------------------------
 def _to_hf(rule: Rule, layer, get: Getter, cfg: ModelConfig) -> Iterator[Tuple[str, torch.Tensor]]:
     hf = _fmt(rule.hf, layer)
-    if rule.op == "copy":
+    if rule.op in ("copy", "dup"):
         yield hf[0], get(_fmt(rule.ours, layer)[0])
     elif rule.op == "t":
         yield hf[0], get(_fmt(rule.ours, layer)[0]).t().contiguous()
@@ -244,7 +261,8 @@ def hf_names(cfg: ModelConfig, rules: List[Rule]) -> List[str]:
 
 
 def our_names(cfg: ModelConfig, rules: List[Rule]) -> List[str]:
-    return [n for rule in rules for layer, r in _instances(rule, cfg) for n in _fmt(r.ours, layer)]
+    """Every tensor of ours the table yields from HF's, in stream order."""
+    return [n for rule in rules for layer, r in _instances(rule, cfg) if r.op != "dup" for n in _fmt(r.ours, layer)]
 
 
 # --- whole state dicts (in memory) ---------------------------------------------------------------
@@ -305,6 +323,14 @@ def megatron_lite_to_hf(state_dict: StateDict, cfg: ModelConfig, family=None, ti
     if tied_lm_head and not cfg.untie_embeddings_and_output_weights:
         out["lm_head.weight"] = state_dict["embedding.word_embeddings.weight"]
     return out
+
+
+def without_absent_mtp(cfg: ModelConfig, has: Callable[[str], bool]) -> ModelConfig:
+    """`cfg` without multi-token prediction when the checkpoint lacks its modules: transformers keeps
+    num_nextn_predict_layers in the configs it saves but drops the MTP layers' tensors."""
+    if cfg.mtp_depth and not has(f"model.layers.{cfg.num_layers}.eh_proj.weight"):
+        return dataclasses.replace(cfg, mtp_num_layers=None)
+    return cfg
 
 
 def hf_config_to_model_config(hf_config) -> ModelConfig:

@@ -11,11 +11,12 @@ save_pretrained writes them, with transformers' in-memory fused expert tensors a
   qwen2_moe  qwen2 with MoE MLPs, a gated shared expert, dense layers (mlp_only_layers)
   qwen3_moe  qwen3 with MoE MLPs
   glm4_moe   GLM-4.5: Q/K/V biases, partial RoPE, optional q/k norms per head, DeepSeek-V3's routing
-             and shared experts after leading dense layers
+             and shared experts after leading dense layers, MTP modules stored as DeepSeek-V3's
   olmoe      llama with top-k softmax MoE MLPs and q/k RMSNorm over all heads together (OLMoE)
   deepseek_v3  multi-latent attention (RoPE rows interleaved in HF), YaRN, sigmoid group-limited routing
-             with expert bias and a scaling factor, shared experts, leading dense layers; also Kimi-K2
-             and Moonlight, which HF loads as deepseek_v3
+             with expert bias and a scaling factor, shared experts, leading dense layers, the multi-token
+             prediction modules (decoder layers num_hidden_layers.., which transformers ignores); also
+             Kimi-K2 and Moonlight, which HF loads as deepseek_v3
   deepseek_v2  the same attention; softmax routing over all experts without renormalization (greedy)
   gpt_oss    attention sinks and biases, sliding-window and full layers alternating, YaRN (unrounded ramp),
              top-k softmax MoE with router and expert biases, a clamped quick-GELU gated unit; the fused
@@ -104,7 +105,31 @@ _GPT_OSS = _LLAMA_CORE + [
     R("layers.{i}.mlp.experts.weight2", L + "mlp.experts.down_proj", "et", when="moe"),
     R("layers.{i}.mlp.experts.bias2", L + "mlp.experts.down_proj_bias", when="moe"),
 ]
-_DEEPSEEK = [r for r in _LLAMA_CORE if ".self_attention." not in r.ours[0]] + _MLA + _DEEPSEEK_MOE
+_DEEPSEEK_DECODER = [r for r in _LLAMA_CORE if ".self_attention." not in r.ours[0]] + _MLA + _DEEPSEEK_MOE
+
+
+def _mtp_rules(decoder: List[Rule]) -> List[Rule]:
+    """DeepSeek-V3's multi-token prediction modules as its HF checkpoints store them (transformers
+    ignores them): depth d is decoder layer {n} = num_hidden_layers + d, a whole decoder layer plus
+    enorm / hnorm / eh_proj, shared_head.norm (our final_layernorm) and copies of the embedding and
+    the output layer (embed_tokens, shared_head.head)."""
+    n, ours = "model.layers.{n}.", "mtp.layers.{d}."
+    rules = [R(ours + "enorm.weight", n + "enorm.weight"), R(ours + "hnorm.weight", n + "hnorm.weight"),
+             R(ours + "eh_proj.weight", n + "eh_proj.weight"),
+             R(ours + "final_layernorm.weight", n + "shared_head.norm.weight"),
+             R("embedding.word_embeddings.weight", n + "embed_tokens.weight", "dup"),
+             R("output_layer.weight", n + "shared_head.head.weight", "dup", when="untied"),
+             R("embedding.word_embeddings.weight", n + "shared_head.head.weight", "dup", when="tied")]
+    for r in decoder:
+        if all(t.startswith("layers.{i}.") for t in r.ours):
+            rules.append(Rule(tuple(t.replace("layers.{i}.", ours + "transformer_layer.", 1) for t in r.ours),
+                              tuple(t.replace(L, n) for t in r.hf), r.op, r.when,
+                              tuple(t.replace(L, n) for t in r.fused_hf)))
+    return rules
+
+
+_DEEPSEEK = _DEEPSEEK_DECODER + _mtp_rules(_DEEPSEEK_DECODER)
+_GLM4_MOE = _LLAMA_CORE + _DEEPSEEK_MOE + _mtp_rules(_LLAMA_CORE + _DEEPSEEK_MOE)  # GLM-4.5 stores MTP as V3 does
 M = "model.layers.{i}.block_sparse_moe."
 _MIXTRAL_MOE = [  # Mixtral on disk: block_sparse_moe.gate, experts.{e}.w1 (gate) / w3 (up) / w2 (down)
     R("layers.{i}.mlp.router.weight", M + "gate.weight", when="moe"),
@@ -193,6 +218,38 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     values = torch.stack([lut[b & 0x0F], lut[b >> 4]], dim=-1).flatten(-2)  # [E, out, G, 32]
     values = torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127)
     return values.flatten(-2).transpose(1, 2).to(torch.bfloat16)
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: Tuple[int, int]) -> torch.Tensor:
+    """DeepSeek-V3's FP8 weights (`quantization_config: {quant_method: fp8, weight_block_size: [bo, bi]}`):
+    a float8 [out, in] weight and its fp32 `weight_scale_inv` [ceil(out / bo), ceil(in / bi)], the factor
+    each block is multiplied by (the last blocks may be partial) -> fp32."""
+    rows, cols = weight.shape
+    expected = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scale_inv.shape) != expected:
+        raise ConversionError(f"weight_scale_inv {tuple(scale_inv.shape)} does not match a [{rows}, {cols}] weight in "
+                              f"{block[0]} x {block[1]} blocks (expected {expected})")
+    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return weight.float() * scale
+
+
+def fp8_block_size(hf_config) -> Optional[Tuple[int, int]]:
+    """The weight block of a block-scaled FP8 checkpoint (None: not one); other quantizations that no
+    family's table reads are refused."""
+    q = getattr(hf_config, "quantization_config", None)
+    if q is None:
+        return None
+    q = q if isinstance(q, dict) else q.to_dict()
+    method = q.get("quant_method")
+    if method == "fp8":
+        if q.get("fmt", "e4m3") != "e4m3" or q.get("scale_fmt") not in (None, "float"):
+            raise ConversionError(f"FP8 quantization_config {q} is not supported (e4m3 weights with float block "
+                                  f"scales are)")
+        return tuple(q.get("weight_block_size") or (128, 128))
+    if method == "mxfp4" and hf_config.model_type == "gpt_oss":  # its experts' blocks: the gpt_oss table
+        return None
+    raise ConversionError(f"quantization_config quant_method {method!r} is not supported (fp8 with block scales, "
+                          f"and gpt-oss's mxfp4 experts, are): dequantize the checkpoint first")
 
 
 # --- configs: HF -> ours ----------------------------------------------------------------------
@@ -341,9 +398,10 @@ def _deepseek_to_ours(c, family: str) -> ModelConfig:
         raise ConversionError("deepseek_v3 rope_interleave=False is not supported")
     if family == "deepseek_v2" and c.topk_method != "greedy":
         raise ConversionError(f"deepseek_v2 topk_method {c.topk_method!r} is not supported (greedy is)")
+    mtp = getattr(c, "num_nextn_predict_layers", 0) or None  # V3's MTP modules (transformers ignores them)
     return _llama_like(c, multi_latent_attention=True, q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
                        qk_head_dim=c.qk_nope_head_dim, qk_pos_emb_head_dim=c.qk_rope_head_dim,
-                       v_head_dim=c.v_head_dim, moe=_deepseek_moe(c, family), family=family)
+                       v_head_dim=c.v_head_dim, moe=_deepseek_moe(c, family), family=family, mtp_num_layers=mtp)
 
 
 def _deepseek_moe(c, family: str) -> MoEConfig:
@@ -375,7 +433,8 @@ def _glm4_moe_to_ours(c) -> ModelConfig:
     rope = dict(getattr(c, "rope_parameters", None) or {})
     partial = float(rope.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0)))
     return _llama_like(c, add_qkv_bias=bool(c.attention_bias), qk_layernorm=bool(c.use_qk_norm),
-                       rotary_percent=partial, moe=_deepseek_moe(c, "glm4_moe"), family="glm4_moe")
+                       rotary_percent=partial, moe=_deepseek_moe(c, "glm4_moe"), family="glm4_moe",
+                       mtp_num_layers=getattr(c, "num_nextn_predict_layers", 0) or None)
 
 
 def _alternation(c) -> dict:
@@ -535,10 +594,13 @@ def _deepseek_to_hf(family: str):
                   qk_rope_head_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim, attention_bias=False,
                   **_deepseek_moe_hf_kw(cfg, family))
         if family == "deepseek_v2":
+            if cfg.mtp_depth:
+                raise ConversionError("deepseek_v2 has no multi-token prediction modules: convert with "
+                                      "--family deepseek_v3, or train without --mtp-num-layers")
             for k in ("n_group", "topk_group", "norm_topk_prob"):
                 del kw[k]
             return _hf_config("DeepseekV2Config", topk_method="greedy", norm_topk_prob=False, mlp_bias=False, **kw)
-        return _hf_config("DeepseekV3Config", rope_interleave=True, **kw)
+        return _hf_config("DeepseekV3Config", rope_interleave=True, num_nextn_predict_layers=cfg.mtp_depth, **kw)
     return to_hf
 
 
@@ -548,7 +610,7 @@ def _glm4_moe_to_hf(cfg):
     kw = _llama_kw(dataclasses.replace(cfg, rotary_percent=1.0), "Glm4MoeForCausalLM")
     kw["rope_parameters"]["partial_rotary_factor"] = cfg.rotary_percent
     return _hf_config("Glm4MoeConfig", attention_bias=cfg.add_qkv_bias, use_qk_norm=cfg.qk_layernorm,
-                      num_nextn_predict_layers=0, **_deepseek_moe_hf_kw(cfg, "glm4_moe"), **kw)
+                      num_nextn_predict_layers=cfg.mtp_depth, **_deepseek_moe_hf_kw(cfg, "glm4_moe"), **kw)
 
 
 def _gpt_oss_to_hf(cfg):
@@ -584,8 +646,7 @@ FAMILIES: Dict[str, Family] = {f.name: f for f in [
            lambda c: _qwen_moe(c, "qwen3_moe", qk_layernorm=True),
            _qwen_moe_to_hf("Qwen3MoeConfig", "Qwen3MoeForCausalLM", attention_bias=False)),
     Family("olmoe", "olmoe", "OlmoeForCausalLM", _LLAMA_CORE + _QWEN_MOE, _olmoe_to_ours, _olmoe_to_hf),
-    Family("glm4_moe", "glm4_moe", "Glm4MoeForCausalLM", _LLAMA_CORE + _DEEPSEEK_MOE, _glm4_moe_to_ours,
-           _glm4_moe_to_hf),
+    Family("glm4_moe", "glm4_moe", "Glm4MoeForCausalLM", _GLM4_MOE, _glm4_moe_to_ours, _glm4_moe_to_hf),
     Family("deepseek_v3", "deepseek_v3", "DeepseekV3ForCausalLM", _DEEPSEEK, lambda c: _deepseek_to_ours(c, "deepseek_v3"),
            _deepseek_to_hf("deepseek_v3")),
     Family("deepseek_v2", "deepseek_v2", "DeepseekV2ForCausalLM", _DEEPSEEK, lambda c: _deepseek_to_ours(c, "deepseek_v2"),

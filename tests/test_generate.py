@@ -470,3 +470,19 @@ def test_evaluate_errors_are_one_line(checkpoint, extra, message):
     code, out, err = _run_tool(evaluate_tool, 0, 1, argv)
     assert code == 2 and out == ""
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and message in err, err
+
+
+def test_generation_never_picks_a_padded_vocabulary_row():
+    """A model that keeps Megatron's padded rows (tokenizer_vocab_size < vocab_size) generates only
+    the tokenizer's ids, even where a padded row has the largest logit."""
+    from megatron_lite.config import ModelConfig
+    from megatron_lite.parallel.state import ParallelDims
+    from models.gpt import build_model
+    cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64, tokenizer_vocab_size=50,
+                      untie_embeddings_and_output_weights=True, attention_dropout=0.0, hidden_dropout=0.0)
+    model = build_model(cfg, ParallelDims(), seed=3)[0]
+    with torch.no_grad():
+        model.output_layer.weight[50:] *= 1000  # the padded rows dominate the logits
+    assert model(torch.tensor([[1, 2, 3]]))[0, -1].argmax().item() >= 50
+    out = generate(model, [[1, 2, 3]], 8)[0].tokens
+    assert len(out) == 8 and max(out) < 50

@@ -73,11 +73,13 @@ def _hf_config(name: str):
                                             use_qk_norm=True, rope_parameters=dict(rope, partial_rotary_factor=0.5),
                                             moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
                                             first_k_dense_replace=1, n_group=4, topk_group=2, num_experts_per_tok=4,
-                                            routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False),
+                                            routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False,
+                                            num_nextn_predict_layers=0),
         # MLA with YaRN; 4 layers: one dense, then sigmoid group-limited routing with expert bias, one shared expert
         "deepseek_v3": lambda: t.DeepseekV3Config(**dict(_DEEPSEEK, num_hidden_layers=4), n_group=4, topk_group=2,
                                                   num_experts_per_tok=4, routed_scaling_factor=2.5, norm_topk_prob=True,
-                                                  q_lora_rank=24, rope_parameters=dict(YARN)),
+                                                  q_lora_rank=24, rope_parameters=dict(YARN),
+                                                  num_nextn_predict_layers=0),  # MTP: test_hf_deepseek_checkpoints
         # V2-Lite's kind: no query compression, softmax routing without renormalization, two shared experts
         "deepseek_v2": lambda: t.DeepseekV2Config(**dict(_DEEPSEEK, n_shared_experts=2), num_experts_per_tok=2,
                                                   topk_method="greedy", q_lora_rank=None, rope_parameters=rope),

@@ -7,8 +7,9 @@ legacy per-rank files (each rank's state dict + the args Namespace + RNG states)
 over the pipeline gives the logits. For a GPT-2-like model (LayerNorm, learned positions, biases,
 tanh GELU through Megatron's fused bias-GELU, tied embeddings; the vocabulary kept padded) and a
 Llama-like one (RMSNorm, RoPE, SwiGLU, GQA with 2 groups for 4 heads, untied output; NullTokenizer
-args, the padding trimmed), each format converted to TP1 and to TP2 x PP2 gives Megatron's logits,
-and a training run started from it has Megatron's loss as its first loss. The GPT-2 world splits
+args), each format converted to TP1 and to TP2 x PP2 gives Megatron's logits, padded rows included,
+and a training run started from it has Megatron's loss as its first loss (its softmax over the
+padded vocabulary); with --trim-padded-vocab, the loss over the tokenizer's vocabulary. The GPT-2 world splits
 its 4 layers 1 + 3 over the stages; a third world (the Llama model at PP=2 with two virtual stages
 per rank) checks the chunks' layer numbering. Every class Megatron-Core declares safe in its
 checkpoints unpickles without megatron-core's code, and nothing else does; bad inputs are one-line
@@ -38,8 +39,7 @@ from megatron_lite.data.gpt_dataset import MockGPTDataset, SampleOptions  # noqa
 from megatron_lite.parallel.state import ParallelDims  # noqa: E402
 from megatron_lite.testing import run_distributed  # noqa: E402
 from models.gpt import build_model  # noqa: E402
-from models.hf_conversion import load_full_state_dict_into_model  # noqa: E402
-from training_utils import ROOT, train_in_process  # noqa: E402
+from training_utils import ROOT, logits_of_checkpoint, train_in_process  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import convert_checkpoint as tool  # noqa: E402
@@ -122,14 +122,7 @@ def _convert(*args) -> int:
 
 def _our_logits(ckpt, tokens):
     """Our single-process forward from the converted checkpoint's full weights."""
-    with open_checkpoint(str(ckpt)) as reader:
-        cfg = ModelConfig(**reader.meta["model_config"])
-        state = full_weights(reader, fp32_from_main=False)
-    dims = ParallelDims()
-    model = build_model(cfg, dims)[0].eval()
-    load_full_state_dict_into_model(model, state, dims)
-    with torch.no_grad():
-        return model(tokens), cfg
+    return logits_of_checkpoint(ckpt, tokens)[:2]
 
 
 def _logit_cases():
@@ -149,8 +142,9 @@ def test_converted_logits_equal_megatron_core(megatron, tmp_path, name, fmt, lay
     assert meta["weights_only"] and meta["layout"]["world_size"] == world and len(meta["files"]) == world
     vocab = _world(name)[0]["vocab"]
     logits, cfg = _our_logits(ckpt, _batch(vocab)[0])
-    assert cfg.vocab_size == vocab and logits.shape == (BATCH, SEQ, vocab)
-    assert (logits - reference[..., :vocab]).abs().max().item() < 1e-4
+    assert cfg.vocab_size == PADDED and logits.shape == (BATCH, SEQ, PADDED)  # Megatron's padding kept
+    assert cfg.tokenizer_vocab == vocab
+    assert (logits - reference).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -188,25 +182,33 @@ def test_torch_dist_is_read_a_layer_at_a_time(megatron, tmp_path, monkeypatch):
     assert max(sizes) == PADDED * shape["hidden_size"] < stacked_fc1
 
 
-def _megatron_loss(reference, vocab):
-    """Megatron's loss on the batch: the mean token cross entropy over the vocabulary we keep."""
+def _megatron_loss(reference, vocab, rows=PADDED):
+    """The mean token cross entropy on the batch over the first `rows` logits: Megatron's own loss
+    with every row of its padded vocabulary (the batch's tokens from the tokenizer's `vocab`)."""
     labels = _batch(vocab)[1]
-    return F.cross_entropy(reference[..., :vocab].reshape(-1, vocab), labels.reshape(-1)).item()
+    return F.cross_entropy(reference[..., :rows].reshape(-1, rows), labels.reshape(-1)).item()
 
 
-@pytest.mark.parametrize("name,fmt,layout", [("gpt2", "legacy", "tp2pp2"), ("llama", "torch_dist", "tp2pp2"),
-                                             ("llama", "legacy", "tp1")])
-def test_training_starts_with_megatrons_loss(megatron, tmp_path, name, fmt, layout):
+@pytest.mark.parametrize("name,fmt,layout,trim", [("gpt2", "legacy", "tp2pp2", False),
+                                                  ("llama", "torch_dist", "tp2pp2", False),
+                                                  ("llama", "legacy", "tp1", False), ("llama", "legacy", "tp1", True)])
+def test_training_starts_with_megatrons_loss(megatron, tmp_path, name, fmt, layout, trim):
+    """Megatron's padded rows are logits in its softmax: kept, the first loss is Megatron-Core's;
+    --trim-padded-vocab gives the loss over the tokenizer's vocabulary (lower: fewer rows share the softmax)."""
     roots, reference = megatron[name]
     flags, world = LAYOUTS[layout]
     ckpt = tmp_path / "ckpt"
-    assert _convert("megatron-to-ml", "--load", roots[fmt], "--out", ckpt, *flags) == 0
+    assert _convert("megatron-to-ml", "--load", roots[fmt], "--out", ckpt, *flags,
+                    *(["--trim-padded-vocab"] if trim else [])) == 0
     vocab = SHAPES[name]["vocab"]
+    expected = _megatron_loss(reference, vocab, rows=vocab if trim else PADDED)
+    if vocab < PADDED:  # the two semantics differ measurably on this batch
+        assert abs(_megatron_loss(reference, vocab, rows=vocab) - _megatron_loss(reference, vocab)) > 0.05
     run = ["--mock-data", "--vocab-size", str(vocab - 1), "--seq-length", str(SEQ), "--micro-batch-size", "2",
            "--global-batch-size", str(BATCH), "--train-iters", "1", "--eval-iters", "0", "--device", "cpu",
            "--use-checkpoint-args", "--seed", str(SEED), "--load", str(ckpt)] + flags
     first = next(h[0] for h in run_distributed(train_in_process, world, run) if h and h[0]["lm_loss"] is not None)
-    assert abs(first["lm_loss"] - _megatron_loss(reference, vocab)) < 1e-4
+    assert abs(first["lm_loss"] - expected) < 1e-4, (first["lm_loss"], expected)
 
 
 def test_allow_list_is_megatron_cores_safe_globals(tmp_path):
@@ -288,12 +290,15 @@ def test_bad_inputs_are_one_line_errors(megatron, tmp_path, capsys):
     state["args"].moe_grouped_gemm = True
     torch.save(state, grouped / "mp_rank_00_000" / "model_optim_rng.pt")
     assert _convert("megatron-to-ml", "--load", grouped, "--out", out) == 2
+    # trimming needs the tokenizer's vocabulary: the GPT-2 world's args do not say it
+    assert _convert("megatron-to-ml", "--load", megatron["gpt2"][0]["legacy"], "--out", out, "--trim-padded-vocab") == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 7, err
+    assert len(err) == 8, err
     for line, fragment in zip(err, ["collections.deque, test_megatron_checkpoints.Stranger",
                                     "refused to unpickle test_megatron_checkpoints.Stranger", "neither", "missing TP shard", "rotary_interleaved",
                                     "lacks",  # (args that say MoE over dense tensors)
-                                    "legacy checkpoints of grouped-GEMM experts"]):
+                                    "legacy checkpoints of grouped-GEMM experts",
+                                    "--trim-padded-vocab needs the tokenizer's vocabulary"]):
         assert line.startswith("convert_checkpoint.py megatron-to-ml: error: ") and fragment in line, line
     assert not out.exists()
 
@@ -345,10 +350,10 @@ def test_ml_to_megatron_loads_into_megatron_core(megatron, tmp_path, fmt, name, 
     load_tp, load_pp = world or (tp, pp)
     theirs = next(r for r in run_distributed(_megatron_loads, load_tp * load_pp, shape, load_tp, load_pp, str(out),
                                              tokens, fmt, daemon=False)
-                  if r is not None)[..., :vocab]
+                  if r is not None)
     ours, _ = _our_logits(ml, tokens)
-    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
-    loss = [F.cross_entropy(x.reshape(-1, vocab), labels.reshape(-1)).item() for x in (theirs, ours)]
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)  # Megatron's padded rows too
+    loss = [F.cross_entropy(x.reshape(-1, PADDED), labels.reshape(-1)).item() for x in (theirs, ours)]
     assert loss[0] == pytest.approx(loss[1], rel=1e-6)
     assert _convert("megatron-to-ml", "--load", out, "--out", back, "--vocab-size", vocab) == 0
     with open_checkpoint(str(ml)) as a, open_checkpoint(str(back)) as b:

@@ -183,7 +183,7 @@ def test_model_flag_equals_megatron_core(megatron, tmp_path, name):
     shape, tp, fmt, padded, argv, off = _case(name)
     root, reference = megatron(name)
     ckpt = tmp_path / "ckpt"
-    assert tool.main(["megatron-to-ml", "--load", root, "--out", str(ckpt)]) == 0
+    assert tool.main(["megatron-to-ml", "--load", root, "--out", str(ckpt), "--trim-padded-vocab"]) == 0
     assert json.load(open(ckpt / "iter_0000000" / "metadata.json"))["weights_only"]
     logits, converted = _ours(ckpt)
     assert logits.shape == (BATCH, SEQ, VOCAB)
@@ -202,7 +202,7 @@ def test_training_at_tp2_starts_with_megatrons_loss(megatron, tmp_path):
     root, reference = megatron("all-tp2")
     ckpt = tmp_path / "ckpt"
     tp2 = ["--tensor-model-parallel-size", "2"]
-    assert tool.main(["megatron-to-ml", "--load", root, "--out", str(ckpt), *tp2]) == 0
+    assert tool.main(["megatron-to-ml", "--load", root, "--out", str(ckpt), "--trim-padded-vocab", *tp2]) == 0
     run = ["--mock-data", "--vocab-size", str(VOCAB - 1), "--seq-length", str(SEQ), "--micro-batch-size", "1",
            "--global-batch-size", str(BATCH), "--train-iters", "1", "--eval-iters", "0", "--device", "cpu",
            "--use-checkpoint-args", "--seed", str(SEED), "--load", str(ckpt), *tp2]

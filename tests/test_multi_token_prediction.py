@@ -180,11 +180,15 @@ LAYOUTS = [
     (LLAMA + MOE, 2, ["--expert-model-parallel-size", "2"]),
     (LLAMA + MOE, 4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
                       "--sequence-parallel"]),
+    # the layout puts the MTP modules on a last stage of their own (with the loss, no decoder layer)
+    (LLAMA, 2, PP2 + ["--pipeline-model-parallel-layout", "Ett|mmL"]),
+    (TIED + ["--num-layers", "4"], 3, ["--pipeline-model-parallel-size", "3",
+                                       "--pipeline-model-parallel-layout", "Ett|tt|mmL"]),
 ]
 IDS = ["pp2-untied", "cp2-tp2-sp", "pp2-tied", "pp2-learned-positions", "cp2-p2p", "cp2-a2a", "dp2-zero1",
        "recompute-full", "pp2-dp2-zb-h1", "pp2-dp2-zb-h1-tied", "pp2-interleaved", "dp2-zero3", "cp2-per-token-loss",
-       "cp2-packed-documents", "moe-ep2", "moe-ep2-tp2-sp"]
-FAST = {"pp2-untied", "cp2-tp2-sp"}  # the rest: pytest -m slow
+       "cp2-packed-documents", "moe-ep2", "moe-ep2-tp2-sp", "pp2-layout-mtp-stage", "pp3-layout-mtp-stage-tied"]
+FAST = {"pp2-untied", "cp2-tp2-sp", "pp3-layout-mtp-stage-tied"}  # the rest: pytest -m slow
 
 
 @pytest.mark.parametrize("base,world,extra", [

@@ -35,6 +35,25 @@ def test_layout_strings_parse_as_megatron_core_does(layout, pp, layers):
     assert stage_sizes(layers, pp, vpp, LayerSplit(layout=layout)) == expected
 
 
+def test_mtp_layouts_against_megatron_core():
+    """MTP with the loss (its stage may hold no decoder layer) parses as Megatron-Core parses it; its
+    standalone MTP (the m stage before the loss's), which it accepts, is refused here by name."""
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    from megatron_lite.errors import ConfigError
+    from megatron_lite.parallel.pipeline.partition import layout_mtp_layers
+
+    theirs = PipelineParallelLayerLayout("Ett|tt|mmL", 3)
+    assert theirs.validate_layer_layout(4, 2) is False  # not standalone
+    assert stage_sizes(4, 3, 1, LayerSplit(layout="Ett|tt|mmL")) == [theirs.layout[r][0].count(LayerType.decoder)
+                                                                     for r in range(3)] == [2, 2, 0]
+    assert layout_mtp_layers("Ett|tt|mmL") == sum(theirs.layout[r][0].count(LayerType.mtp) for r in range(3)) == 2
+    assert PipelineParallelLayerLayout("Ett|tmm|L", 3).validate_layer_layout(3, 2) is True  # standalone
+    with pytest.raises(ConfigError, match="standalone MTP, is not supported"):
+        stage_sizes(3, 3, 1, LayerSplit(layout="Ett|tmm|L"))
+
+
 @pytest.mark.parametrize("split,pp,vpp,layers,expected", [
     (LayerSplit(first=2), 2, 2, 6, [1, 2, 1, 2]),  # rank 0: 2 layers over its 2 chunks, rank 1: 4
     (LayerSplit(first=2, last=4), 3, 2, 10, [1, 2, 2, 1, 2, 2]),
@@ -56,8 +75,14 @@ def test_uneven_and_accounted_splits(split, pp, vpp, layers, expected):
     (["--pipeline-model-parallel-layout", "Et|txt|tL", "--pipeline-model-parallel-size", "3"], "unknown 'x'"),
     (["--pipeline-model-parallel-layout", "Et|tt|tL", "--pipeline-model-parallel-size", "3"],
      "places 4 transformer layers (t) but --num-layers is 5"),
-    (["--pipeline-model-parallel-layout", "Et|tt|tt,m|L", "--pipeline-model-parallel-size", "4"],
-     "multi-token prediction ('m') is not implemented"),
+    (["--pipeline-model-parallel-layout", "Et|tt|tt,m|L", "--pipeline-model-parallel-size", "4",
+      "--mtp-num-layers", "1"], "(an m stage before the loss's, Megatron-Core's standalone MTP, is not supported)"),
+    (["--pipeline-model-parallel-layout", "Et|tt|ttmL", "--pipeline-model-parallel-size", "3"],
+     "places 1 multi-token prediction layers (m) but --mtp-num-layers is 0"),
+    (["--pipeline-model-parallel-layout", "Et|tt|ttmL", "--pipeline-model-parallel-size", "3",
+      "--mtp-num-layers", "2"], "places 1 multi-token prediction layers (m) but --mtp-num-layers is 2"),
+    (["--pipeline-model-parallel-layout", "Et|tt|tmtL", "--pipeline-model-parallel-size", "3",
+      "--mtp-num-layers", "1"], "after every transformer layer and just before L"),
     (["--pipeline-model-parallel-layout", "Ettt||ttL", "--pipeline-model-parallel-size", "3"],
      "virtual pipeline stage 1 (of 3) holds no transformer layer"),
     (["--pipeline-model-parallel-layout", "Et|tt|tt|L", "--pipeline-model-parallel-size", "2",

@@ -138,3 +138,21 @@ def assert_one_line_error(argv, fragment, monkeypatch, capsys):
     assert pretrain_gpt.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and fragment in err, err
+
+def logits_of_checkpoint(ckpt, tokens):
+    """(single-process logits [b, s, padded vocab] of a converted training checkpoint's full weights on
+    `tokens`, its model config, those full weights)."""
+    from megatron_lite.checkpoint.offline import full_weights, open_checkpoint
+    from megatron_lite.config import ModelConfig
+    from megatron_lite.parallel.state import ParallelDims
+    from models.gpt import build_model
+    from models.hf_conversion import load_full_state_dict_into_model
+
+    with open_checkpoint(str(ckpt)) as reader:
+        cfg = ModelConfig(**reader.meta["model_config"])
+        state = full_weights(reader, fp32_from_main=False)
+    dims = ParallelDims()
+    model = build_model(cfg, dims)[0].eval()
+    load_full_state_dict_into_model(model, state, dims)
+    with torch.no_grad():
+        return model(tokens), cfg, state

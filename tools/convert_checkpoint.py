@@ -53,11 +53,12 @@ from megatron_lite.config import ModelConfig  # noqa: E402
 from megatron_lite.errors import ConfigError  # noqa: E402
 from models.hf_conversion import (ConversionError, hf_config_to_model_config, hf_names,  # noqa: E402
                                   hf_to_ours_stream, model_config_to_hf_config, our_names, our_sizes,
-                                  ours_to_hf_stream)
-from models.hf_families import FAMILIES, family_of  # noqa: E402
+                                  ours_to_hf_stream, without_absent_mtp)
+from models.hf_families import FAMILIES, family_of, fp8_block_size  # noqa: E402
 from models.hf_tokenizers import hf_tokenizer  # noqa: E402
 
 ML_WEIGHTS, ML_CONFIG = "model.safetensors", "config.json"
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 DTYPES = {"keep": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Failures caused by the user's input: reported in one line, exit status 2.
 USER_ERRORS = (ConversionError, ConfigError, OSError, ValueError, KeyError, TypeError, SafetensorError)
@@ -72,8 +73,9 @@ class HFWeights:
     """The tensors of a save_pretrained directory (single or sharded safetensors, else .bin), read
     one at a time when asked for; `unused()` lists the ones never read."""
 
-    def __init__(self, hf_dir: str):
+    def __init__(self, hf_dir: str, fp8_block: Optional[Tuple[int, int]] = None):
         self.dir, self.where, self.handles, self.read = hf_dir, {}, {}, set()
+        self.fp8_block = fp8_block  # FP8 weights' scale blocks: dequantized when read
         for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
             path = os.path.join(hf_dir, index_name)
             if os.path.exists(path):
@@ -116,14 +118,22 @@ class HFWeights:
             raise ConversionError(f"HF checkpoint {self.dir} is missing {key!r}")
         self.read.add(key)
         h = self._handle(self.where[key])
-        return h.get_tensor(key) if hasattr(h, "get_tensor") else h[key]
+        t = h.get_tensor(key) if hasattr(h, "get_tensor") else h[key]
+        if t.dtype in FP8_DTYPES:
+            scale = key + "_scale_inv"
+            if self.fp8_block is None or scale not in self.where:
+                raise ConversionError(f"{key} is {t.dtype} without {scale} and a block-scaled FP8 "
+                                      f"quantization_config in config.json: cannot dequantize it")
+            from models.hf_families import dequantize_fp8_blocks
+            t = dequantize_fp8_blocks(t, self.get(scale), self.fp8_block)
+        return t
 
     def dtype(self) -> torch.dtype:
         """The dtype the weights were saved in (that of the first floating tensor)."""
-        for key in sorted(self.where):
+        for key in sorted(k for k in self.where if not k.endswith("_scale_inv")):
             h = self._handle(self.where[key])
             dtype = h.dtype(key) if isinstance(h, _SafetensorsFile) else h[key].dtype
-            if dtype.is_floating_point:
+            if dtype.is_floating_point and dtype not in FP8_DTYPES:
                 return dtype
         return torch.float32
 
@@ -253,9 +263,14 @@ def cmd_hf_to_ml(args) -> None:
     from transformers import AutoConfig
 
     _require_dir(args.hf_dir, "HF model directory")
-    cfg = hf_config_to_model_config(AutoConfig.from_pretrained(args.hf_dir, local_files_only=True))
+    hf_config = AutoConfig.from_pretrained(args.hf_dir, local_files_only=True)
+    declared = hf_config_to_model_config(hf_config)
+    weights = HFWeights(args.hf_dir, fp8_block_size(hf_config))
+    cfg = without_absent_mtp(declared, weights.has)
+    if cfg.mtp_depth != declared.mtp_depth:
+        print(f"note: the config declares {declared.mtp_depth} multi-token prediction layers but the weights hold "
+              f"none (transformers drops them): converted without them")
     fam = family_of(cfg)
-    weights = HFWeights(args.hf_dir)
     _layout(args, cfg)  # a bad layout fails before anything is read
     dtype = DTYPES[args.dtype] or weights.dtype()
     stream = hf_to_ours_stream(weights.get, weights.has, cfg, fam.rules, our_sizes(cfg))
@@ -314,8 +329,9 @@ def _megatron_flag_dest(flag: str) -> str:
 
 
 def _megatron_model(src, args) -> ModelConfig:
-    """Our model config of a Megatron checkpoint: its args, with the model flags given over them,
-    and the true vocabulary (--vocab-size, NullTokenizer's from the args, else every stored row)."""
+    """Our model config of a Megatron checkpoint: its args, with the model flags given over them. The
+    vocabulary: every stored row, as Megatron's softmax has them (the tokenizer's from --vocab-size or
+    NullTokenizer's args recorded apart), or only the tokenizer's under --trim-padded-vocab."""
     from models.megatron_conversion import model_config_from_megatron_args, true_vocab_size
 
     given = {}
@@ -328,10 +344,18 @@ def _megatron_model(src, args) -> ModelConfig:
                        f"--num-attention-heads, ...)")
     margs = {**src.args, **given}
     rows = src.rows("embedding.word_embeddings.weight")
-    vocab = true_vocab_size(margs, args.vocab_size) or margs.get("padded_vocab_size") or rows
-    if rows is not None and vocab > rows:
-        raise CLIError(f"vocabulary size {vocab} exceeds the {rows} rows of the checkpoint's word embeddings")
-    return model_config_from_megatron_args(margs, vocab)
+    tokenizer_vocab = true_vocab_size(margs, args.vocab_size)
+    if args.trim_padded_vocab and tokenizer_vocab is None:
+        raise CLIError("--trim-padded-vocab needs the tokenizer's vocabulary, which the checkpoint's args do not "
+                       "say: give --vocab-size")
+    vocab = tokenizer_vocab if args.trim_padded_vocab else margs.get("padded_vocab_size") or rows
+    if rows is not None and max(vocab, tokenizer_vocab or 0) > rows:
+        raise CLIError(f"vocabulary size {max(vocab, tokenizer_vocab)} exceeds the {rows} rows of the checkpoint's "
+                       f"word embeddings")
+    cfg = model_config_from_megatron_args(margs, vocab)
+    if tokenizer_vocab is not None and tokenizer_vocab < vocab:
+        cfg = dataclasses.replace(cfg, tokenizer_vocab_size=tokenizer_vocab)
+    return cfg
 
 
 def cmd_megatron_to_ml(args) -> None:
@@ -360,7 +384,9 @@ def cmd_megatron_to_ml(args) -> None:
         args, cfg, stream, our_names(cfg, MEGATRON_RULES), dtype,
         f"megatron-to-ml {os.path.abspath(src.dir)} ({src.format}, iteration {src.iteration})")
     rows = src.rows("embedding.word_embeddings.weight")
-    padding = "" if cfg.vocab_size < rows else " (all of Megatron's padded rows: --vocab-size drops the padding)"
+    padding = " (the tokenizer's: --trim-padded-vocab)" if cfg.vocab_size < rows else \
+        f" (Megatron's padded rows, in the softmax as Megatron has them; the tokenizer's {cfg.tokenizer_vocab_size})" \
+        if cfg.tokenizer_vocab_size else " (Megatron's padded rows, in the softmax as Megatron has them)"
     print(f"wrote Megatron-Core GPT weights ({cfg.num_parameters():,} parameters, {dtype}, vocabulary "
           f"{cfg.vocab_size}{padding}) from {src.dir} ({src.format}, iteration {src.iteration}) as a training "
           f"checkpoint for tp={tp} pp={pp} ({tp * pp * dp} files) to {final}")
@@ -384,7 +410,7 @@ def cmd_ml_to_megatron(args) -> None:
         margs = megatron_args_of_config(cfg, tp, pp, ep)
         data = (ckpt_meta.get("config") or {}).get("data") or {}
         if data.get("tokenizer_type") == "NullTokenizer":  # Megatron's NullTokenizer adds the end of document
-            margs.update(tokenizer_type="NullTokenizer", vocab_size=cfg.vocab_size - 1)
+            margs.update(tokenizer_type="NullTokenizer", vocab_size=cfg.tokenizer_vocab - 1)
         dtype = DTYPES[args.dtype]
         release = os.path.join(args.out, "release")
         stream = ((n, t if dtype is None or not t.is_floating_point() else t.to(dtype))
@@ -593,8 +619,12 @@ def _add_megatron_to_ml(sub) -> None:
     p.add_argument("--out", required=True, help="output checkpoint root (what --load takes)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="keep", help="stored dtype (keep: the checkpoint's)")
     p.add_argument("--vocab-size", type=int, default=None,
-                   help="the tokenizer's vocabulary: rows past it are Megatron's padding, dropped (default: "
-                        "NullTokenizer's from the args, else every row of the padded vocabulary)")
+                   help="the tokenizer's vocabulary (default: NullTokenizer's from the args): rows past it are "
+                        "Megatron's padding, kept as logits in the softmax as Megatron-LM has them")
+    p.add_argument("--trim-padded-vocab", action="store_true",
+                   help="drop Megatron's padding rows: the model's vocabulary is the tokenizer's, which runs pad "
+                        "again per --make-vocab-size-divisible-by x TP, outside the softmax (the loss then differs "
+                        "from Megatron's)")
     _add_layout(p, data_parallel=False)
     g = p.add_argument_group("model (Megatron-LM's flags: for checkpoints without args, or to override theirs)")
     for flag, kind in MEGATRON_MODEL_FLAGS:

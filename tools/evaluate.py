@@ -120,9 +120,9 @@ def resolve(argv: Optional[List[str]]) -> Evaluation:
     d = cfg.data
     tokenizer = build_tokenizer(d.tokenizer_type, tokenizer_model=d.tokenizer_model, vocab_file=d.vocab_file,
                                 merge_file=d.merge_file, vocab_size=d.vocab_size)
-    if tokenizer.vocab_size != model.vocab_size:
+    if tokenizer.vocab_size != model.tokenizer_vocab:
         raise ConfigError(f"{tokenizer.name} has vocab {tokenizer.vocab_size} but the checkpoint's model "
-                          f"{model.vocab_size}: pass the tokenizer it was trained with")
+                          f"{model.tokenizer_vocab}: pass the tokenizer it was trained with")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.finalize(world_size).validate(world_size)
     check_data_paths(d, tokenizer)

@@ -147,10 +147,10 @@ class Setup:
         if args.attention_backend:
             model.attention_backend = args.attention_backend
         self.tokenizer = build_tokenizer_for(args, self.cfg.data)
-        if self.tokenizer.vocab_size != model.vocab_size:
+        if self.tokenizer.vocab_size != model.tokenizer_vocab:
             raise ConfigError(f"{self.tokenizer.name} has vocab {self.tokenizer.vocab_size} but the checkpoint's model "
-                              f"{model.vocab_size}: pass the --tokenizer-type / --tokenizer-model it was trained with "
-                              f"(NullTokenizer: --vocab-size {model.vocab_size - 1})")
+                              f"{model.tokenizer_vocab}: pass the --tokenizer-type / --tokenizer-model it was trained "
+                              f"with (NullTokenizer: --vocab-size {model.tokenizer_vocab - 1})")
         self.texts = read_prompts(args)
         self.prompts = [tokenize(self.tokenizer, t) or [self.tokenizer.eod] for t in self.texts]
         self.max_new_tokens = self._max_new_tokens(args.max_new_tokens)

@@ -37,7 +37,9 @@ FREE_FIELDS = {"attention_dropout", "hidden_dropout", "init_method_std", "attent
                "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_aux_loss_coeff", "moe_z_loss_coeff",
                "moe_router_bias_update_rate", "moe_input_jitter_eps", "moe_router_load_balancing_type",
                "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
-               "moe_router_dtype", "moe_layer_recompute"}
+               "moe_router_dtype", "moe_layer_recompute",
+               "mtp_loss_scaling_factor",
+               "tokenizer_vocab_size"}  # the MTP loss's weight: training, not the weights
 
 
 def config_diffs(saved: dict, current: dict, prefix: str = "") -> List[str]:

@@ -56,7 +56,7 @@ class PromptBatch:
 class DecodingSession:
     """One batch of prompts through one model chunk holding the whole model (tp ranks only):
     `prefill()`, then `step(tokens)` once per generated token; each returns the next-token logits
-    [b, vocab] (float32, full vocabulary on every TP rank). Puts the model in eval mode."""
+    [b, vocab] (float32, the tokenizer's full vocabulary on every TP rank). Puts the model in eval mode."""
 
     def __init__(self, model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, pad_id: int = 0):
         check_generation_model(model)
@@ -73,7 +73,7 @@ class DecodingSession:
         packed = None if docs is None else PackedSeq(docs[:, :end])  # the keys: every slot cached so far
         logits = self.model(tokens, self.batch.positions[:, start:end], packed=packed, kv_cache=self.cache)
         self.cache.advance(tokens.shape[1])
-        return logits[:, -1]
+        return logits[:, -1, :self.model.cfg.tokenizer_vocab]  # a Megatron model's padded rows are no tokens
 
     def prefill(self) -> torch.Tensor:
         return self._forward(self.batch.tokens)

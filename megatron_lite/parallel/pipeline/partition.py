@@ -11,7 +11,9 @@ Megatron-LM's ways to do otherwise (`LayerSplit`, one of them at a time):
   - `--pipeline-model-parallel-layout`: every virtual stage spelled out, e.g. "Et*3|(tt|)*29,m|L":
     `|` separates the pp x vpp stages in virtual-stage order, `E` embedding, `t` transformer layer,
     `m` multi-token-prediction layer, `L` loss; `(...)*n` and `x*n` repeat, commas are cosmetic.
-    The number of stages sets vpp.
+    The number of stages sets vpp. The MTP modules sit with the loss: every `m` in the last stage,
+    after its transformer layers and before L (which may leave that stage to MTP alone: "Ett|tt|mL");
+    Megatron-Core's standalone MTP (its `m` on a stage before the loss's) is refused.
 A virtual stage between the first and the last needs at least one layer (it has no other parameters).
 """
 from __future__ import annotations
@@ -64,8 +66,6 @@ def layout_stage_sizes(text: str, num_layers: int, pp: int) -> List[int]:
     """Layers of each virtual stage of a --pipeline-model-parallel-layout (len = pp x vpp)."""
     stages = parse_layout(text)
     flat, bad = "".join(stages), f"--pipeline-model-parallel-layout {text!r}"
-    if "m" in flat:
-        raise ConfigError(f"{bad}: multi-token prediction ('m') is not implemented; drop the m entries")
     if len(stages) % pp:
         raise ConfigError(f"{bad} has {len(stages)} stages, not a multiple of --pipeline-model-parallel-size ({pp}); "
                           f"give pp x virtual-stages stages separated by |")
@@ -75,7 +75,16 @@ def layout_stage_sizes(text: str, num_layers: int, pp: int) -> List[int]:
         raise ConfigError(f"{bad}: the loss L must come once, last in the last stage")
     if flat.count("t") != num_layers:
         raise ConfigError(f"{bad} places {flat.count('t')} transformer layers (t) but --num-layers is {num_layers}")
+    if "m" in flat and not (re.fullmatch(r"[^m]*m+L", flat) and stages[-1].count("m") == flat.count("m")):
+        raise ConfigError(f"{bad}: the multi-token prediction layers (m) go together into the last stage, after "
+                          f"every transformer layer and just before L (an m stage before the loss's, Megatron-Core's "
+                          f"standalone MTP, is not supported)")
     return [st.count("t") for st in stages]
+
+
+def layout_mtp_layers(text: str) -> int:
+    """How many multi-token prediction layers (m) a --pipeline-model-parallel-layout places."""
+    return "".join(parse_layout(text)).count("m")
 
 
 def _ends_and_rest(num_layers: int, n: int, first: Optional[int], last: Optional[int]) -> List[int]:
