@@ -89,13 +89,20 @@ class Float8GemmPath(GemmPath):
                 if first_last_bf16 and layer is not None and (
                         layer < first_last_bf16[0] or layer >= num_layers - first_last_bf16[1]):
                     keep_precision(p)
+            if self.delayed is not None:  # every rank of the amax group folds the same GEMMs (all experts)
+                self.delayed.expect(name for p in self._gemm_weights(chunk) for name in _gemm_names(p))
             if self.recipe == "blockwise" and self.dims is not None and self.dims.tp > 1:
-                for module in chunk.modules():  # the weights of this path's GEMMs
-                    for p in module.parameters(recurse=False) if getattr(module, "gemm", None) is self else ():
-                        if p.dim() >= 2 and not getattr(p, "keep_precision", False):
-                            check_tp_blocks(p.fp8_name, p, self.dims.tp)
+                for p in self._gemm_weights(chunk):
+                    check_tp_blocks(p.fp8_name, p, self.dims.tp)
         if first_last_bf16:
             self.bf16_layers = (first_last_bf16[0], first_last_bf16[1], num_layers)
+
+    def _gemm_weights(self, chunk):
+        """The weights of this path's FP8 GEMMs in `chunk` (not those kept in precision)."""
+        for module in chunk.modules():
+            for p in module.parameters(recurse=False) if getattr(module, "gemm", None) is self else ():
+                if p.dim() >= 2 and not getattr(p, "keep_precision", False):
+                    yield p
 
     def describe(self, params_dtype, moe_layers=(), mla: bool = False) -> str:
         """The start-up line; `moe_layers`: per layer, whether its MLP is an MoE layer; `mla`: multi-latent
@@ -167,11 +174,13 @@ class Float8GemmPath(GemmPath):
         tp = [self.dims.tp_group] if self.dims is not None and self.dims.tp > 1 else []
         reduce = self._reducer(k_groups if rowwise else tp + call["tokens"])
         if call["batches"] is not None and not rowwise:
-            # an expert's rows (tokens) of several micro-batches: one scale per micro-batch, as in
-            # the single-process run, which quantizes one micro-batch at a time
-            qa, sa = quantize(a, dtypes[0], 1, self.margin, self._by_batch(call["batches"], tp + call["tokens"]))
-            qb, sb = quantize(b, dtypes[1], None, self.margin, reduce)
-            return scaled_mm(qa, qb, sa, sb.expand(1, b.shape[1]), out_dtype)
+            # an expert's rows (tokens) of several micro-batches: one current scale per micro-batch,
+            # as in the single-process run, which quantizes one micro-batch at a time (delayed
+            # scaling's one scale serves them all)
+            by_batch = self._by_batch(call["batches"], tp + call["tokens"])
+            qa, sa = self._quantize(a, dtypes[0], 1, by_batch, call, roles[0])
+            qb, sb = self._quantize(b, dtypes[1], None, reduce, call, roles[1])
+            return scaled_mm(qa, qb, sa.expand(a.shape[0], 1), sb.expand(1, b.shape[1]), out_dtype)
         qa, sa = self._quantize(a, dtypes[0], 1 if rowwise else None, reduce, call, roles[0])
         qb, sb = self._quantize(b, dtypes[1], 0 if rowwise else None, reduce, call, roles[1])
         return scaled_mm(qa, qb, sa, sb, out_dtype)
@@ -183,7 +192,7 @@ class Float8GemmPath(GemmPath):
         name = call["name"]
         self.delayed.observe(name, role, t.abs().amax() if t.numel() else t.new_zeros(()))
         scale = self.delayed.scale_of(name, role)
-        return quantize(t, dtype, None, self.margin, reduce if scale is None else None, scale)
+        return quantize(t, dtype, dim, self.margin, reduce if scale is None else None, scale)
 
     def _tp_if(self, split):
         return [self.dims.tp_group] if split and self.dims is not None and self.dims.tp > 1 else []
@@ -195,7 +204,7 @@ class Float8GemmPath(GemmPath):
         if call["plain"]:
             return super().forward(call, x, w, bias)
         if self.delayed is not None:
-            call["name"] = getattr(w, "fp8_name", None)
+            call["name"] = _gemm_name(w)
             assert call["name"] is not None, "delayed scaling: bind() the model to the GEMM path first"
         (w if w._base is None else w._base).fp8_gemm = True  # its ZeRO gathers may move FP8 (fp8_param_gather.py)
         call["split"], call["tokens"] = self._splits(w)
@@ -230,3 +239,23 @@ def _layer_of(name: str):
     """The global (0-based) transformer layer a parameter name belongs to, or None."""
     parts = name.split(".")
     return next((int(parts[i + 1]) for i, p in enumerate(parts[:-1]) if p == "layers" and parts[i + 1].isdigit()), None)
+
+
+def _gemm_names(p):
+    """The recipe-state names of weight p's GEMMs: its global name; one per global expert
+    (`<name>.<expert>`) for the stacked experts' weight, whose experts are spread over EP."""
+    spec = getattr(p, "shard_spec", None)
+    ep = spec.split("ep") if spec is not None else None
+    if ep is None:
+        return [p.fp8_name]
+    return [f"{p.fp8_name}.{e}" for e in range(ep.shards * p.shape[0])]
+
+
+def _gemm_name(w):
+    """The recipe-state name of the GEMM with weight w: a parameter's, or an expert's (w = stacked[e])."""
+    base = w._base
+    if base is None or base.dim() == w.dim():
+        return getattr(w if base is None else base, "fp8_name", None)
+    local = (w.storage_offset() - base.storage_offset()) // base.stride(0)
+    ep = base.shard_spec.split("ep") if getattr(base, "shard_spec", None) is not None else None
+    return f"{base.fp8_name}.{local + (ep.index * base.shape[0] if ep is not None else 0)}"

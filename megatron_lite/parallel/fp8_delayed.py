@@ -3,7 +3,9 @@ tensors (input, weight, output gradient) are scaled by a scale computed from an 
 BEFORE the step sees them; the step's amaxes are only recorded.
 
 The recipe state: per GEMM, keyed by its weight's global parameter name (the same on every TP
-rank, and at every layout), an amax history [3 tensors, --fp8-amax-history-len] (newest first)
+rank, and at every layout; an expert's GEMMs by `<stacked weight's name>.<global expert>`, and
+every rank of the stage folds every expert's, 0 for those EP puts elsewhere, so the MAX over
+the group is the expert's amax at any EP / ETP / CP), an amax history [3 tensors, --fp8-amax-history-len] (newest first)
 and the 3 scales. Each quantization records its local amax into the step's pending maximum
 (micro-batches, recomputation and evaluation passes fold by MAX); once per applied optimizer
 step (`after_update`) the pending amaxes are MAX-all-reduced over the stage's TP x DP x CP
@@ -41,6 +43,7 @@ class DelayedScaling:
         self.folds: Dict[str, int] = {}  # name -> steps folded into its history
         self.pending: Dict[str, torch.Tensor] = {}  # name -> [3]: this step's amaxes so far
         self.loaded: dict = {}  # a checkpoint's entries, taken by each GEMM when first seen
+        self.expected: List[str] = []  # the stage's GEMMs (bind): folded even where a rank runs none (experts)
 
     def _entry(self, name: str) -> None:
         if name in self.history:
@@ -55,6 +58,9 @@ class DelayedScaling:
                             else torch.ones(3, device=self.device))
         self.folds[name] = saved["folds"] if saved is not None else 0
         self.pending[name] = torch.zeros(3, device=self.device)
+
+    def expect(self, names) -> None:
+        self.expected = sorted(set(self.expected).union(names))
 
     # --- the GEMM path's side -------------------------------------------------------------------
     def scale_of(self, name: str, role: str) -> Optional[torch.Tensor]:
@@ -73,6 +79,8 @@ class DelayedScaling:
             p.zero_()
 
     def after_update(self) -> None:
+        for name in self.expected:  # an expert held by other EP ranks folds their amaxes (0 here)
+            self._entry(name)
         if not self.pending:
             return
         names = sorted(self.pending)  # the same GEMMs, in the same order, on every rank of the group
