@@ -639,11 +639,6 @@ class Config:
         if t.fp8_param_gather:  # fp8_param_gather.py
             _require(p.zero_stage > 0, "--fp8-param-gather needs --use-distributed-optimizer or --zero-stage 1|2|3 "
                                        "(at --zero-stage 0 nothing is gathered)")
-        # MLA's replicated down-projections see partial input gradients on each TP rank (summed after): FP8
-        # would quantize the partial sums, not the single process's whole gradient.
-        _require(not (self.model.multi_latent_attention and p.tp > 1),
-                 "FP8 with --multi-latent-attention at --tensor-model-parallel-size > 1 is not implemented yet (it "
-                 "would not reproduce the single-process run): use TP 1, or drop one of them")
         ep = p.expert_model_parallel_size
         if moe is not None and moe.num_experts and p.cp > 1:  # fp8.py: an expert's tokens, whole or reduced over CP
             _require(ep == 1 or ep % p.cp == 0, f"FP8 MoE with --expert-model-parallel-size {ep} and "

@@ -3,9 +3,11 @@ with EP / TP / CP, grouped GEMM): each whole run equals the single-process FP8 r
 gradient norms, and delayed scaling's recipe state, the experts' amax histories included)."""
 import pytest
 
-from megatron_lite.testing import assert_same_run
+from megatron_lite.testing import assert_same_run, run_distributed
 from test_fp8 import MOE
 from test_fp8_recipes import LATER_AMAX_RTOL, _argv, _assert_same_state, _run
+from test_mla import BASE as MLA_BASE, TP_SP
+from training_utils import merged_params, records_of, train_and_gather
 
 BLOCKWISE = ["--fp8-format", "hybrid", "--fp8-recipe", "blockwise"]
 ONE = ["--micro-batch-size", "1"]  # EP over DP ranks: each rank one of the reference's micro-batches
@@ -35,3 +37,17 @@ def test_delayed_layout_equals_the_single_process(layout):
     dp = 2 if "--expert-model-parallel-size" in extra and "--context-parallel-size" not in extra else 1
     _assert_same_state(state, ref_state, rtol=1e-5, grad_factor=dp, steps=slice(2, 3))  # the first step's amaxes
     _assert_same_state(state, ref_state, rtol=LATER_AMAX_RTOL, grad_factor=dp)
+
+
+# --- FP8 multi-latent attention at TP > 1 ---------------------------------------------------------
+@pytest.mark.parametrize("recipe", ["tensorwise", pytest.param("delayed", marks=pytest.mark.slow),
+                                    pytest.param("rowwise", marks=pytest.mark.slow)])
+def test_mla_fp8_tp2_sp_equals_the_single_process(recipe):
+    """MLA's down-projections are whole on every TP rank but see partial output gradients (this
+    rank's heads): their FP8 GEMMs quantize the TP sum, as the single process, counted once; the
+    up-projections are column-parallel (amaxes over TP). The first step to fp32 rounding."""
+    argv = MLA_BASE + ["--fp8-format", "hybrid", "--fp8-recipe", recipe, "--train-iters", "3"]
+    ref = run_distributed(train_and_gather, 1, argv)
+    got = run_distributed(train_and_gather, 2, argv + TP_SP)
+    assert_same_run(records_of([r[0] for r in ref]), records_of([r[0] for r in got]), rtol=1e-4,
+                    grad_norm_rtol=1e-6, params=merged_params(got), ref_params=merged_params(ref))

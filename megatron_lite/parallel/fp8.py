@@ -10,7 +10,8 @@ numerics: the features over TP (row-parallel inputs and weights, column-parallel
 expert's ffn slice at ETP = TP), the tokens over CP (and an expert's tokens over the TP ranks that
 each route their own share at ETP = 1; over CP unless EP hands every CP rank's tokens to the
 expert's one owner). The per-tensor amax is reduced over all of them (a replicated tensor keeps its
-value). Where EP over data-parallel ranks hands an expert the tokens of several micro-batches (the
+value). A weight whole on every TP rank whose output gradient is partial there (MLA's
+down-projections) has its backward GEMMs run on the TP sum of the gradient, counted by rank 0. Where EP over data-parallel ranks hands an expert the tokens of several micro-batches (the
 call's `batches`), each micro-batch's rows get their own scale, as in the single-process run. Only the layers built with the path are FP8 (attention and MLP linears, experts, shared
 experts), less a weight marked `keep_precision` (the output layer, and with --first-last-layers-bf16
 those layers' weights); the embedding, norms and router are not built with it. The experts' grouped GEMM is the loop of dense FP8 GEMMs over the experts
@@ -137,7 +138,8 @@ class Float8GemmPath(GemmPath):
         spec, shift = getattr(w, "shard_spec", None), 0
         if spec is None and w._base is not None:
             spec, shift = getattr(w._base, "shard_spec", None), w._base.dim() - w.dim()
-        split = next((s.dim - shift for s in spec.splits if s.axis == "tp"), None) if spec else None
+        # (a weight replicated over TP, shards 1, is not split: its GEMMs see partial gradients, see _partial)
+        split = next((s.dim - shift for s in spec.splits if s.axis == "tp" and s.shards > 1), None) if spec else None
         d = self.dims
         if d is None:
             return split, []
@@ -208,15 +210,41 @@ class Float8GemmPath(GemmPath):
             assert call["name"] is not None, "delayed scaling: bind() the model to the GEMM path first"
         (w if w._base is None else w._base).fp8_gemm = True  # its ZeRO gathers may move FP8 (fp8_param_gather.py)
         call["split"], call["tokens"] = self._splits(w)
+        call["partial"] = self._partial(w)
         k_split = self._tp_if(call["split"] == 1)  # row parallel: x and W split along the contracted dimension
         e4m3 = FORMATS["e4m3"]
         y = self._mm(x.reshape(-1, x.shape[-1]), w.t(), (e4m3, e4m3), k_split, x.dtype, call)
         y = y.reshape(*x.shape[:-1], w.shape[0]).detach()  # not a view: callers may modify it in place
         return y if bias is None else y + bias
 
+    def _partial(self, w) -> bool:
+        """Whether w is whole on every TP rank but each rank's output gradient only a partial sum
+        (MLA's down-projections, whose outputs feed this rank's heads): the GEMMs then quantize
+        the TP sum of the gradient, as the single process, and TP rank 0 alone contributes."""
+        spec = getattr(w, "shard_spec", None)
+        split = spec.split("tp") if spec is not None else None
+        return split is not None and split.shards == 1 and split.replicas > 1 and self.dims.tp > 1
+
+    def _whole_grad(self, call, g):
+        """The TP sum of a partial output gradient (once per call: the weight gradient reuses it)."""
+        if call.get("whole_grad") is None:
+            whole = g.contiguous().clone()
+            self.dims.comm.all_reduce(whole, self.dims.tp_group)
+            call["whole_grad"] = whole
+        return call["whole_grad"]
+
+    def _rank0(self, t):
+        """t on TP rank 0, zeros elsewhere: the TP sum that follows counts it once."""
+        return t if self.dims.tp_rank == 0 else torch.zeros_like(t)
+
     def input_grad(self, call, g, w):
         if call["plain"]:
             return super().input_grad(call, g, w)
+        if call["partial"]:
+            return self._rank0(self._input_grad(call, self._whole_grad(call, g), w))
+        return self._input_grad(call, g, w)
+
+    def _input_grad(self, call, g, w):
         n_split = self._tp_if(call["split"] == 0)  # column parallel: g and W split along the output features
         g2 = self._mm(g.reshape(-1, g.shape[-1]), w, (self.grad_dtype, FORMATS["e4m3"]), n_split, g.dtype, call,
                       ("grad", "weight"))
@@ -225,6 +253,13 @@ class Float8GemmPath(GemmPath):
     def weight_grad(self, call, g, x):
         if call["plain"]:
             return super().weight_grad(call, g, x)
+        if call["partial"]:
+            whole = self._whole_grad(call, g)
+            call["whole_grad"] = None  # the last use of it
+            return self._rank0(self._weight_grad(call, whole, x))
+        return self._weight_grad(call, g, x)
+
+    def _weight_grad(self, call, g, x):
         # contracted over the tokens (SP inputs are gathered again, CP's stay split)
         g, x = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
         if call["batches"] is None:
