@@ -644,17 +644,6 @@ class Config:
             _require(ep == 1 or ep % p.cp == 0, f"FP8 MoE with --expert-model-parallel-size {ep} and "
                      f"--context-parallel-size {p.cp}: EP must be 1 or a multiple of CP (so an expert's tokens "
                      f"are on one rank or split over whole CP groups)")
-        if t.fp8_recipe in ("tensorwise", "rowwise", "delayed"):
-            return
-        # Delayed and blockwise scaling are proven at TP / SP / DP / PP for dense layers only so far.
-        recipe = f"FP8 {t.fp8_recipe} scaling"
-        if moe is not None and moe.num_experts:
-            _require(not moe.moe_grouped_gemm, f"{recipe} with --moe-grouped-gemm is not implemented yet: use "
-                                               f"--fp8-recipe tensorwise or rowwise")
-            _require(p.tp == 1, f"{recipe} with MoE at --tensor-model-parallel-size > 1 is not implemented yet: use "
-                                f"--fp8-recipe tensorwise or rowwise")
-        _require(p.cp == 1, f"{recipe} with --context-parallel-size > 1 is not implemented yet: use --fp8-recipe "
-                            f"tensorwise or rowwise")
 
     def _validate_pipeline(self, num_microbatches: int) -> None:
         from .parallel.pipeline.partition import LayerSplit, stage_layer_ranges

@@ -1,6 +1,9 @@
 """Delayed and blockwise FP8 scaling at the layouts the current-scaling recipes run at (CP, MoE
 with EP / TP / CP, grouped GEMM): each whole run equals the single-process FP8 run (losses,
-gradient norms, and delayed scaling's recipe state, the experts' amax histories included)."""
+gradient norms, and delayed scaling's recipe state, the experts' amax histories included);
+blockwise's weight-gradient tiles of 128 tokens follow the single process's token order across
+ranks (a CP chunk that is not whole tiles, an expert's tokens from several ranks); FP8 MLA at
+TP2+SP."""
 import pytest
 
 from megatron_lite.testing import assert_same_run, run_distributed
@@ -21,8 +24,8 @@ DELAYED_LAYOUTS = {  # name: (world, the model's flags, the layout's flags)
 }
 
 
-def _default_first(layouts):
-    return [pytest.param(name, marks=() if i == 0 else pytest.mark.slow) for i, name in enumerate(layouts)]
+def _default_first(layouts, n=1):
+    return [pytest.param(name, marks=() if i < n else pytest.mark.slow) for i, name in enumerate(layouts)]
 
 
 @pytest.mark.parametrize("layout", _default_first(DELAYED_LAYOUTS))
@@ -51,3 +54,48 @@ def test_mla_fp8_tp2_sp_equals_the_single_process(recipe):
     got = run_distributed(train_and_gather, 2, argv + TP_SP)
     assert_same_run(records_of([r[0] for r in ref]), records_of([r[0] for r in got]), rtol=1e-4,
                     grad_norm_rtol=1e-6, params=merged_params(got), ref_params=merged_params(ref))
+
+
+# --- blockwise: the weight gradient's 128-token tiles cut as the single process cuts them ---------
+def test_token_tiles_follow_the_single_process_order():
+    """An expert's rows in another order (EP) or a CP rank's zigzag part: each row quantized in its
+    single-process tile gives the single process's blockwise weight gradient."""
+    import torch
+    from megatron_lite.parallel.fp8_blocks import blockwise_mm, token_tiled_weight_grad
+    gen = torch.Generator().manual_seed(0)
+    g, x = torch.randn(300, 24, generator=gen) * 1e-3, torch.randn(300, 40, generator=gen)
+    x[::37] *= 50  # outliers make every tile's scale its own
+    dtypes = (torch.float8_e5m2, torch.float8_e4m3fn)
+    ref = blockwise_mm(g.t(), x, dtypes, False, 0, torch.float32)
+    perm = torch.randperm(300, generator=gen)
+    got = token_tiled_weight_grad(g[perm], x[perm], perm // 128, 3, dtypes, 0, torch.float32)
+    scale = g.abs().t() @ x.abs()  # fp32 summation in another order: within 1e-6 of the sum of magnitudes
+    assert ((got - ref).abs() <= 1e-6 * scale).all()
+    local = blockwise_mm(g[perm].t(), x[perm], dtypes, False, 0, torch.float32)  # tiles of the local order
+    assert ((local - ref).abs() > 1e-3 * scale).any()
+
+
+# 192 tokens a sequence: a CP2 zigzag chunk (48 positions x 2 sequences) is not a whole 128-token tile
+LONG = ["--seq-length", "192"]
+WIDE = ["--hidden-size", "128", "--num-attention-heads", "2", "--kv-channels", "128", "--ffn-hidden-size", "256",
+        "--num-query-groups", "2"]  # TP2 shards of whole 128-blocks
+BLOCKWISE_LAYOUTS = {  # name: (world, the model's flags, the layout's flags)
+    "cp2": (2, LONG, ["--context-parallel-size", "2"]),
+    "moe-cp2": (2, LONG + MOE, ["--context-parallel-size", "2"]),  # an expert's tokens routed by both CP ranks
+    "moe-tp2-sp": (2, LONG + WIDE + MOE, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "moe-cp2-ep2": (2, LONG + MOE, ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"]),
+    "moe-ep2": (2, LONG + MOE + ONE, ["--expert-model-parallel-size", "2"]),
+    "moe-grouped-tp2-etp2-sp": (2, LONG + WIDE + MOE + ["--moe-grouped-gemm"], [
+        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "2"]),
+}
+
+
+@pytest.mark.parametrize("layout", _default_first(BLOCKWISE_LAYOUTS, 2))
+def test_blockwise_layout_equals_the_single_process(layout):
+    world, model, extra = BLOCKWISE_LAYOUTS[layout]
+    ref, _, _ = _run(1, _argv(model, iters=2, fp8=BLOCKWISE))
+    got, _, _ = _run(world, _argv(model + extra, iters=2, fp8=BLOCKWISE))
+    # fp32 summation order differs across ranks; at TP an input-gradient element may land on the other
+    # side of an FP8 rounding boundary (test_fp8_recipes.test_blockwise_tp2_sp_...): 1e-4 there
+    tp = "--tensor-model-parallel-size" in extra
+    assert_same_run(ref, got, rtol=1e-4, grad_norm_rtol=1e-4 if tp else 1e-5)

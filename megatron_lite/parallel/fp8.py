@@ -19,14 +19,19 @@ those layers' weights); the embedding, norms and router are not built with it. T
 
 `delayed` (fp8_delayed.py) scales each tensor by a scale from its amax history, a recipe state
 keyed by the weight's global name (`bind`); `blockwise` (fp8_blocks.py) scales 1x128 tiles of
-activations and gradients and 128x128 blocks of weights.
+activations and gradients and 128x128 blocks of weights. Its weight gradient tiles the tokens:
+where they are split over ranks (CP's zigzag parts, an expert's tokens from several TP / CP
+ranks) or reordered (EP), each row goes into the tile of the single process's order (the call's
+`order`: the MoE layer's dispatcher supplies an expert's, a dense layer under CP has its zigzag
+positions) and a tile's amax is MAX-reduced over the ranks holding its rows.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from .fp8_blocks import blockwise_mm, check_tp_blocks
+from .context_parallel import zigzag_indices
+from .fp8_blocks import BLOCK, blockwise_mm, check_tp_blocks, token_tiled_weight_grad
 from .fp8_delayed import DelayedScaling
 from .gemm import GemmPath, keep_precision
 
@@ -78,6 +83,8 @@ class Float8GemmPath(GemmPath):
             dtypes = {"input": FORMATS["e4m3"], "weight": FORMATS["e4m3"], "grad": self.grad_dtype}
             self.delayed = DelayedScaling(dtypes, amax_history_len, amax_compute_algo, margin, dims, device)
         self.bf16_layers: tuple = ()  # (start, end): layers kept in the params dtype (describe)
+        # blockwise tiles the weight gradient's tokens: the MoE layer then gives each expert row's place
+        self.token_order = recipe == "blockwise"
 
     def bind(self, chunks, first_last_bf16=None, num_layers: int = 0) -> None:
         """Name each weight for the recipe state (its global parameter name), mark the weights of the
@@ -128,9 +135,9 @@ class Float8GemmPath(GemmPath):
     # the experts' GEMMs run as the loop over experts (experts.py), one dense FP8 GEMM each
     grouped_kernel = False
 
-    def new_call(self, batches=None):
+    def new_call(self, batches=None, order=None):
         # forward records where the GEMM's dimensions are split, and whether it stays plain
-        return {"batches": batches}
+        return {"batches": batches, "order": order}
 
     def _splits(self, w):
         """(the dimension of the 2-D weight `w` that TP splits or None, the groups splitting the tokens),
@@ -211,6 +218,8 @@ class Float8GemmPath(GemmPath):
         (w if w._base is None else w._base).fp8_gemm = True  # its ZeRO gathers may move FP8 (fp8_param_gather.py)
         call["split"], call["tokens"] = self._splits(w)
         call["partial"] = self._partial(w)
+        if self.token_order and call["order"] is None and call["tokens"] and x.dim() == 3:
+            call["order"] = self._sequence_order(x)  # a dense layer's tokens split over CP
         k_split = self._tp_if(call["split"] == 1)  # row parallel: x and W split along the contracted dimension
         e4m3 = FORMATS["e4m3"]
         y = self._mm(x.reshape(-1, x.shape[-1]), w.t(), (e4m3, e4m3), k_split, x.dtype, call)
@@ -263,11 +272,27 @@ class Float8GemmPath(GemmPath):
         # contracted over the tokens (SP inputs are gathered again, CP's stay split)
         g, x = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
         if call["batches"] is None:
-            return self._mm(g.t(), x, (self.grad_dtype, FORMATS["e4m3"]), call["tokens"], g.dtype, call,
-                            ("grad", "input"))
-        (rows, n), one = call["batches"], dict(call, batches=None)  # each micro-batch quantized alone, summed
-        return sum(self._mm(g[rows == i].t(), x[rows == i], (self.grad_dtype, FORMATS["e4m3"]), call["tokens"],
-                            g.dtype, one, ("grad", "input")) for i in range(n))
+            return self._token_mm(call, g, x)
+        (rows, n), order = call["batches"], call["order"]  # each micro-batch quantized alone, summed
+        return sum(self._token_mm(dict(call, batches=None, order=order and (order[0][rows == i], order[1])),
+                                  g[rows == i], x[rows == i]) for i in range(n))
+
+    def _token_mm(self, call, g, x):
+        """g^T x, contracted over tokens; blockwise tiles them in the single process's order."""
+        dtypes = (self.grad_dtype, FORMATS["e4m3"])
+        if self.recipe == "blockwise" and call["order"] is not None:
+            order, n = call["order"]
+            return token_tiled_weight_grad(g, x, order // BLOCK, -(-n // BLOCK), dtypes, self.margin, g.dtype,
+                                           self._reducer(call["tokens"]))
+        assert self.recipe != "blockwise" or not call["tokens"], "blockwise: tokens split over ranks need their order"
+        return self._mm(g.t(), x, dtypes, call["tokens"], g.dtype, call, ("grad", "input"))
+
+    def _sequence_order(self, x):
+        """(each row's index in the single-process micro-batch [s, b], their number) for x [s, b, ...]
+        holding this CP rank's zigzag part of the sequence (context_parallel.py)."""
+        s, b, d = x.shape[0], x.shape[1], self.dims
+        pos = zigzag_indices(s * d.cp, d.cp, d.cp_rank, x.device)
+        return (pos[:, None] * b + torch.arange(b, device=x.device)).reshape(-1), s * d.cp * b
 
 
 def _layer_of(name: str):
