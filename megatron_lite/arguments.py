@@ -290,9 +290,9 @@ def no_effect(args: argparse.Namespace, tp: int) -> List[str]:
     if getattr(args, "attention_backend", None) == "fused":
         out.append("--attention-backend fused (runs sdpa: PyTorch's fused attention)")
     recipe = getattr(args, "fp8_recipe", None) or "delayed"
-    if getattr(args, "fp8_param_gather", False) and getattr(args, "fp8_format", None) and recipe != "tensorwise":
-        out.append(f"--fp8-param-gather (FP8 weights are gathered with --fp8-recipe tensorwise only; with {recipe} "
-                   f"the ZeRO all-gather moves the params dtype)")
+    if getattr(args, "fp8_param_gather", False) and getattr(args, "fp8_format", None) and recipe == "rowwise":
+        out.append("--fp8-param-gather (FP8 weights are gathered with --fp8-recipe tensorwise, delayed or blockwise; "
+                   "with rowwise the ZeRO all-gather moves the params dtype)")
     if getattr(args, "sequence_parallel", False) and tp == 1:
         out.append("--sequence-parallel (tensor parallel size is 1: nothing to split over)")
     return out

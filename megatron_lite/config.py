@@ -632,9 +632,9 @@ class Config:
                         ("--num-layers-at-end-in-bf16", t.num_layers_at_end_in_bf16)):
             _require(t.first_last_layers_bf16 or n == 1, f"{flag} needs --first-last-layers-bf16")
             _require(0 <= n <= most, f"{flag} ({n}) must be between 0 and the layers per pipeline stage ({most})")
-        if t.fp8_param_gather and t.fp8_recipe != "tensorwise":
-            # (one FP8 copy of a weight needs one scale: the other recipes scale it per GEMM or per step's
-            # history; the start-up note says the flag does nothing then, as Megatron-LM scripts pass it)
+        if t.fp8_param_gather and t.fp8_recipe == "rowwise":
+            # (rowwise scales the weight per GEMM along the contracted dimension, which its two GEMMs
+            # cut differently; the start-up note says the flag does nothing then)
             t.fp8_param_gather = False
         if t.fp8_param_gather:  # fp8_param_gather.py
             _require(p.zero_stage > 0, "--fp8-param-gather needs --use-distributed-optimizer or --zero-stage 1|2|3 "

@@ -7,7 +7,7 @@ TP2+SP."""
 import pytest
 
 from megatron_lite.testing import assert_same_run, run_distributed
-from test_fp8 import MOE
+from test_fp8 import MOE, _argv as fp8_argv, _run as run_gathered, assert_fp8_gather_bytes
 from test_fp8_recipes import LATER_AMAX_RTOL, _argv, _assert_same_state, _run
 from test_mla import BASE as MLA_BASE, TP_SP
 from training_utils import merged_params, records_of, train_and_gather
@@ -99,3 +99,24 @@ def test_blockwise_layout_equals_the_single_process(layout):
     # side of an FP8 rounding boundary (test_fp8_recipes.test_blockwise_tp2_sp_...): 1e-4 there
     tp = "--tensor-model-parallel-size" in extra
     assert_same_run(ref, got, rtol=1e-4, grad_norm_rtol=1e-4 if tp else 1e-5)
+
+
+# --- --fp8-param-gather with delayed and blockwise scaling ---------------------------------------
+PARAM_GATHER = [("delayed", 1, [], 2), ("blockwise", 3, [], 2), ("tensorwise", 1, [], 2), ("delayed", 3, [], 2),
+                ("blockwise", 1, [], 2), ("delayed", 2, MOE, 2), ("blockwise", 1, MOE, 2),
+                ("delayed", 1, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 4)]
+
+
+@pytest.mark.parametrize("recipe,stage,extra,world", [pytest.param(*case, marks=() if i < 2 else pytest.mark.slow)
+                                                      for i, case in enumerate(PARAM_GATHER)])
+def test_fp8_param_gather_equals_the_plain_gather(recipe, stage, extra, world):
+    """ZeRO gathers the FP8 GEMMs' weights as FP8 bytes (delayed: with the next step's scale from
+    the history; blockwise: 128x128 block scales whose blocks ZeRO's shards cut) and the run is the
+    plain gather's to the bit: the values written quantize to the same bytes with the same scales,
+    and the gathered weights' amaxes are the true ones (the amax histories too). A quarter of the
+    bytes of those weights at fp32 params."""
+    argv = fp8_argv(recipe, extra + ["--zero-stage", str(stage), "--log-comm-volume", "--train-iters", "4"])
+    ref, ref_params = run_gathered(world, argv)
+    got, params = run_gathered(world, argv + ["--fp8-param-gather"])
+    assert_same_run(ref, got, rtol=0, grad_norm_rtol=0, params=params, ref_params=ref_params)
+    assert_fp8_gather_bytes(ref, got, ref_params, world, stage)

@@ -308,7 +308,16 @@ def _gemm_names(p):
     ep = spec.split("ep") if spec is not None else None
     if ep is None:
         return [p.fp8_name]
-    return [f"{p.fp8_name}.{e}" for e in range(ep.shards * p.shape[0])]
+    return [f"{p.fp8_name}.{e}" for e in range(spec.full_shape[ep.dim])]
+
+
+def local_gemm_names(p, local_experts: int):
+    """_gemm_names of this rank's part of p: its `local_experts` experts only."""
+    spec = getattr(p, "shard_spec", None)
+    ep = spec.split("ep") if spec is not None else None
+    if ep is None:
+        return [p.fp8_name]
+    return [f"{p.fp8_name}.{e}" for e in range(ep.index * local_experts, (ep.index + 1) * local_experts)]
 
 
 def _gemm_name(w):

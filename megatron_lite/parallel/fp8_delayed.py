@@ -12,7 +12,9 @@ step (`after_update`) the pending amaxes are MAX-all-reduced over the stage's TP
 ranks (TE's amax reduction group: a tensor split over TP / SP / CP, and the DP ranks' different
 micro-batches of one global batch, all agree), pushed into the histories, and the scales become
 fp8 max / amax / 2^margin with amax the history's max (`max`) or newest entry (`most_recent`);
-an amax of 0 (or one so small that the scale overflows) keeps the previous scale. A GEMM with no folded step yet (the first step, or a
+an amax of 0 (or one so small that the scale overflows) keeps the previous scale (with
+--fp8-param-gather at ZeRO-1/2 the fold runs just before the updated weights are gathered, which
+need the next step's scales: fold_before_gather). A GEMM with no folded step yet (the first step, or a
 checkpoint without this state) uses current scaling, as torchao's delayed scaling initializes
 from the first amax, instead of TE's scale 1 that flushes small gradients to zero.
 
@@ -44,6 +46,8 @@ class DelayedScaling:
         self.pending: Dict[str, torch.Tensor] = {}  # name -> [3]: this step's amaxes so far
         self.loaded: dict = {}  # a checkpoint's entries, taken by each GEMM when first seen
         self.expected: List[str] = []  # the stage's GEMMs (bind): folded even where a rank runs none (experts)
+        self.observed = False  # amaxes recorded since the step began
+        self.folded_early = False  # this step's fold ran before the ZeRO-1/2 FP8 param gather
 
     def _entry(self, name: str) -> None:
         if name in self.history:
@@ -72,13 +76,28 @@ class DelayedScaling:
         self._entry(name)
         i = ROLES.index(role)
         self.pending[name][i] = torch.maximum(self.pending[name][i], amax.float())
+        self.observed = True
 
     # --- step hooks -------------------------------------------------------------------------------
     def before_step(self, iteration: int) -> None:
         for p in self.pending.values():  # a skipped step's (or evaluation's) amaxes are not kept
             p.zero_()
+        self.observed = self.folded_early = False
+
+    def fold_before_gather(self) -> bool:
+        """Collective (as after_update): fold this step's amaxes now, before ZeRO-1/2 gathers the
+        updated weights in FP8 with the next step's scales (--fp8-param-gather), and tell whether
+        a step ran (False at a checkpoint load: nothing folded, the weights gathered exactly)."""
+        if self.folded_early or not self.observed:
+            return self.folded_early
+        self.after_update()
+        self.folded_early = True
+        return True
 
     def after_update(self) -> None:
+        if self.folded_early:  # the param gather folded this step already
+            self.folded_early = False
+            return
         for name in self.expected:  # an expert held by other EP ranks folds their amaxes (0 here)
             self._entry(name)
         if not self.pending:
@@ -90,6 +109,7 @@ class DelayedScaling:
             self.dims.comm.all_reduce(amax, group, op=dist.ReduceOp.MAX)
         for name, a in zip(names, amax):
             self.fold(name, a)
+        self.observed = False
 
     def fold(self, name: str, amax: torch.Tensor) -> None:
         """Push one step's amaxes [3] into the history and recompute the scales."""

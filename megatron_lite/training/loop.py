@@ -143,6 +143,8 @@ class Trainer:
                 self.hooks.add(gemm.delayed)  # folds the amaxes once per step
         self.optimizer, self.grad_sync = build_optimizer(self.chunks, dims, t, p, t.optimizer_precision(),
                                                          p.num_distributed_optimizer_instances)
+        if self.grad_sync.param_gather is not None:  # --fp8-param-gather: delayed scaling's weight scales
+            self.grad_sync.param_gather.bind_recipe(getattr(gemm, "delayed", None))
         clock = _phase_done("model build", clock)
         self.lr_schedule = t.param_scheduler()  # counts samples, as Megatron-LM's
         self.batch_schedule = t.batch_schedule(dims.dp)  # the global batch of each step (ramp-up)
