@@ -294,6 +294,9 @@ class TrainingConfig:
     fp8_amax_history_len: int = arg(1, "delayed scaling: steps of amax history per FP8 tensor")
     fp8_amax_compute_algo: str = arg("most_recent", "delayed scaling: the amax of the history its scale uses",
                                      choices=["most_recent", "max"])
+    transformer_impl: str = arg("local", "the layers' modules: local (megatron-lite's, the native FP8 recipes), or "
+                                         "transformer_engine (Transformer Engine's linears and attention, where "
+                                         "installed; not exercised in CI)", choices=["local", "transformer_engine"])
     first_last_layers_bf16: bool = arg(False, "FP8: keep the GEMMs of the first and last layers in the params dtype",
                                        store="true")
     num_layers_at_start_in_bf16: int = arg(1, "with --first-last-layers-bf16: first layers kept out of FP8")
@@ -607,6 +610,13 @@ class Config:
             self._validate_pipeline(m)
         self._validate_pipeline(t.num_microbatches(dp))  # evaluation
         self._validate_fp8()
+        if self.training.transformer_impl == "transformer_engine":
+            from .transformer import te_backend
+            te_backend.te_pytorch()  # one line where it is missing
+            te_backend.check_supported(self)
+            _require(self.training.fp8_recipe in (None, "tensorwise", "delayed", "blockwise"),
+                     f"--fp8-recipe {self.training.fp8_recipe} has no Transformer Engine recipe: use tensorwise, "
+                     f"delayed or blockwise, or --transformer-impl local")
 
     def _validate_fp8(self) -> None:
         t, p, moe = self.training, self.parallel, self.model.moe
