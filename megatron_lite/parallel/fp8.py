@@ -10,8 +10,9 @@ numerics: the features over TP (row-parallel inputs and weights, column-parallel
 expert's ffn slice at ETP = TP), the tokens over CP (and an expert's tokens over the TP ranks that
 each route their own share at ETP = 1; over CP unless EP hands every CP rank's tokens to the
 expert's one owner). The per-tensor amax is reduced over all of them (a replicated tensor keeps its
-value). A weight whole on every TP rank whose output gradient is partial there (MLA's
-down-projections) has its backward GEMMs run on the TP sum of the gradient, counted by rank 0. Where EP over data-parallel ranks hands an expert the tokens of several micro-batches (the
+value). A weight replicated over TP ranks whose output gradient is partial on each (MLA's
+down-projections, K/V groups fewer than TP ranks) has its backward GEMMs run on the replicas' sum
+of the gradient, counted by the first replica. Where EP over data-parallel ranks hands an expert the tokens of several micro-batches (the
 call's `batches`), each micro-batch's rows get their own scale, as in the single-process run. Only the layers built with the path are FP8 (attention and MLP linears, experts, shared
 experts), less a weight marked `keep_precision` (the output layer, and with --first-last-layers-bf16
 those layers' weights); the embedding, norms and router are not built with it. The experts' grouped GEMM is the loop of dense FP8 GEMMs over the experts
@@ -226,31 +227,32 @@ class Float8GemmPath(GemmPath):
         y = y.reshape(*x.shape[:-1], w.shape[0]).detach()  # not a view: callers may modify it in place
         return y if bias is None else y + bias
 
-    def _partial(self, w) -> bool:
-        """Whether w is whole on every TP rank but each rank's output gradient only a partial sum
-        (MLA's down-projections, whose outputs feed this rank's heads): the GEMMs then quantize
-        the TP sum of the gradient, as the single process, and TP rank 0 alone contributes."""
+    def _partial(self, w):
+        """The replicas (TP ranks) of w's shard where each one's output gradient is only a partial
+        sum (MLA's down-projections, whole on every rank, whose outputs feed this rank's heads; K/V
+        groups replicated over TP ranks): the GEMMs then quantize the gradient summed over them, as
+        the single process, and the first replica alone contributes. None for other weights."""
         spec = getattr(w, "shard_spec", None)
         split = spec.split("tp") if spec is not None else None
-        return split is not None and split.shards == 1 and split.replicas > 1 and self.dims.tp > 1
+        return split.replicas if split is not None and split.replicas > 1 and self.dims.tp > 1 else None
 
     def _whole_grad(self, call, g):
-        """The TP sum of a partial output gradient (once per call: the weight gradient reuses it)."""
+        """The replicas' sum of a partial output gradient (once per call: the weight gradient reuses it)."""
         if call.get("whole_grad") is None:
             whole = g.contiguous().clone()
-            self.dims.comm.all_reduce(whole, self.dims.tp_group)
+            self.dims.comm.all_reduce(whole, self.dims.tp_replica_group(call["partial"]))
             call["whole_grad"] = whole
         return call["whole_grad"]
 
-    def _rank0(self, t):
-        """t on TP rank 0, zeros elsewhere: the TP sum that follows counts it once."""
-        return t if self.dims.tp_rank == 0 else torch.zeros_like(t)
+    def _rank0(self, call, t):
+        """t on the first replica, zeros on the others: the TP sum that follows counts it once."""
+        return t if self.dims.tp_rank % call["partial"] == 0 else torch.zeros_like(t)
 
     def input_grad(self, call, g, w):
         if call["plain"]:
             return super().input_grad(call, g, w)
         if call["partial"]:
-            return self._rank0(self._input_grad(call, self._whole_grad(call, g), w))
+            return self._rank0(call, self._input_grad(call, self._whole_grad(call, g), w))
         return self._input_grad(call, g, w)
 
     def _input_grad(self, call, g, w):
@@ -265,7 +267,7 @@ class Float8GemmPath(GemmPath):
         if call["partial"]:
             whole = self._whole_grad(call, g)
             call["whole_grad"] = None  # the last use of it
-            return self._rank0(self._weight_grad(call, whole, x))
+            return self._rank0(call, self._weight_grad(call, whole, x))
         return self._weight_grad(call, g, x)
 
     def _weight_grad(self, call, g, x):
