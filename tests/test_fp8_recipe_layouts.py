@@ -24,8 +24,8 @@ DELAYED_LAYOUTS = {  # name: (world, the model's flags, the layout's flags)
 }
 
 
-def _default_first(layouts, n=1):
-    return [pytest.param(name, marks=() if i < n else pytest.mark.slow) for i, name in enumerate(layouts)]
+def _default_first(layouts):
+    return [pytest.param(name, marks=() if i == 0 else pytest.mark.slow) for i, name in enumerate(layouts)]
 
 
 @pytest.mark.parametrize("layout", _default_first(DELAYED_LAYOUTS))
@@ -90,7 +90,8 @@ BLOCKWISE_LAYOUTS = {  # name: (world, the model's flags, the layout's flags)
 }
 
 
-@pytest.mark.parametrize("layout", _default_first(BLOCKWISE_LAYOUTS, 2))
+@pytest.mark.parametrize("layout", [pytest.param(n, marks=() if n == "moe-cp2" else pytest.mark.slow)
+                                    for n in BLOCKWISE_LAYOUTS])
 def test_blockwise_layout_equals_the_single_process(layout):
     world, model, extra = BLOCKWISE_LAYOUTS[layout]
     ref, _, _ = _run(1, _argv(model, iters=2, fp8=BLOCKWISE))
@@ -107,7 +108,7 @@ PARAM_GATHER = [("delayed", 1, [], 2), ("blockwise", 3, [], 2), ("tensorwise", 1
                 ("delayed", 1, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 4)]
 
 
-@pytest.mark.parametrize("recipe,stage,extra,world", [pytest.param(*case, marks=() if i < 2 else pytest.mark.slow)
+@pytest.mark.parametrize("recipe,stage,extra,world", [pytest.param(*case, marks=() if i < 1 else pytest.mark.slow)
                                                       for i, case in enumerate(PARAM_GATHER)])
 def test_fp8_param_gather_equals_the_plain_gather(recipe, stage, extra, world):
     """ZeRO gathers the FP8 GEMMs' weights as FP8 bytes (delayed: with the next step's scale from
@@ -122,7 +123,8 @@ def test_fp8_param_gather_equals_the_plain_gather(recipe, stage, extra, world):
     assert_fp8_gather_bytes(ref, got, ref_params, world, stage)
 
 
-@pytest.mark.parametrize("world,groups", [(2, "1"), pytest.param(4, "2", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("world,groups", [(2, "1"), (4, "2")])
 def test_kv_groups_replicated_over_tp_quantize_their_whole_gradient(world, groups):
     """Fewer K/V groups than TP ranks: each group's projection sits on TP / groups ranks, each
     seeing a partial gradient (its query heads'): the FP8 GEMMs quantize the replicas' sum."""
