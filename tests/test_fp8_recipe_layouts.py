@@ -134,3 +134,16 @@ def test_kv_groups_replicated_over_tp_quantize_their_whole_gradient(world, group
     got, _ = run_gathered(world, argv)
     # quantizing the partial gradients instead: the first gradient norm 2.5e-4 (TP2) / 5.8e-4 (TP4) off
     assert_same_run(ref, got, rtol=1e-4, grad_norm_rtol=1e-5)
+
+
+def test_delayed_fp8_param_gather_resumes_bit_exact(tmp_path):
+    """ZeRO-1 with --fp8-param-gather under delayed scaling: the fold before each gather moves the
+    recipe state into the checkpoint as after_update would, and the resumed run (whose load gathers
+    the weights exactly) continues the straight one bit for bit."""
+    zero = ["--micro-batch-size", "1", "--zero-stage", "1", "--fp8-param-gather"]
+    straight, state, _ = _run(2, _argv(zero, iters=3))
+    first, saved, _ = _run(2, _argv(zero + ["--save", str(tmp_path), "--exit-interval", "2"], iters=3))
+    second, resumed, loaded = _run(2, _argv(zero + ["--load", str(tmp_path)], iters=3))
+    assert loaded == saved and resumed == state
+    assert [(r["lm_loss"], r["grad_norm"]) for r in first + second] == [(r["lm_loss"], r["grad_norm"])
+                                                                         for r in straight]
