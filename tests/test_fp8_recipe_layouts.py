@@ -85,6 +85,8 @@ BLOCKWISE_LAYOUTS = {  # name: (world, the model's flags, the layout's flags)
     "moe-tp2-sp": (2, LONG + WIDE + MOE, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "moe-cp2-ep2": (2, LONG + MOE, ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"]),
     "moe-ep2": (2, LONG + MOE + ONE, ["--expert-model-parallel-size", "2"]),
+    "moe-allgather-cp2-ep2": (2, LONG + MOE + ["--moe-token-dispatcher-type", "allgather"], [
+        "--context-parallel-size", "2", "--expert-model-parallel-size", "2"]),
     "moe-grouped-tp2-etp2-sp": (2, LONG + WIDE + MOE + ["--moe-grouped-gemm"], [
         "--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "2"]),
 }
