@@ -107,7 +107,8 @@ def test_blockwise_layout_equals_the_single_process(layout):
 # --- --fp8-param-gather with delayed and blockwise scaling ---------------------------------------
 PARAM_GATHER = [("delayed", 1, [], 2), ("blockwise", 3, [], 2), ("tensorwise", 1, [], 2), ("delayed", 3, [], 2),
                 ("blockwise", 1, [], 2), ("delayed", 2, MOE, 2), ("blockwise", 1, MOE, 2),
-                ("delayed", 1, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 4)]
+                ("delayed", 1, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 4),
+                ("blockwise", 3, WIDE + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 4)]
 
 
 @pytest.mark.parametrize("recipe,stage,extra,world", [pytest.param(*case, marks=() if i < 1 else pytest.mark.slow)
