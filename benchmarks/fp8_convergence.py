@@ -42,7 +42,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--models", default="llama,moe")
-    ap.add_argument("--recipes", default="tensorwise,rowwise", help="FP8 recipes, comma-separated")
+    ap.add_argument("--recipes", default="tensorwise,rowwise,delayed,blockwise", help="FP8 recipes, comma-separated")
     ap.add_argument("--tail", type=int, default=20, help="final loss: the mean over this many last iterations")
     ap.add_argument("--jobs", type=int, default=2, help="runs at the same time")
     ap.add_argument("--out-dir", required=True)

@@ -18,6 +18,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 
 from .config import Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig
 from .errors import ConfigError
+from .transformer import te_backend
 from .transformer.moe.config import MoEConfig
 
 SECTIONS = (("model", ModelConfig), ("moe", MoEConfig), ("parallel", ParallelConfig), ("training", TrainingConfig),
@@ -157,8 +158,6 @@ def build_parser(zoo: Zoo) -> argparse.ArgumentParser:
                    dest="position_embedding_type", default=argparse.SUPPRESS, help="= --position-embedding-type rope")
     m.add_argument("--no-position-embedding", action="store_true",
                    help="deprecated Megatron switch: accepted with --position-embedding-type rope (a no-op there)")
-    par.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
-                     help="local; transformer_engine needs Transformer Engine, which megatron-lite does not use yet")
     for flag in list(UNSUPPORTED_FLAGS) + list(NEEDS_PACKAGE_FLAGS):
         p.add_argument(flag, nargs="*", default=None, help=argparse.SUPPRESS)
     compat = p.add_argument_group("accepted for compatibility with Megatron-LM launch scripts (no effect)")
@@ -277,9 +276,8 @@ def refused(args: argparse.Namespace, unknown: List[str] = ()) -> List[str]:
         if value is not None and value != ["none"]:
             out.append(f"{flag}: {what}, which megatron-lite does not use; remove the flag" + (
                 " (bf16 is the fastest precision here)" if flag.startswith(("--fp8", "--fp4")) else ""))
-    if args.transformer_impl == "transformer_engine":
-        out.append("--transformer-impl transformer_engine: megatron-lite's layers are its own (local); "
-                   "drop the flag or use --transformer-impl local")
+    if getattr(args, "transformer_impl", None) == "transformer_engine" and not te_backend.available():
+        out.append(te_backend.MISSING)
     if args.ckpt_format in ("torch_dist", "fsdp_dtensor"):  # Megatron-LM's distributed formats
         out.append(f"--ckpt-format {args.ckpt_format}: megatron-lite writes its own format (per-rank safetensors pieces + "
                    "metadata.json), not Megatron-LM's; drop the flag; tools/convert_checkpoint.py reads torch_dist "
@@ -296,9 +294,9 @@ def no_effect(args: argparse.Namespace, tp: int) -> List[str]:
     if getattr(args, "attention_backend", None) == "fused":
         out.append("--attention-backend fused (runs sdpa: PyTorch's fused attention)")
     recipe = getattr(args, "fp8_recipe", None) or "delayed"
-    if getattr(args, "fp8_param_gather", False) and getattr(args, "fp8_format", None) and recipe != "tensorwise":
-        out.append(f"--fp8-param-gather (FP8 weights are gathered with --fp8-recipe tensorwise only; with {recipe} "
-                   f"the ZeRO all-gather moves the params dtype)")
+    if getattr(args, "fp8_param_gather", False) and getattr(args, "fp8_format", None) and recipe == "rowwise":
+        out.append("--fp8-param-gather (FP8 weights are gathered with --fp8-recipe tensorwise, delayed or blockwise; "
+                   "with rowwise the ZeRO all-gather moves the params dtype)")
     if getattr(args, "sequence_parallel", False) and tp == 1:
         out.append("--sequence-parallel (tensor parallel size is 1: nothing to split over)")
     return out

@@ -324,6 +324,9 @@ class TrainingConfig:
     fp8_amax_history_len: int = arg(1, "delayed scaling: steps of amax history per FP8 tensor")
     fp8_amax_compute_algo: str = arg("most_recent", "delayed scaling: the amax of the history its scale uses",
                                      choices=["most_recent", "max"])
+    transformer_impl: str = arg("local", "the layers' modules: local (megatron-lite's, the native FP8 recipes), or "
+                                         "transformer_engine (Transformer Engine's linears and attention, where "
+                                         "installed; not exercised in CI)", choices=["local", "transformer_engine"])
     first_last_layers_bf16: bool = arg(False, "FP8: keep the GEMMs of the first and last layers in the params dtype",
                                        store="true")
     num_layers_at_start_in_bf16: int = arg(1, "with --first-last-layers-bf16: first layers kept out of FP8")
@@ -668,6 +671,14 @@ class Config:
         _require(not (t.qk_clip and self.model.qk_layernorm), "--qk-clip scales the query and key weights, which "
                                                               "--qk-layernorm normalises away: drop one of them")
 
+        if self.training.transformer_impl == "transformer_engine":
+            from .transformer import te_backend
+            te_backend.te_pytorch()  # one line where it is missing
+            te_backend.check_supported(self)
+            _require(self.training.fp8_recipe in (None, "tensorwise", "delayed", "blockwise"),
+                     f"--fp8-recipe {self.training.fp8_recipe} has no Transformer Engine recipe: use tensorwise, "
+                     f"delayed or blockwise, or --transformer-impl local")
+
     def _validate_fp8(self) -> None:
         t, p, moe = self.training, self.parallel, self.model.moe
         given = {flag: f"{flag}" + ("" if value is True else f" {value}") for flag, value, default in (
@@ -692,36 +703,18 @@ class Config:
                         ("--num-layers-at-end-in-bf16", t.num_layers_at_end_in_bf16)):
             _require(t.first_last_layers_bf16 or n == 1, f"{flag} needs --first-last-layers-bf16")
             _require(0 <= n <= most, f"{flag} ({n}) must be between 0 and the layers per pipeline stage ({most})")
-        if t.fp8_param_gather and t.fp8_recipe != "tensorwise":
-            # (one FP8 copy of a weight needs one scale: the other recipes scale it per GEMM or per step's
-            # history; the start-up note says the flag does nothing then, as Megatron-LM scripts pass it)
+        if t.fp8_param_gather and t.fp8_recipe == "rowwise":
+            # (rowwise scales the weight per GEMM along the contracted dimension, which its two GEMMs
+            # cut differently; the start-up note says the flag does nothing then)
             t.fp8_param_gather = False
         if t.fp8_param_gather:  # fp8_param_gather.py
             _require(p.zero_stage > 0, "--fp8-param-gather needs --use-distributed-optimizer or --zero-stage 1|2|3 "
                                        "(at --zero-stage 0 nothing is gathered)")
-        # MLA's replicated down-projections see partial input gradients on each TP rank (summed after): FP8
-        # would quantize the partial sums, not the single process's whole gradient.
-        _require(not (self.model.multi_latent_attention and p.tp > 1),
-                 "FP8 with --multi-latent-attention at --tensor-model-parallel-size > 1 is not implemented yet (it "
-                 "would not reproduce the single-process run): use TP 1, or drop one of them")
         ep = p.expert_model_parallel_size
         if moe is not None and moe.num_experts and p.cp > 1:  # fp8.py: an expert's tokens, whole or reduced over CP
             _require(ep == 1 or ep % p.cp == 0, f"FP8 MoE with --expert-model-parallel-size {ep} and "
                      f"--context-parallel-size {p.cp}: EP must be 1 or a multiple of CP (so an expert's tokens "
                      f"are on one rank or split over whole CP groups)")
-        if t.fp8_recipe in ("tensorwise", "rowwise"):
-            return
-        # Delayed and blockwise scaling are proven at TP / SP / DP / PP for dense layers only so far.
-        recipe = f"FP8 {t.fp8_recipe} scaling"
-        if moe is not None and moe.num_experts:
-            _require(t.fp8_recipe != "delayed", f"{recipe} with MoE layers is not implemented yet (the experts' amax "
-                                                f"histories): use --fp8-recipe tensorwise, rowwise or blockwise")
-            _require(not moe.moe_grouped_gemm, f"{recipe} with --moe-grouped-gemm is not implemented yet: use "
-                                               f"--fp8-recipe tensorwise or rowwise")
-            _require(p.tp == 1, f"{recipe} with MoE at --tensor-model-parallel-size > 1 is not implemented yet: use "
-                                f"--fp8-recipe tensorwise or rowwise")
-        _require(p.cp == 1, f"{recipe} with --context-parallel-size > 1 is not implemented yet: use --fp8-recipe "
-                            f"tensorwise or rowwise")
 
     def _validate_pipeline(self, num_microbatches: int) -> None:
         from .parallel.pipeline.partition import LayerSplit, layout_mtp_layers, stage_layer_ranges

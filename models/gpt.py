@@ -66,6 +66,10 @@ def gpt_layer_spec(cfg: C.ModelConfig, ctx: BuildContext, layer_number: int) -> 
     """The submodules of GPT layer `layer_number`: the norms of the config, self-attention over the
     configured core-attention backend (wrapped for context parallelism when cp > 1), a dense MLP
     or, where --moe-layer-freq says so, an MoE layer."""
+    if ctx.te is not None:  # --transformer-impl transformer_engine (dense layers: te_backend.check_supported)
+        from megatron_lite.transformer import te_backend
+        return TransformerLayerSpec(input_layernorm=te_backend.fused_norm, self_attention=te_backend.TESelfAttention,
+                                    core_attention=None, pre_mlp_layernorm=te_backend.fused_norm, mlp=te_backend.TEMLP)
     core = ContextParallelAttention if ctx.dims.cp > 1 else core_attention_class(cfg.attention_backend)
     attention = self_attention_class(cfg)  # standard attention or MLA (each builds its own config from cfg)
     mlp = moe_mlp if cfg.moe_layers()[layer_number] else MLP

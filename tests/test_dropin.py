@@ -24,7 +24,9 @@ def test_every_refused_flag_is_in_one_error(capsys, monkeypatch):
     assert err == (
         "error: unrecognized arguments: --no-such-flag 3 (see --help); --tp-comm-overlap (Transformer Engine's "
         "userbuffers) is not supported by megatron-lite; remove it from the command line; --transformer-impl "
-        "transformer_engine: megatron-lite's layers are its own (local); drop the flag or use --transformer-impl local; "
+        "transformer_engine needs Transformer Engine (not importable here): pip install --no-build-isolation "
+        "'transformer_engine[pytorch]' on a CUDA machine, or use an NGC PyTorch container (nvcr.io/nvidia/pytorch); "
+        "or drop the flag (--transformer-impl local, the native layers); "
         "--ckpt-format torch_dist: megatron-lite writes its own format (per-rank safetensors pieces + metadata.json), "
         "not Megatron-LM's; drop the flag; "
         "tools/convert_checkpoint.py reads torch_dist (megatron-to-ml) and writes it (ml-to-megatron --ckpt-format "

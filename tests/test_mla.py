@@ -7,7 +7,7 @@ import torch
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.errors import ConfigError
-from megatron_lite.testing import WorkerError, assert_same_run, run_distributed
+from megatron_lite.testing import assert_same_run, run_distributed
 from training_utils import TINY, merged_params, records_of, single_process_reference, train_and_gather
 
 MLA = ["--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "16", "--qk-head-dim", "12",
@@ -56,8 +56,8 @@ def test_mla_layout_trains_like_single_process(layout):
 
 def test_mla_fp8_zero_bubble_pp2_equals_the_single_process_fp8_run():
     """FP8 GEMMs (tensorwise e4m3) in every MLA projection, their weight gradients deferred by zb-h1: as
-    the single process, first step to fp32 rounding, later ones to 1e-4 (test_fp8.py says why). At TP > 1
-    it is refused: the replicated down-projections would quantize partial gradients."""
+    the single process, first step to fp32 rounding, later ones to 1e-4 (test_fp8.py says why). At TP > 1:
+    test_fp8_recipe_layouts.py."""
     fp8 = ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"]
     argv = BASE + fp8 + ["--num-layers", "4"]
     ref, ref_params = single_process_reference(argv)
@@ -67,8 +67,6 @@ def test_mla_fp8_zero_bubble_pp2_equals_the_single_process_fp8_run():
                                                            "--pipeline-schedule", "zb-h1"])
     assert_same_run(ref, records_of([r[0] for r in results]), rtol=1e-4, grad_norm_rtol=1e-6,
                     params=merged_params(results), ref_params=ref_params)
-    with pytest.raises(WorkerError, match="FP8 with --multi-latent-attention at --tensor-model-parallel-size > 1"):
-        run_distributed(train_and_gather, 2, BASE + fp8 + TP_SP)
 
 
 @pytest.mark.slow

@@ -47,7 +47,7 @@ def build_optimizer(chunks: List[nn.Module], dims: ParallelDims, tcfg: TrainingC
                              grad_reduce_once_per_step=pcfg.grad_reduce_once_per_step,
                              reshard_after_forward=pcfg.reshard_after_forward,
                              overlap_param_gather=pcfg.overlap_param_gather, grad_dtype=grad_dtype, units=units,
-                             dp_groups=dp_groups, param_gather=Fp8ParamGather(dims, tcfg.fp8_margin)
+                             dp_groups=dp_groups, param_gather=Fp8ParamGather(dims, tcfg.fp8_margin, tcfg.fp8_recipe)
                              if tcfg.fp8_param_gather else None)
     return DistributedOptimizer(grad_sync, tcfg, precision, rule=update_rule(tcfg, dims)), grad_sync
 

@@ -10,7 +10,9 @@ numerics: the features over TP (row-parallel inputs and weights, column-parallel
 expert's ffn slice at ETP = TP), the tokens over CP (and an expert's tokens over the TP ranks that
 each route their own share at ETP = 1; over CP unless EP hands every CP rank's tokens to the
 expert's one owner). The per-tensor amax is reduced over all of them (a replicated tensor keeps its
-value). Where EP over data-parallel ranks hands an expert the tokens of several micro-batches (the
+value). A weight replicated over TP ranks whose output gradient is partial on each (MLA's
+down-projections, K/V groups fewer than TP ranks) has its backward GEMMs run on the replicas' sum
+of the gradient, counted by the first replica. Where EP over data-parallel ranks hands an expert the tokens of several micro-batches (the
 call's `batches`), each micro-batch's rows get their own scale, as in the single-process run. Only the layers built with the path are FP8 (attention and MLP linears, experts, shared
 experts), less a weight marked `keep_precision` (the output layer, and with --first-last-layers-bf16
 those layers' weights); the embedding, norms and router are not built with it. The experts' grouped GEMM is the loop of dense FP8 GEMMs over the experts
@@ -18,14 +20,19 @@ those layers' weights); the embedding, norms and router are not built with it. T
 
 `delayed` (fp8_delayed.py) scales each tensor by a scale from its amax history, a recipe state
 keyed by the weight's global name (`bind`); `blockwise` (fp8_blocks.py) scales 1x128 tiles of
-activations and gradients and 128x128 blocks of weights.
+activations and gradients and 128x128 blocks of weights. Its weight gradient tiles the tokens:
+where they are split over ranks (CP's zigzag parts, an expert's tokens from several TP / CP
+ranks) or reordered (EP), each row goes into the tile of the single process's order (the call's
+`order`: the MoE layer's dispatcher supplies an expert's, a dense layer under CP has its zigzag
+positions) and a tile's amax is MAX-reduced over the ranks holding its rows.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from .fp8_blocks import blockwise_mm, check_tp_blocks
+from .context_parallel import zigzag_indices
+from .fp8_blocks import BLOCK, blockwise_mm, check_tp_blocks, token_tiled_weight_grad
 from .fp8_delayed import DelayedScaling
 from .gemm import GemmPath, keep_precision
 
@@ -77,6 +84,8 @@ class Float8GemmPath(GemmPath):
             dtypes = {"input": FORMATS["e4m3"], "weight": FORMATS["e4m3"], "grad": self.grad_dtype}
             self.delayed = DelayedScaling(dtypes, amax_history_len, amax_compute_algo, margin, dims, device)
         self.bf16_layers: tuple = ()  # (start, end): layers kept in the params dtype (describe)
+        # blockwise tiles the weight gradient's tokens: the MoE layer then gives each expert row's place
+        self.token_order = recipe == "blockwise"
 
     def bind(self, chunks, first_last_bf16=None, num_layers: int = 0) -> None:
         """Name each weight for the recipe state (its global parameter name), mark the weights of the
@@ -89,13 +98,20 @@ class Float8GemmPath(GemmPath):
                 if first_last_bf16 and layer is not None and (
                         layer < first_last_bf16[0] or layer >= num_layers - first_last_bf16[1]):
                     keep_precision(p)
+            if self.delayed is not None:  # every rank of the amax group folds the same GEMMs (all experts)
+                self.delayed.expect(name for p in self._gemm_weights(chunk) for name in _gemm_names(p))
             if self.recipe == "blockwise" and self.dims is not None and self.dims.tp > 1:
-                for module in chunk.modules():  # the weights of this path's GEMMs
-                    for p in module.parameters(recurse=False) if getattr(module, "gemm", None) is self else ():
-                        if p.dim() >= 2 and not getattr(p, "keep_precision", False):
-                            check_tp_blocks(p.fp8_name, p, self.dims.tp)
+                for p in self._gemm_weights(chunk):
+                    check_tp_blocks(p.fp8_name, p, self.dims.tp)
         if first_last_bf16:
             self.bf16_layers = (first_last_bf16[0], first_last_bf16[1], num_layers)
+
+    def _gemm_weights(self, chunk):
+        """The weights of this path's FP8 GEMMs in `chunk` (not those kept in precision)."""
+        for module in chunk.modules():
+            for p in module.parameters(recurse=False) if getattr(module, "gemm", None) is self else ():
+                if p.dim() >= 2 and not getattr(p, "keep_precision", False):
+                    yield p
 
     def describe(self, params_dtype, moe_layers=(), mla: bool = False) -> str:
         """The start-up line; `moe_layers`: per layer, whether its MLP is an MoE layer; `mla`: multi-latent
@@ -120,9 +136,9 @@ class Float8GemmPath(GemmPath):
     # the experts' GEMMs run as the loop over experts (experts.py), one dense FP8 GEMM each
     grouped_kernel = False
 
-    def new_call(self, batches=None):
+    def new_call(self, batches=None, order=None):
         # forward records where the GEMM's dimensions are split, and whether it stays plain
-        return {"batches": batches}
+        return {"batches": batches, "order": order}
 
     def _splits(self, w):
         """(the dimension of the 2-D weight `w` that TP splits or None, the groups splitting the tokens),
@@ -130,7 +146,8 @@ class Float8GemmPath(GemmPath):
         spec, shift = getattr(w, "shard_spec", None), 0
         if spec is None and w._base is not None:
             spec, shift = getattr(w._base, "shard_spec", None), w._base.dim() - w.dim()
-        split = next((s.dim - shift for s in spec.splits if s.axis == "tp"), None) if spec else None
+        # (a weight replicated over TP, shards 1, is not split: its GEMMs see partial gradients, see _partial)
+        split = next((s.dim - shift for s in spec.splits if s.axis == "tp" and s.shards > 1), None) if spec else None
         d = self.dims
         if d is None:
             return split, []
@@ -167,11 +184,13 @@ class Float8GemmPath(GemmPath):
         tp = [self.dims.tp_group] if self.dims is not None and self.dims.tp > 1 else []
         reduce = self._reducer(k_groups if rowwise else tp + call["tokens"])
         if call["batches"] is not None and not rowwise:
-            # an expert's rows (tokens) of several micro-batches: one scale per micro-batch, as in
-            # the single-process run, which quantizes one micro-batch at a time
-            qa, sa = quantize(a, dtypes[0], 1, self.margin, self._by_batch(call["batches"], tp + call["tokens"]))
-            qb, sb = quantize(b, dtypes[1], None, self.margin, reduce)
-            return scaled_mm(qa, qb, sa, sb.expand(1, b.shape[1]), out_dtype)
+            # an expert's rows (tokens) of several micro-batches: one current scale per micro-batch,
+            # as in the single-process run, which quantizes one micro-batch at a time (delayed
+            # scaling's one scale serves them all)
+            by_batch = self._by_batch(call["batches"], tp + call["tokens"])
+            qa, sa = self._quantize(a, dtypes[0], 1, by_batch, call, roles[0])
+            qb, sb = self._quantize(b, dtypes[1], None, reduce, call, roles[1])
+            return scaled_mm(qa, qb, sa.expand(a.shape[0], 1), sb.expand(1, b.shape[1]), out_dtype)
         qa, sa = self._quantize(a, dtypes[0], 1 if rowwise else None, reduce, call, roles[0])
         qb, sb = self._quantize(b, dtypes[1], 0 if rowwise else None, reduce, call, roles[1])
         return scaled_mm(qa, qb, sa, sb, out_dtype)
@@ -183,7 +202,7 @@ class Float8GemmPath(GemmPath):
         name = call["name"]
         self.delayed.observe(name, role, t.abs().amax() if t.numel() else t.new_zeros(()))
         scale = self.delayed.scale_of(name, role)
-        return quantize(t, dtype, None, self.margin, reduce if scale is None else None, scale)
+        return quantize(t, dtype, dim, self.margin, reduce if scale is None else None, scale)
 
     def _tp_if(self, split):
         return [self.dims.tp_group] if split and self.dims is not None and self.dims.tp > 1 else []
@@ -195,19 +214,48 @@ class Float8GemmPath(GemmPath):
         if call["plain"]:
             return super().forward(call, x, w, bias)
         if self.delayed is not None:
-            call["name"] = getattr(w, "fp8_name", None)
+            call["name"] = _gemm_name(w)
             assert call["name"] is not None, "delayed scaling: bind() the model to the GEMM path first"
         (w if w._base is None else w._base).fp8_gemm = True  # its ZeRO gathers may move FP8 (fp8_param_gather.py)
         call["split"], call["tokens"] = self._splits(w)
+        call["partial"] = self._partial(w)
+        if self.token_order and call["order"] is None and call["tokens"] and x.dim() == 3:
+            call["order"] = self._sequence_order(x)  # a dense layer's tokens split over CP
         k_split = self._tp_if(call["split"] == 1)  # row parallel: x and W split along the contracted dimension
         e4m3 = FORMATS["e4m3"]
         y = self._mm(x.reshape(-1, x.shape[-1]), w.t(), (e4m3, e4m3), k_split, x.dtype, call)
         y = y.reshape(*x.shape[:-1], w.shape[0]).detach()  # not a view: callers may modify it in place
         return y if bias is None else y + bias
 
+    def _partial(self, w):
+        """The replicas (TP ranks) of w's shard where each one's output gradient is only a partial
+        sum (MLA's down-projections, whole on every rank, whose outputs feed this rank's heads; K/V
+        groups replicated over TP ranks): the GEMMs then quantize the gradient summed over them, as
+        the single process, and the first replica alone contributes. None for other weights."""
+        spec = getattr(w, "shard_spec", None)
+        split = spec.split("tp") if spec is not None else None
+        return split.replicas if split is not None and split.replicas > 1 and self.dims.tp > 1 else None
+
+    def _whole_grad(self, call, g):
+        """The replicas' sum of a partial output gradient (once per call: the weight gradient reuses it)."""
+        if call.get("whole_grad") is None:
+            whole = g.contiguous().clone()
+            self.dims.comm.all_reduce(whole, self.dims.tp_replica_group(call["partial"]))
+            call["whole_grad"] = whole
+        return call["whole_grad"]
+
+    def _rank0(self, call, t):
+        """t on the first replica, zeros on the others: the TP sum that follows counts it once."""
+        return t if self.dims.tp_rank % call["partial"] == 0 else torch.zeros_like(t)
+
     def input_grad(self, call, g, w):
         if call["plain"]:
             return super().input_grad(call, g, w)
+        if call["partial"]:
+            return self._rank0(call, self._input_grad(call, self._whole_grad(call, g), w))
+        return self._input_grad(call, g, w)
+
+    def _input_grad(self, call, g, w):
         n_split = self._tp_if(call["split"] == 0)  # column parallel: g and W split along the output features
         g2 = self._mm(g.reshape(-1, g.shape[-1]), w, (self.grad_dtype, FORMATS["e4m3"]), n_split, g.dtype, call,
                       ("grad", "weight"))
@@ -216,17 +264,69 @@ class Float8GemmPath(GemmPath):
     def weight_grad(self, call, g, x):
         if call["plain"]:
             return super().weight_grad(call, g, x)
+        if call["partial"]:
+            whole = self._whole_grad(call, g)
+            call["whole_grad"] = None  # the last use of it
+            return self._rank0(call, self._weight_grad(call, whole, x))
+        return self._weight_grad(call, g, x)
+
+    def _weight_grad(self, call, g, x):
         # contracted over the tokens (SP inputs are gathered again, CP's stay split)
         g, x = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
         if call["batches"] is None:
-            return self._mm(g.t(), x, (self.grad_dtype, FORMATS["e4m3"]), call["tokens"], g.dtype, call,
-                            ("grad", "input"))
-        (rows, n), one = call["batches"], dict(call, batches=None)  # each micro-batch quantized alone, summed
-        return sum(self._mm(g[rows == i].t(), x[rows == i], (self.grad_dtype, FORMATS["e4m3"]), call["tokens"],
-                            g.dtype, one, ("grad", "input")) for i in range(n))
+            return self._token_mm(call, g, x)
+        (rows, n), order = call["batches"], call["order"]  # each micro-batch quantized alone, summed
+        return sum(self._token_mm(dict(call, batches=None, order=order and (order[0][rows == i], order[1])),
+                                  g[rows == i], x[rows == i]) for i in range(n))
+
+    def _token_mm(self, call, g, x):
+        """g^T x, contracted over tokens; blockwise tiles them in the single process's order."""
+        dtypes = (self.grad_dtype, FORMATS["e4m3"])
+        if self.recipe == "blockwise" and call["order"] is not None:
+            order, n = call["order"]
+            return token_tiled_weight_grad(g, x, order // BLOCK, -(-n // BLOCK), dtypes, self.margin, g.dtype,
+                                           self._reducer(call["tokens"]))
+        assert self.recipe != "blockwise" or not call["tokens"], "blockwise: tokens split over ranks need their order"
+        return self._mm(g.t(), x, dtypes, call["tokens"], g.dtype, call, ("grad", "input"))
+
+    def _sequence_order(self, x):
+        """(each row's index in the single-process micro-batch [s, b], their number) for x [s, b, ...]
+        holding this CP rank's zigzag part of the sequence (context_parallel.py)."""
+        s, b, d = x.shape[0], x.shape[1], self.dims
+        pos = zigzag_indices(s * d.cp, d.cp, d.cp_rank, x.device)
+        return (pos[:, None] * b + torch.arange(b, device=x.device)).reshape(-1), s * d.cp * b
 
 
 def _layer_of(name: str):
     """The global (0-based) transformer layer a parameter name belongs to, or None."""
     parts = name.split(".")
     return next((int(parts[i + 1]) for i, p in enumerate(parts[:-1]) if p == "layers" and parts[i + 1].isdigit()), None)
+
+
+def _gemm_names(p):
+    """The recipe-state names of weight p's GEMMs: its global name; one per global expert
+    (`<name>.<expert>`) for the stacked experts' weight, whose experts are spread over EP."""
+    spec = getattr(p, "shard_spec", None)
+    ep = spec.split("ep") if spec is not None else None
+    if ep is None:
+        return [p.fp8_name]
+    return [f"{p.fp8_name}.{e}" for e in range(spec.full_shape[ep.dim])]
+
+
+def local_gemm_names(p, local_experts: int):
+    """_gemm_names of this rank's part of p: its `local_experts` experts only."""
+    spec = getattr(p, "shard_spec", None)
+    ep = spec.split("ep") if spec is not None else None
+    if ep is None:
+        return [p.fp8_name]
+    return [f"{p.fp8_name}.{e}" for e in range(ep.index * local_experts, (ep.index + 1) * local_experts)]
+
+
+def _gemm_name(w):
+    """The recipe-state name of the GEMM with weight w: a parameter's, or an expert's (w = stacked[e])."""
+    base = w._base
+    if base is None or base.dim() == w.dim():
+        return getattr(w if base is None else base, "fp8_name", None)
+    local = (w.storage_offset() - base.storage_offset()) // base.stride(0)
+    ep = base.shard_spec.split("ep") if getattr(base, "shard_spec", None) is not None else None
+    return f"{base.fp8_name}.{local + (ep.index * base.shape[0] if ep is not None else 0)}"

@@ -45,6 +45,23 @@ def blockwise_mm(a, b, dtypes, b_is_weight: bool, margin: int, out_dtype) -> tor
     return (dequantize_blocks(qa, sa, TILE) @ dequantize_blocks(qb, sb, b_block)).to(out_dtype)
 
 
+def token_tiled_weight_grad(g, x, tiles, n_tiles: int, dtypes, margin: int, out_dtype, reduce=None):
+    """g [M,N]^T @ x [M,K], both in 128-token tiles along M as the single process cuts them:
+    tiles[i] is the tile (of n_tiles) row i falls in in the single-process order, so a tile's rows
+    may sit on several ranks (CP, an expert's tokens routed by several TP / CP ranks) or come in
+    another order (EP); reduce(amax [n_tiles, features]) MAX-reduces a tile's amax over those
+    ranks. Each rank's product is its rows' share of the single process's sum."""
+    def deq(t, dtype):
+        t = t.float()
+        fmax = torch.finfo(dtype).max
+        amax = t.new_zeros(n_tiles, t.shape[1]).scatter_reduce_(0, tiles[:, None].expand_as(t), t.abs(), "amax")
+        if reduce is not None:
+            reduce(amax)
+        scale = torch.where(amax > 0, fmax / amax / 2.0 ** margin, torch.ones_like(amax))[tiles]
+        return (t * scale).clamp(-fmax, fmax).to(dtype).float() * scale.reciprocal()
+    return (deq(g, dtypes[0]).t() @ deq(x, dtypes[1])).to(out_dtype)
+
+
 def check_tp_blocks(name: str, param, tp: int) -> None:
     """A TP shard must hold whole 128-blocks of the full weight, or the layout changes the
     blocks (and the numerics): raise a one-line error naming the weight otherwise."""

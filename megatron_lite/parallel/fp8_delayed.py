@@ -3,14 +3,18 @@ tensors (input, weight, output gradient) are scaled by a scale computed from an 
 BEFORE the step sees them; the step's amaxes are only recorded.
 
 The recipe state: per GEMM, keyed by its weight's global parameter name (the same on every TP
-rank, and at every layout), an amax history [3 tensors, --fp8-amax-history-len] (newest first)
+rank, and at every layout; an expert's GEMMs by `<stacked weight's name>.<global expert>`, and
+every rank of the stage folds every expert's, 0 for those EP puts elsewhere, so the MAX over
+the group is the expert's amax at any EP / ETP / CP), an amax history [3 tensors, --fp8-amax-history-len] (newest first)
 and the 3 scales. Each quantization records its local amax into the step's pending maximum
 (micro-batches, recomputation and evaluation passes fold by MAX); once per applied optimizer
 step (`after_update`) the pending amaxes are MAX-all-reduced over the stage's TP x DP x CP
 ranks (TE's amax reduction group: a tensor split over TP / SP / CP, and the DP ranks' different
 micro-batches of one global batch, all agree), pushed into the histories, and the scales become
 fp8 max / amax / 2^margin with amax the history's max (`max`) or newest entry (`most_recent`);
-an amax of 0 (or one so small that the scale overflows) keeps the previous scale. A GEMM with no folded step yet (the first step, or a
+an amax of 0 (or one so small that the scale overflows) keeps the previous scale (with
+--fp8-param-gather at ZeRO-1/2 the fold runs just before the updated weights are gathered, which
+need the next step's scales: fold_before_gather). A GEMM with no folded step yet (the first step, or a
 checkpoint without this state) uses current scaling, as torchao's delayed scaling initializes
 from the first amax, instead of TE's scale 1 that flushes small gradients to zero.
 
@@ -41,6 +45,9 @@ class DelayedScaling:
         self.folds: Dict[str, int] = {}  # name -> steps folded into its history
         self.pending: Dict[str, torch.Tensor] = {}  # name -> [3]: this step's amaxes so far
         self.loaded: dict = {}  # a checkpoint's entries, taken by each GEMM when first seen
+        self.expected: List[str] = []  # the stage's GEMMs (bind): folded even where a rank runs none (experts)
+        self.observed = False  # amaxes recorded since the step began
+        self.folded_early = False  # this step's fold ran before the ZeRO-1/2 FP8 param gather
 
     def _entry(self, name: str) -> None:
         if name in self.history:
@@ -56,6 +63,9 @@ class DelayedScaling:
         self.folds[name] = saved["folds"] if saved is not None else 0
         self.pending[name] = torch.zeros(3, device=self.device)
 
+    def expect(self, names) -> None:
+        self.expected = sorted(set(self.expected).union(names))
+
     # --- the GEMM path's side -------------------------------------------------------------------
     def scale_of(self, name: str, role: str) -> Optional[torch.Tensor]:
         """The scale this step uses for `role` of GEMM `name`; None before its first fold."""
@@ -66,13 +76,30 @@ class DelayedScaling:
         self._entry(name)
         i = ROLES.index(role)
         self.pending[name][i] = torch.maximum(self.pending[name][i], amax.float())
+        self.observed = True
 
     # --- step hooks -------------------------------------------------------------------------------
     def before_step(self, iteration: int) -> None:
         for p in self.pending.values():  # a skipped step's (or evaluation's) amaxes are not kept
             p.zero_()
+        self.observed = self.folded_early = False
+
+    def fold_before_gather(self) -> bool:
+        """Collective (as after_update): fold this step's amaxes now, before ZeRO-1/2 gathers the
+        updated weights in FP8 with the next step's scales (--fp8-param-gather), and tell whether
+        a step ran (False at a checkpoint load: nothing folded, the weights gathered exactly)."""
+        if self.folded_early or not self.observed:
+            return self.folded_early
+        self.after_update()
+        self.folded_early = True
+        return True
 
     def after_update(self) -> None:
+        if self.folded_early:  # the param gather folded this step already
+            self.folded_early = False
+            return
+        for name in self.expected:  # an expert held by other EP ranks folds their amaxes (0 here)
+            self._entry(name)
         if not self.pending:
             return
         names = sorted(self.pending)  # the same GEMMs, in the same order, on every rank of the group
@@ -82,6 +109,7 @@ class DelayedScaling:
             self.dims.comm.all_reduce(amax, group, op=dist.ReduceOp.MAX)
         for name, a in zip(names, amax):
             self.fold(name, a)
+        self.observed = False
 
     def fold(self, name: str, amax: torch.Tensor) -> None:
         """Push one step's amaxes [3] into the history and recompute the scales."""

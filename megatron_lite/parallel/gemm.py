@@ -51,9 +51,11 @@ class GemmPath:
         self.deferrable, self.deferring = deferrable, False
         self.queue: list = []
 
-    def new_call(self, batches=None):
+    def new_call(self, batches=None, order=None):
         """What one GEMM call's forward leaves to its backward: nothing here. `batches`: (the
-        micro-batch of each input row, how many) where the rows come from several (EP over DP)."""
+        micro-batch of each input row, how many) where the rows come from several (EP over DP);
+        `order`: (each row's place in the single-process order of its micro-batch's rows, their
+        number) where the rows are an expert's (moe/dispatcher.py)."""
         return None
 
     # --- the primitives: x the input, w the weight [out, in], g the output gradient ----------------

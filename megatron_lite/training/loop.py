@@ -37,6 +37,7 @@ from ..transformer.core_attention import describe_attention
 from ..transformer.fast_paths import describe_fast_paths
 from ..transformer.loss_normalization import LossNormalization
 from ..transformer.spec import BuildContext
+from ..transformer.te_backend import te_context
 from .step import eval_step, forward_backward_no_pipelining, move_batch, pipelined_forward_backward, train_step
 
 
@@ -123,7 +124,8 @@ class Trainer:
         model_parallel_seed(self.tracker, t.seed, dims.tp_rank, dims.pp_rank)
         schedule = (p.pipeline_schedule or default_schedule(dims.vpp)) if dims.pp > 1 else None
         deferrable = schedule in ZERO_BUBBLE
-        gemm = GemmPath(deferrable) if t.fp8_format is None else Float8GemmPath(
+        te = te_context(t, dims) if t.transformer_impl == "transformer_engine" else None
+        gemm = GemmPath(deferrable) if t.fp8_format is None or te is not None else Float8GemmPath(
             dims, t.fp8_format, t.fp8_recipe, t.fp8_margin, deferrable, t.fp8_amax_history_len,
             t.fp8_amax_compute_algo, device)
         self.gemm = gemm
@@ -132,7 +134,7 @@ class Trainer:
                            recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
                            recompute_num_layers=t.recompute_num_layers, device=device,
                            cp_comm_type=[c.replace("allgather", "all_gather") for c in p.cp_comm_type],
-                           compile=t.compile, cross_entropy_chunk_size=t.cross_entropy_chunk_size)
+                           compile=t.compile, cross_entropy_chunk_size=t.cross_entropy_chunk_size, te=te)
         clock = time.perf_counter()
         self.chunks = model_provider(cfg, ctx)  # fills ctx.hooks with the model's step hooks
         self.loss_normalization, self.hooks = ctx.loss_normalization, ctx.hooks
@@ -146,6 +148,9 @@ class Trainer:
         if t.qk_clip or t.log_max_attention_logit:
             from .qk_clip import QKClip
             self.hooks.add(QKClip(self.chunks, dims, self.optimizer, t.qk_clip_threshold, t.qk_clip_alpha, t.qk_clip))
+
+        if self.grad_sync.param_gather is not None:  # --fp8-param-gather: delayed scaling's weight scales
+            self.grad_sync.param_gather.bind_recipe(getattr(gemm, "delayed", None))
         clock = _phase_done("model build", clock)
         self.lr_schedule = t.param_scheduler()  # counts samples, as Megatron-LM's
         self.batch_schedule = t.batch_schedule(dims.dp)  # the global batch of each step (ramp-up)
@@ -237,6 +242,11 @@ class Trainer:
         if isinstance(self.gemm, Float8GemmPath):
             self.logger.info("> fp8: " + self.gemm.describe(params_dtype(self.cfg), self.cfg.model.moe_layers(),
                                                                 self.cfg.model.multi_latent_attention))
+        if self.cfg.training.transformer_impl == "transformer_engine":
+            t = self.cfg.training
+            self.logger.info("> transformer impl: Transformer Engine's LayerNormLinear / Linear / DotProductAttention"
+                             + (f"; fp8: TE {t.fp8_recipe} recipe ({t.fp8_format}); output layer in "
+                                f"{params_dtype(self.cfg)}" if t.fp8_format else ""))
         self.logger.info("> memory on this rank: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in mem.items()))
         spill = self.optimizer.spill
         if spill is not None:

@@ -42,6 +42,7 @@ class BuildContext:
     hooks: ModelHooks = field(default_factory=ModelHooks)  # the model's parts register their step hooks here
     compile: bool = False  # torch.compile each transformer layer (--compile)
     cross_entropy_chunk_size: Optional[int] = None  # tokens per cross-entropy chunk; 0: none; None: automatic
+    te: Optional[object] = None  # --transformer-impl transformer_engine: te_backend.TEContext (recipe, amax group)
 
     def __post_init__(self):
         self.sequence_parallel = self.sequence_parallel and self.dims.tp > 1

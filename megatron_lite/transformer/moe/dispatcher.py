@@ -120,6 +120,24 @@ def sort_chunks(x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
     return torch.cat([chunks[i * b + j] for j in range(b) for i in range(a)]) if chunks else x
 
 
+def token_orders(routing_map: torch.Tensor, keys: torch.Tensor, n_total: int, dims: ParallelDims) -> torch.Tensor:
+    """[T, E]: the place of each of this rank's (token, expert) pairs among the tokens the single
+    process routes to that expert (it permutes by expert, then by token), from the tokens' indices
+    `keys` in the single-process micro-batch of n_total tokens: the routing of the whole micro-batch,
+    summed over the TP / CP ranks that share it, counted up to each token."""
+    full = torch.zeros((n_total, routing_map.shape[1]), dtype=torch.int32, device=routing_map.device)
+    full[keys] = routing_map.int()
+    for group, size in ((dims.tp_group, dims.tp), (dims.cp_group, dims.cp)):
+        if size > 1:
+            dims.comm.all_reduce(full, group)
+    return (full.cumsum(0) - 1)[keys]
+
+
+def _pair_rows(per_pair: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
+    """A [T, E] value of each routed pair, in the order of permute's rows."""
+    return per_pair.t()[routing_map.t()]
+
+
 @dataclass
 class DispatchState:
     """What `combine` needs from `dispatch` (one forward of one layer)."""
@@ -132,6 +150,7 @@ class DispatchState:
     etp_sizes: Optional[List[int]] = None
     chunk_sizes: Optional[torch.Tensor] = None  # [sources, local experts] rows at the experts
     batches: Optional[tuple] = None  # (micro-batch of each expert row, how many): EP over DP brings several
+    orders: Optional[tuple] = None  # (each expert row's place among its expert's rows in the single process, tokens)
 
 
 class AllToAllDispatcher:
@@ -140,23 +159,32 @@ class AllToAllDispatcher:
         self.ep, self.etp = dims.ep, dims.etp
         self.num_local_experts = num_experts // dims.ep
 
-    def dispatch(self, tokens: torch.Tensor, routing: Routing):
-        """-> (expert input [N, h] sorted by local expert, tokens per local expert, state)."""
+    def dispatch(self, tokens: torch.Tensor, routing: Routing, keys=None):
+        """-> (expert input [N, h] sorted by local expert, tokens per local expert, state); `keys`:
+        (the tokens' indices in the single-process micro-batch, its tokens) for state.orders."""
         rows, weights, token_idx, counts = permute(tokens, routing.routing_map, routing.probs)
         state = DispatchState(weights, token_idx, tokens.shape[0], tokens.dtype)
+        orders = None if keys is None else _pair_rows(token_orders(routing.routing_map, *keys, self.dims),
+                                                      routing.routing_map)
         if self.ep == 1 and self.etp == 1:
+            state.orders = None if keys is None else (orders, keys[1])
             return rows, counts.tolist(), state
         received = self._exchange_counts(counts)  # [ETP, EP, local experts]
+        comm = self.dims.comm
         if self.ep > 1:
             state.in_splits = counts.view(self.ep, self.num_local_experts).sum(1).tolist()
             state.out_splits = received[self.dims.etp_rank].sum(1).tolist()
-            rows = _AllToAll.apply(rows, self.dims.ep_group, state.out_splits, state.in_splits, self.dims.comm)
+            rows = _AllToAll.apply(rows, self.dims.ep_group, state.out_splits, state.in_splits, comm)
+            orders = None if keys is None else _exchange(orders, self.dims.ep_group, state.out_splits,
+                                                         state.in_splits, comm)
         if self.etp > 1:
             state.etp_sizes = received.sum((1, 2)).tolist()
-            rows = _GatherUneven.apply(rows, self.dims.etp_group, state.etp_sizes, self.dims.comm)
+            rows = _GatherUneven.apply(rows, self.dims.etp_group, state.etp_sizes, comm)
+            orders = None if keys is None else _gather_uneven(orders, self.dims.etp_group, state.etp_sizes, comm)
         # Rows arrive grouped by (source rank, local expert): regroup by local expert.
         state.chunk_sizes = received.reshape(-1, self.num_local_experts)
         rows = sort_chunks(rows, state.chunk_sizes)
+        state.orders = None if keys is None else (sort_chunks(orders, state.chunk_sizes), keys[1])
         replicas = self.ep // min(self.ep, self.dims.cp)  # EP spans whole CP groups (or is 1)
         if replicas > 1:  # source s = etp_src * EP + ep_src, from the data-parallel replica ep_src // CP
             source = torch.arange(state.chunk_sizes.shape[0]) % self.ep // (self.ep // replicas)
@@ -191,19 +219,23 @@ class AllGatherDispatcher:
         self.num_local_experts = num_experts // dims.ep
         self.group = dims.etp_ep_group
 
-    def dispatch(self, tokens: torch.Tensor, routing: Routing):
+    def dispatch(self, tokens: torch.Tensor, routing: Routing, keys=None):
         probs, routing_map = routing.probs, routing.routing_map
         per_source = tokens.shape[0]
+        per_pair = None if keys is None else token_orders(routing_map, *keys, self.dims)
         if group_size(self.group) > 1:
             # Each rank's experts give partial gradients of the gathered tokens: reduce-scatter.
             comm = self.dims.comm
             tokens = comm.gather_from_sp(tokens, self.group, tensor_parallel_output_grad=True)
             probs = comm.gather_from_sp(probs, self.group, tensor_parallel_output_grad=True)
             routing_map = comm.gather_along(routing_map.to(torch.int32), 0, self.group).bool()
+            per_pair = None if keys is None else comm.gather_along(per_pair, 0, self.group)
         first = self.dims.ep_rank * self.num_local_experts
         local = slice(first, first + self.num_local_experts)
         rows, weights, token_idx, counts = permute(tokens, routing_map[:, local], probs[:, local])
         state = DispatchState(weights, token_idx, tokens.shape[0], tokens.dtype)
+        if keys is not None:
+            state.orders = (_pair_rows(per_pair[:, local], routing_map[:, local]), keys[1])
         if group_size(self.group) > 1:  # the tokens of group rank i are rows [i n, (i + 1) n) of the gathered ones
             replica = [self.dims.coords(r)[2] for r in self.dims.group_ranks["etp_ep"]]  # EP over DP: several
             if len(set(replica)) > 1:

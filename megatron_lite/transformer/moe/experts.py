@@ -56,7 +56,7 @@ class _ExpertsLinear(torch.autograd.Function):
     gradient may be deferred (zero-bubble's W pass)."""
 
     @staticmethod
-    def forward(ctx, x, w, gemm, tokens_per_expert, grouped, batches):
+    def forward(ctx, x, w, gemm, tokens_per_expert, grouped, batches, orders):
         ctx.save_for_backward(x, w)
         ctx.gemm, ctx.weight, ctx.sizes, ctx.grouped = gemm, w, tokens_per_expert, grouped
         if grouped:
@@ -64,7 +64,9 @@ class _ExpertsLinear(torch.autograd.Function):
             ctx.call = gemm.new_call()
             return gemm.grouped_forward(ctx.call, x, w, ctx.offs)
         rows = batches[0].split(tokens_per_expert) if batches else [None] * len(tokens_per_expert)
-        ctx.calls = [gemm.new_call((r, batches[1])) if batches else gemm.new_call() for r in rows]
+        order = orders[0].split(tokens_per_expert) if orders else [None] * len(tokens_per_expert)
+        ctx.calls = [gemm.new_call(batches and (r, batches[1]), orders and (o, orders[1]))
+                     for r, o in zip(rows, order)]
         return torch.cat([gemm.forward(c, xe, w[e]) for e, (c, xe) in enumerate(zip(ctx.calls, x.split(ctx.sizes)))])
 
     @staticmethod
@@ -85,13 +87,15 @@ class _ExpertsLinear(torch.autograd.Function):
             def weight_grad():
                 return (torch.stack([gemm.weight_grad(c, ge, xe) for c, ge, xe in pieces]),)
         grad_w, = gemm.param_grads((ctx.weight,), weight_grad) if need[1] else (None,)
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None
 
 
 def experts_linear(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: List[int], gemm: GemmPath,
-                   grouped: bool, batches=None) -> torch.Tensor:
-    """`batches`: (the micro-batch of each row of x, how many) where EP brings rows of several."""
-    return gemm_apply(_ExpertsLinear, gemm, x, w, gemm, tokens_per_expert, grouped and gemm.grouped_kernel, batches)
+                   grouped: bool, batches=None, orders=None) -> torch.Tensor:
+    """`batches`: (the micro-batch of each row of x, how many) where EP brings rows of several;
+    `orders`: (each row's place among its expert's rows in the single process, tokens), see GemmPath.new_call."""
+    return gemm_apply(_ExpertsLinear, gemm, x, w, gemm, tokens_per_expert, grouped and gemm.grouped_kernel, batches,
+                      orders)
 
 
 class GroupedExperts(nn.Module):
@@ -142,13 +146,13 @@ class GroupedExperts(nn.Module):
                 raise ConfigError(f"moe_grouped_gemm needs the {name} ({size}) to be a multiple of {align} for "
                                   f"{dtype} (16-byte rows): change it or drop --moe-grouped-gemm")
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: List[int], batches=None) -> torch.Tensor:
-        """x [N, H] sorted by local expert, tokens_per_expert [E_local] -> [N, H]; `batches`: see
-        experts_linear (the dispatcher's)."""
+    def forward(self, x: torch.Tensor, tokens_per_expert: List[int], batches=None, orders=None) -> torch.Tensor:
+        """x [N, H] sorted by local expert, tokens_per_expert [E_local] -> [N, H]; `batches`, `orders`:
+        see experts_linear (the dispatcher's)."""
         rows = None if self.bias1 is None else torch.tensor(tokens_per_expert, device=x.device)
 
         def linear(inp, w, b):
-            y = experts_linear(inp, w, tokens_per_expert, self.gemm, self.grouped_gemm, batches)
+            y = experts_linear(inp, w, tokens_per_expert, self.gemm, self.grouped_gemm, batches, orders)
             return y if b is None else y + b.repeat_interleave(rows, dim=0, output_size=y.shape[0])
         h = activation_fn(linear(x, self.weight1, self.bias1), self.swiglu, self.activation, self.glu)
         return linear(h, self.weight2, self.bias2)

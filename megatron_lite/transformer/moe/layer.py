@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 
 from ...errors import ConfigError
+from ...parallel.context_parallel import zigzag_indices
 from ...parallel.gemm import GemmPath
 from ...parallel.random import RNGStatesTracker, recompute
 from ...parallel.state import ParallelDims
@@ -82,12 +83,23 @@ class MoELayer(nn.Module):
         s, b, h = local.shape
         tokens = local.reshape(s * b, h)
         routing = self.router(tokens, s, b)
-        rows, tokens_per_expert, state = self.dispatcher.dispatch(tokens, routing)
-        out = self.dispatcher.combine(self.experts(rows, tokens_per_expert, state.batches), state)
+        keys = self._token_keys(s, b, tokens.device) if getattr(self.experts.gemm, "token_order", False) else None
+        rows, tokens_per_expert, state = self.dispatcher.dispatch(tokens, routing, keys)
+        out = self.dispatcher.combine(self.experts(rows, tokens_per_expert, state.batches, state.orders), state)
         out = self._all_tokens(out.view(s, b, h))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    def _token_keys(self, s: int, b: int, device):
+        """(the index of each of this rank's [s, b] tokens in the single-process micro-batch, its
+        tokens), for a GemmPath that orders an expert's tokens as the single process (FP8 blockwise):
+        this TP rank's share of the CP rank's zigzag part of the sequence (context_parallel.py)."""
+        d = self.dims
+        pos = torch.arange(s, device=device) + d.tp_rank * s
+        if d.cp > 1:
+            pos = zigzag_indices(s * d.tp * d.cp, d.cp, d.cp_rank, device)[pos]
+        return (pos[:, None] * b + torch.arange(b, device=device)).reshape(-1), s * d.tp * d.cp * b
 
     def _own_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """This TP rank's tokens: x itself under SP, else its slice of the sequence."""
