@@ -156,12 +156,18 @@ class AllToAllDispatcher:
         # Rows arrive grouped by (source rank, local expert): regroup by local expert.
         state.chunk_sizes = received.reshape(-1, self.num_local_experts)
         rows = sort_chunks(rows, state.chunk_sizes)
-        replicas = self.ep // min(self.ep, self.dims.cp)  # EP spans whole CP groups (or is 1)
-        if replicas > 1:  # source s = etp_src * EP + ep_src, from the data-parallel replica ep_src // CP
-            source = torch.arange(state.chunk_sizes.shape[0]) % self.ep // (self.ep // replicas)
-            which = source.repeat(self.num_local_experts).to(rows.device)
-            state.batches = (which.repeat_interleave(state.chunk_sizes.t().reshape(-1).to(rows.device)), replicas)
+        replica = self._source_replicas()
+        if len(set(replica)) > 1:  # rows of several data-parallel replicas (micro-batches)
+            which = torch.tensor([sorted(set(replica)).index(d) for d in replica]).repeat(self.num_local_experts)
+            state.batches = (which.to(rows.device).repeat_interleave(state.chunk_sizes.t().reshape(-1).to(rows.device)),
+                             len(set(replica)))
         return rows, state.chunk_sizes.sum(0).tolist(), state
+
+    def _source_replicas(self) -> List[int]:
+        """The data-parallel rank of each source s = etp_src * EP + ep_src of the received rows."""
+        d = self.dims
+        _, _, edp_rank, pp_rank = d.expert_coords()
+        return [d.coords(d.expert_global_rank(t, e, edp_rank, pp_rank))[2] for t in range(self.etp) for e in range(self.ep)]
 
     def _exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """Tokens every EP (and ETP) source sends to each of this rank's experts."""
