@@ -153,7 +153,8 @@ def step_time(cfg: ModelConfig, lay: Layout, hw: Hardware, inventory, pp_rank: i
     if cfg.moe is not None and lay.ep > 1:
         moe_layers = sum(cfg.moe_layers()) // p
         rows = a * tokens_mb // lay.tp * cfg.moe.moe_router_topk * cfg.hidden_size
-        ep = 4 * (lay.ep - 1) / lay.ep * rows * moe_layers * m / _bw(hw, lay.tp * lay.ep)
+        # the EP group spans ETP x EP consecutive ranks (expert grid "tp-ep-dp"): NVLink when inside a node
+        ep = 4 * (lay.ep - 1) / lay.ep * rows * moe_layers * m / _bw(hw, lay.etp * lay.ep)
 
     buckets = rank_bucket_params(cfg.num_layers, lay, pp_rank, inventory)
     plans = [b for b, _ in buckets]
