@@ -180,7 +180,7 @@ class ParallelConfig:
         self._validate_experts(world_size, model)
 
     def _validate_experts(self, world_size: int, model: ModelConfig) -> None:
-        ep, etp, tp = self.expert_model_parallel_size, self.expert_tensor_parallel_size, self.tp
+        ep, etp = self.expert_model_parallel_size, self.expert_tensor_parallel_size
         if model.moe is None or not model.moe.num_experts:
             _require(ep == 1 and etp == 1, f"expert_model_parallel_size ({ep}) / expert_tensor_parallel_size ({etp}) "
                                            f"> 1 need an MoE model: add --num-experts")
@@ -646,16 +646,6 @@ class Config:
         _require(not (self.model.multi_latent_attention and p.tp > 1),
                  "FP8 with --multi-latent-attention at --tensor-model-parallel-size > 1 is not implemented yet (it "
                  "would not reproduce the single-process run): use TP 1, or drop one of them")
-        ep = p.expert_model_parallel_size
-        etp = p.expert_tensor_parallel_size
-        # fp8.py reduces an expert's amax over the TP ranks (ETP = TP) or its tokens' TP / CP ranks (EP over DP x CP)
-        _require(moe is None or not moe.num_experts or etp == p.tp or etp == 1 and (ep == 1 or p.tp == 1),
-                 f"FP8 MoE with a folded expert grid (--expert-tensor-parallel-size {etp}, --expert-model-parallel-size "
-                 f"{ep} at --tensor-model-parallel-size {p.tp}) is not implemented yet: use ETP = TP, or EP 1 / TP 1")
-        if moe is not None and moe.num_experts and p.cp > 1:  # fp8.py: an expert's tokens, whole or reduced over CP
-            _require(ep == 1 or ep % p.cp == 0, f"FP8 MoE with --expert-model-parallel-size {ep} and "
-                     f"--context-parallel-size {p.cp}: EP must be 1 or a multiple of CP (so an expert's tokens "
-                     f"are on one rank or split over whole CP groups)")
         if t.fp8_recipe in ("tensorwise", "rowwise"):
             return
         # Delayed and blockwise scaling are proven at TP / SP / DP / PP for dense layers only so far.

@@ -73,8 +73,6 @@ def test_folded_checkpoint_resumes_at_other_layouts(tmp_path, resume, world):
     (["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "4"],
      "must divide the 2 ranks of a pipeline stage"),
     (["--expert-tensor-parallel-size", "0"], "expert_tensor_parallel_size (0) must be >= 1"),
-    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
-      "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"], "FP8 MoE with a folded expert grid"),
 ])
 def test_expert_grids_that_do_not_fit_are_one_line_errors(extra, needle):
     with pytest.raises(ConfigError) as err:

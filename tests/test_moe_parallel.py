@@ -83,6 +83,12 @@ LAYOUTS = {  # name: (world, tp, cp, ep, etp, sp)
     "ep2-tp2-etp2-sp": (4, 2, 1, 2, 2, True),
     "ep2-tp2-etp2": (4, 2, 1, 2, 2, False),
     "ep2-cp2": (2, 1, 2, 2, 1, False),  # EP over the two CP ranks of one replica
+    # MoE parallel folding (Megatron-Core's expert grid): EP over TP (x CP) ranks, ETP inside TP or over DP
+    "tp2-ep4-sp": (4, 2, 1, 4, 1, True),
+    "tp2-ep4": (4, 2, 1, 4, 1, False),
+    "tp2-cp2-ep4-sp": (4, 2, 2, 4, 1, True),
+    "tp4-etp2-ep2-sp": (4, 4, 1, 2, 2, True),
+    "dp4-etp2-ep2": (4, 1, 1, 2, 2, False),
 }
 
 _REFERENCES = {}

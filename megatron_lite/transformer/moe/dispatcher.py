@@ -130,7 +130,12 @@ class DispatchState:
     out_splits: Optional[List[int]] = None
     etp_sizes: Optional[List[int]] = None
     chunk_sizes: Optional[torch.Tensor] = None  # [sources, local experts] rows at the experts
-    batches: Optional[tuple] = None  # (micro-batch of each expert row, how many): EP over DP brings several
+    batches: Optional[tuple] = None  # (data-parallel rank = micro-batch of each expert row, DP): None at DP 1
+
+
+def _own_batch(rows: torch.Tensor, dims: ParallelDims):
+    """`batches` of rows that all hold this rank's tokens: its data-parallel replica's micro-batch."""
+    return (torch.full((rows.shape[0],), dims.dp_rank, device=rows.device), dims.dp) if dims.dp > 1 else None
 
 
 class AllToAllDispatcher:
@@ -144,6 +149,7 @@ class AllToAllDispatcher:
         rows, weights, token_idx, counts = permute(tokens, routing.routing_map, routing.probs)
         state = DispatchState(weights, token_idx, tokens.shape[0], tokens.dtype)
         if self.ep == 1 and self.etp == 1:
+            state.batches = _own_batch(rows, self.dims)
             return rows, counts.tolist(), state
         received = self._exchange_counts(counts)  # [ETP, EP, local experts]
         if self.ep > 1:
@@ -156,11 +162,9 @@ class AllToAllDispatcher:
         # Rows arrive grouped by (source rank, local expert): regroup by local expert.
         state.chunk_sizes = received.reshape(-1, self.num_local_experts)
         rows = sort_chunks(rows, state.chunk_sizes)
-        replica = self._source_replicas()
-        if len(set(replica)) > 1:  # rows of several data-parallel replicas (micro-batches)
-            which = torch.tensor([sorted(set(replica)).index(d) for d in replica]).repeat(self.num_local_experts)
-            state.batches = (which.to(rows.device).repeat_interleave(state.chunk_sizes.t().reshape(-1).to(rows.device)),
-                             len(set(replica)))
+        if self.dims.dp > 1:  # rows, grouped by (local expert, source), of the sources' micro-batches
+            which = torch.tensor(self._source_replicas(), device=rows.device).repeat(self.num_local_experts)
+            state.batches = (which.repeat_interleave(state.chunk_sizes.t().reshape(-1).to(rows.device)), self.dims.dp)
         return rows, state.chunk_sizes.sum(0).tolist(), state
 
     def _source_replicas(self) -> List[int]:
@@ -208,11 +212,11 @@ class AllGatherDispatcher:
         local = slice(first, first + self.num_local_experts)
         rows, weights, token_idx, counts = permute(tokens, routing_map[:, local], probs[:, local])
         state = DispatchState(weights, token_idx, tokens.shape[0], tokens.dtype)
-        if group_size(self.group) > 1:  # the tokens of group rank i are rows [i n, (i + 1) n) of the gathered ones
-            replica = [self.dims.coords(r)[2] for r in self.dims.group_ranks["etp_ep"]]  # EP over DP: several
-            if len(set(replica)) > 1:
-                which = torch.tensor([sorted(set(replica)).index(d) for d in replica], device=rows.device)
-                state.batches = (which[token_idx // per_source], len(set(replica)))
+        if group_size(self.group) > 1 and self.dims.dp > 1:  # group rank i's tokens: rows [i n, (i + 1) n)
+            which = torch.tensor([self.dims.coords(r)[2] for r in self.dims.group_ranks["etp_ep"]], device=rows.device)
+            state.batches = (which[token_idx // per_source], self.dims.dp)
+        else:
+            state.batches = _own_batch(rows, self.dims)
         return rows, counts.tolist(), state
 
     def combine(self, expert_output: torch.Tensor, state: DispatchState) -> torch.Tensor:
