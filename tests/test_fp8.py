@@ -143,9 +143,10 @@ RUN_LAYOUTS = {  # name: (world, the model's flags, the layout's flags)
 }
 
 
-def _one_recipe_each(layouts):
-    """(layout, recipe) for each layout and recipe; the default suite runs one recipe per layout."""
-    return [pytest.param(name, recipe, marks=() if (i + j) % 2 == 0 else pytest.mark.slow)
+def _one_recipe_each(layouts, slow_layouts=()):
+    """(layout, recipe) for each layout and recipe; the default suite runs one recipe per layout
+    (none of `slow_layouts`)."""
+    return [pytest.param(name, recipe, marks=() if (i + j) % 2 == 0 and name not in slow_layouts else pytest.mark.slow)
             for i, name in enumerate(layouts) for j, recipe in enumerate(["tensorwise", "rowwise"])]
 
 
@@ -264,7 +265,7 @@ FP8_MOE_LAYOUTS = {  # name: (world, tp, cp, ep, etp, sp): each rank's share of 
 }
 
 
-@pytest.mark.parametrize("layout,recipe", _one_recipe_each(FP8_MOE_LAYOUTS))
+@pytest.mark.parametrize("layout,recipe", _one_recipe_each(FP8_MOE_LAYOUTS, ("tp2-cp2-ep4-sp", "dp4-etp2-ep2", "ep2-cp4")))
 def test_fp8_moe_layer_at_each_layout_equals_the_single_process_layer(layout, recipe):
     """Experts (grouped GEMM: the FP8 loop), shared expert and its gate; the router stays precise."""
     from test_moe_parallel import DEEPSEEK_LIKE, MIXTRAL_LIKE, check_layout

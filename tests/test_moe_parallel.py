@@ -113,7 +113,11 @@ def _check_metrics(got, ref):
         assert torch.equal(got["layers"][layer]["tokens_per_expert"], entry["tokens_per_expert"])
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+SLOW_LAYOUTS = ("tp2-ep4", "tp2-cp2-ep4-sp", "dp4-etp2-ep2")  # folded cells beyond the default's two
+
+
+@pytest.mark.parametrize("layout", [pytest.param(n, marks=pytest.mark.slow if n in SLOW_LAYOUTS else ())
+                                    for n in LAYOUTS])
 @pytest.mark.parametrize("dispatcher,grouped", [("alltoall", True), ("allgather", False)])
 def test_layer_matches_single_process(layout, dispatcher, grouped):
     cp = LAYOUTS[layout][2]
