@@ -113,3 +113,25 @@ def test_groups_built_in_a_4_rank_world(etp):
         assert out["ep_sum"] == sum(out["ep"][0])
     # ep_rank: the TP rank under folding (ETP 1), the DP rank with ETP = TP
     assert [o["coords"][1] for o in results] == ([0, 1, 0, 1] if etp == 1 else [0, 0, 1, 1])
+
+
+ORACLE_LAYOUTS = [dict(tp=2, dp=2, ep=2), dict(tp=2, dp=2, ep=4), dict(tp=2, cp=2, ep=4), dict(tp=4, ep=2, etp=2),
+                  dict(tp=2, dp=2, ep=2, etp=2), dict(dp=4, ep=2, etp=2), dict(tp=2, cp=2, dp=2, pp=2, ep=4),
+                  dict(tp=2, cp=2, dp=2, ep=2, etp=2), dict(tp=4, dp=2, pp=2, ep=2, etp=2)]
+
+
+@pytest.mark.parametrize("sizes", ORACLE_LAYOUTS, ids=[str(s) for s in ORACLE_LAYOUTS])
+def test_groups_equal_megatron_cores_rank_generators(sizes):
+    """Oracle: Megatron-Core's own RankGenerators (megatron/core/parallel_state.py, default order
+    "tp-cp-ep-dp-pp"; the expert one with CP 1, i.e. "tp-ep-dp-pp") give the same rank lists, dense
+    and expert, folded or not."""
+    from megatron.core.parallel_state import RankGenerator
+    dims = ParallelDims(**sizes)
+    order = "tp-cp-ep-dp-pp"
+    dense = RankGenerator(tp=dims.tp, ep=1, dp=dims.dp, pp=dims.pp, cp=dims.cp, order=order)
+    expert = RankGenerator(tp=dims.etp, ep=dims.ep, dp=dims.edp, pp=dims.pp, cp=1, order=order)
+    ours = dims._rank_lists()
+    for kind, gen, token in [("tp", dense, "tp"), ("cp", dense, "cp"), ("dp_cp", dense, "cp-dp"), ("pp", dense, "pp"),
+                             ("mp", dense, "tp-pp"), ("etp", expert, "tp"), ("ep", expert, "ep"),
+                             ("edp", expert, "dp"), ("etp_ep", expert, "tp-ep"), ("expert_mp", expert, "tp-ep-pp")]:
+        assert sorted(ours[kind]) == sorted(gen.get_ranks(token)), kind
