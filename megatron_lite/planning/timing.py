@@ -150,11 +150,14 @@ def step_time(cfg: ModelConfig, lay: Layout, hw: Hardware, inventory, pp_rank: i
             cp = max(0.0, moved - attn)
             detail["cp_comm_s"] = moved
     ep = 0.0
-    if cfg.moe is not None and lay.ep > 1:
+    if cfg.moe is not None and lay.ep * lay.etp > 1:
         moe_layers = sum(cfg.moe_layers()) // p
         rows = a * tokens_mb // lay.tp * cfg.moe.moe_router_topk * cfg.hidden_size
         # the EP group spans ETP x EP consecutive ranks (expert grid "tp-ep-dp"): NVLink when inside a node
         ep = 4 * (lay.ep - 1) / lay.ep * rows * moe_layers * m / _bw(hw, lay.etp * lay.ep)
+        if lay.etp > 1:  # ETP gathers its ranks' received rows, reduce-scatters the outputs; and in backward
+            detail["etp_comm_s"] = 4 * (lay.etp - 1) * rows * moe_layers * m / _bw(hw, lay.etp)
+            ep += detail["etp_comm_s"]
 
     buckets = rank_bucket_params(cfg.num_layers, lay, pp_rank, inventory)
     plans = [b for b, _ in buckets]
