@@ -32,6 +32,8 @@ FOLDED = {  # name: layout flags (4 ranks)
     "tp2-ep2-edp2-zero3": TP2_SP + EP2 + ["--zero-stage", "3"],
     "tp2-cp2-ep2-edp2-zero1": TP2_SP + ["--context-parallel-size", "2"] + EP2 + A2A + ["--zero-stage", "1"],
     "tp2-ep4-zero3": TP2_SP + EP4 + ["--zero-stage", "3"],
+    # with pipelines: each stage folds its own expert grid (EP over the stage's TP ranks)
+    "pp2-tp2-ep2-1f1b": TP2_SP + EP2 + A2A + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b"],
     "tp4-etp2-ep2-zero3": ["--tensor-model-parallel-size", "4", "--sequence-parallel",
                            "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2",
                            "--zero-stage", "3"] + A2A,
