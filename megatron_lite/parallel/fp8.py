@@ -138,7 +138,8 @@ class Float8GemmPath(GemmPath):
         if spec is not None and spec.split("ep") is not None:
             # An expert's ffn slice is over ETP; its rows of one micro-batch (every rank routes its own
             # tokens) lie on the ranks holding the expert, EDP, kept apart by micro-batch (`batches`).
-            return split, [d.etp_group] if d.etp > 1 else [], [d.edp_group] if d.edp > 1 else []
+            shared = d.edp > 1 and d.edp_shares_micro_batches  # else each micro-batch's rows are on one copy
+            return split, [d.etp_group] if d.etp > 1 else [], [d.edp_group] if shared else []
         return split, [d.tp_group] if d.tp > 1 else [], [d.cp_group] if d.cp > 1 else []
 
     def _reducer(self, groups):
@@ -221,8 +222,10 @@ class Float8GemmPath(GemmPath):
             return self._mm(g.t(), x, (self.grad_dtype, FORMATS["e4m3"]), call["tokens"], g.dtype, call,
                             ("grad", "input"))
         (rows, n), one = call["batches"], dict(call, batches=None)  # each micro-batch quantized alone, summed
-        return sum(self._mm(g[rows == i].t(), x[rows == i], (self.grad_dtype, FORMATS["e4m3"]), call["tokens"],
-                            g.dtype, one, ("grad", "input")) for i in range(n))
+        present = range(n) if call["tokens"] else rows.unique().tolist()  # (no amax shared: skip absent ones)
+        return sum((self._mm(g[rows == i].t(), x[rows == i], (self.grad_dtype, FORMATS["e4m3"]), call["tokens"],
+                             g.dtype, one, ("grad", "input")) for i in present),
+                   g.new_zeros((g.shape[1], x.shape[1])))
 
 
 def _layer_of(name: str):

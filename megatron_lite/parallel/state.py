@@ -23,6 +23,7 @@ module-level globals, so several instances may coexist (tests build one per layo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from datetime import timedelta
 from typing import Dict, List, Optional, Tuple
 
@@ -101,6 +102,21 @@ class ParallelDims:
 
     def expert_global_rank(self, etp_rank: int = 0, ep_rank: int = 0, edp_rank: int = 0, pp_rank: int = 0) -> int:
         return etp_rank + self.etp * (ep_rank + self.ep * (edp_rank + self.edp * pp_rank))
+
+    def expert_source_replicas(self, edp_rank: Optional[int] = None) -> List[int]:
+        """The data-parallel rank of each member (etp_src * EP + ep_src) of this rank's ETP x EP group,
+        or that of expert-data-parallel rank `edp_rank`: whose micro-batches its experts receive."""
+        _, _, mine, pp_rank = self.expert_coords()
+        edp_rank = mine if edp_rank is None else edp_rank
+        return [self.coords(self.expert_global_rank(t, e, edp_rank, pp_rank))[2]
+                for t in range(self.etp) for e in range(self.ep)]
+
+    @cached_property
+    def edp_shares_micro_batches(self) -> bool:
+        """Whether two expert-data-parallel copies of an expert receive tokens of one micro-batch (a
+        data-parallel replica split over CP or TP ranks of different ETP x EP groups)."""
+        seen = [set(self.expert_source_replicas(d)) for d in range(self.edp)]
+        return sum(len(r) for r in seen) > len(set().union(*seen))
 
     @property
     def ep_rank(self) -> int:

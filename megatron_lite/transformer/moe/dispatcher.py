@@ -133,9 +133,17 @@ class DispatchState:
     batches: Optional[tuple] = None  # (data-parallel rank = micro-batch of each expert row, DP): None at DP 1
 
 
+def _needs_batches(replicas: List[int], dims: ParallelDims) -> bool:
+    """Whether expert rows must carry their micro-batch (data-parallel rank): they come from several,
+    or an expert's copies share one (FP8 scales are per micro-batch, reduced over EDP: parallel/fp8.py)."""
+    return dims.dp > 1 and (len(set(replicas)) > 1 or dims.edp_shares_micro_batches)
+
+
 def _own_batch(rows: torch.Tensor, dims: ParallelDims):
     """`batches` of rows that all hold this rank's tokens: its data-parallel replica's micro-batch."""
-    return (torch.full((rows.shape[0],), dims.dp_rank, device=rows.device), dims.dp) if dims.dp > 1 else None
+    if not _needs_batches([dims.dp_rank], dims):
+        return None
+    return torch.full((rows.shape[0],), dims.dp_rank, device=rows.device), dims.dp
 
 
 class AllToAllDispatcher:
@@ -162,16 +170,11 @@ class AllToAllDispatcher:
         # Rows arrive grouped by (source rank, local expert): regroup by local expert.
         state.chunk_sizes = received.reshape(-1, self.num_local_experts)
         rows = sort_chunks(rows, state.chunk_sizes)
-        if self.dims.dp > 1:  # rows, grouped by (local expert, source), of the sources' micro-batches
-            which = torch.tensor(self._source_replicas(), device=rows.device).repeat(self.num_local_experts)
+        replicas = self.dims.expert_source_replicas()  # of each source s = etp_src * EP + ep_src
+        if _needs_batches(replicas, self.dims):  # rows, grouped by (local expert, source), of their micro-batches
+            which = torch.tensor(replicas, device=rows.device).repeat(self.num_local_experts)
             state.batches = (which.repeat_interleave(state.chunk_sizes.t().reshape(-1).to(rows.device)), self.dims.dp)
         return rows, state.chunk_sizes.sum(0).tolist(), state
-
-    def _source_replicas(self) -> List[int]:
-        """The data-parallel rank of each source s = etp_src * EP + ep_src of the received rows."""
-        d = self.dims
-        _, _, edp_rank, pp_rank = d.expert_coords()
-        return [d.coords(d.expert_global_rank(t, e, edp_rank, pp_rank))[2] for t in range(self.etp) for e in range(self.ep)]
 
     def _exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """Tokens every EP (and ETP) source sends to each of this rank's experts."""
@@ -212,9 +215,10 @@ class AllGatherDispatcher:
         local = slice(first, first + self.num_local_experts)
         rows, weights, token_idx, counts = permute(tokens, routing_map[:, local], probs[:, local])
         state = DispatchState(weights, token_idx, tokens.shape[0], tokens.dtype)
-        if group_size(self.group) > 1 and self.dims.dp > 1:  # group rank i's tokens: rows [i n, (i + 1) n)
-            which = torch.tensor([self.dims.coords(r)[2] for r in self.dims.group_ranks["etp_ep"]], device=rows.device)
-            state.batches = (which[token_idx // per_source], self.dims.dp)
+        # the data-parallel rank of group rank i, whose tokens are rows [i n, (i + 1) n)
+        replicas = [self.dims.coords(r)[2] for r in self.dims.group_ranks["etp_ep"]]
+        if group_size(self.group) > 1 and _needs_batches(replicas, self.dims):
+            state.batches = (torch.tensor(replicas, device=rows.device)[token_idx // per_source], self.dims.dp)
         else:
             state.batches = _own_batch(rows, self.dims)
         return rows, counts.tolist(), state
