@@ -135,3 +135,18 @@ def test_groups_equal_megatron_cores_rank_generators(sizes):
                              ("mp", dense, "tp-pp"), ("etp", expert, "tp"), ("ep", expert, "ep"),
                              ("edp", expert, "dp"), ("etp_ep", expert, "tp-ep"), ("expert_mp", expert, "tp-ep-pp")]:
         assert sorted(ours[kind]) == sorted(gen.get_ranks(token)), kind
+
+
+@pytest.mark.parametrize("sizes,sources,shared", [
+    (dict(dp=2), [[0], [1]], False),  # each expert copy sees one replica's tokens
+    (dict(cp=2, dp=2), [[0], [0], [1], [1]], True),  # a replica's CP halves reach two copies
+    (dict(tp=2, dp=2, ep=2), [[0, 0], [1, 1]], False),  # folded: EP over a replica's TP ranks
+    (dict(dp=4, ep=2), [[0, 1], [2, 3]], False),
+    (dict(cp=4, ep=2), [[0, 0], [0, 0]], True),
+])
+def test_which_micro_batches_each_expert_copy_receives(sizes, sources, shared):
+    """Per expert-data-parallel copy, the data-parallel rank of each ETP x EP source (what FP8's
+    per-micro-batch scales group by), and whether two copies share a micro-batch."""
+    dims = ParallelDims(**sizes)
+    assert [dims.expert_source_replicas(e) for e in range(dims.edp)] == sources
+    assert dims.edp_shares_micro_batches is shared
