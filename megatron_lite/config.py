@@ -21,8 +21,9 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = arg(1, "pipeline-parallel size (PP)")
     context_parallel_size: int = arg(1, "context-parallel size (CP)")
     expert_model_parallel_size: int = arg(1, "expert-parallel size (EP): each MoE layer's experts spread over "
-                                             "this many of the DP x CP ranks")
-    expert_tensor_parallel_size: int = arg(1, "tensor parallelism inside each expert: 1, or the TP size")
+                                             "this many ranks of a pipeline stage (TP ranks first when ETP < TP)")
+    expert_tensor_parallel_size: int = arg(1, "tensor parallelism inside each expert (ETP); ETP x EP must divide "
+                                                 "TP x CP x DP (the expert grid folds over the attention grid)")
     virtual_pipeline_model_parallel_size: Optional[int] = arg(None, "model chunks per pipeline rank (interleaving)")
     num_layers_per_virtual_pipeline_stage: Optional[int] = arg(None, "layers per model chunk (sets the virtual size)")
     decoder_first_pipeline_num_layers: Optional[int] = arg(None, "layers of the first pipeline stage (uneven split)")
@@ -139,7 +140,8 @@ class ParallelConfig:
         """The parallel sizes are >= 1 (checked before anything divides by them)."""
         for name, v in (("tensor_model_parallel_size", self.tp), ("pipeline_model_parallel_size", self.pp),
                         ("context_parallel_size", self.cp),
-                        ("expert_model_parallel_size", self.expert_model_parallel_size)):
+                        ("expert_model_parallel_size", self.expert_model_parallel_size),
+                        ("expert_tensor_parallel_size", self.expert_tensor_parallel_size)):
             _require(v >= 1, f"{name} ({v}) must be >= 1")
 
     def validate(self, world_size: int, model: ModelConfig, seq_length: int) -> None:
@@ -198,17 +200,17 @@ class ParallelConfig:
                  f"parameters of a layer its forward still uses")
 
     def _validate_experts(self, world_size: int, model: ModelConfig) -> None:
-        ep, etp, tp = self.expert_model_parallel_size, self.expert_tensor_parallel_size, self.tp
+        ep, etp = self.expert_model_parallel_size, self.expert_tensor_parallel_size
         self._validate_moe_overlap(model)
         if model.moe is None or not model.moe.num_experts:
             _require(ep == 1 and etp == 1, f"expert_model_parallel_size ({ep}) / expert_tensor_parallel_size ({etp}) "
                                            f"> 1 need an MoE model: add --num-experts")
             return
-        dp_cp = world_size // (tp * self.pp) if world_size % (tp * self.pp) == 0 else 0
-        _require(dp_cp > 0 and dp_cp % ep == 0,
-                 f"expert_model_parallel_size ({ep}) must divide data x context parallel size ({dp_cp}): experts are "
-                 f"spread over the DP x CP ranks")
-        _require(etp in (1, tp), f"expert_tensor_parallel_size ({etp}) must be 1 or tensor_model_parallel_size ({tp})")
+        stage = world_size // self.pp if world_size % self.pp == 0 else 0  # ranks of one pipeline stage
+        _require(ep >= 1 and etp >= 1 and stage > 0 and stage % (etp * ep) == 0,
+                 f"expert grid does not fit: expert_tensor_parallel_size ({etp}) x expert_model_parallel_size ({ep}) "
+                 f"must divide the {stage} ranks of a pipeline stage (ETP x EP x EDP = TP x CP x DP, Megatron-Core's "
+                 f"MoE parallel folding): pick sizes whose product divides {stage}")
         model.moe.validate(num_layers=model.num_layers, ep=ep, etp=etp)
 
 
@@ -710,11 +712,6 @@ class Config:
         if t.fp8_param_gather:  # fp8_param_gather.py
             _require(p.zero_stage > 0, "--fp8-param-gather needs --use-distributed-optimizer or --zero-stage 1|2|3 "
                                        "(at --zero-stage 0 nothing is gathered)")
-        ep = p.expert_model_parallel_size
-        if moe is not None and moe.num_experts and p.cp > 1:  # fp8.py: an expert's tokens, whole or reduced over CP
-            _require(ep == 1 or ep % p.cp == 0, f"FP8 MoE with --expert-model-parallel-size {ep} and "
-                     f"--context-parallel-size {p.cp}: EP must be 1 or a multiple of CP (so an expert's tokens "
-                     f"are on one rank or split over whole CP groups)")
 
     def _validate_pipeline(self, num_microbatches: int) -> None:
         from .parallel.pipeline.partition import LayerSplit, layout_mtp_layers, stage_layer_ranges

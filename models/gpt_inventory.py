@@ -36,7 +36,7 @@ class GPTInventory:
         """(before the layers, {kind: one layer's params}, after the layers), from meta builds."""
         key = (tp, ep, etp, pre, post)
         if key not in self._cache:
-            dims = ParallelDims(tp=tp, dp=ep, ep=ep, etp=etp)  # shapes only: no process group
+            dims = ParallelDims(tp=tp, dp=ep * etp, ep=ep, etp=etp)  # shapes only: no process group
             ctx = BuildContext(dims, params_dtype=self.dtype)
             layers, before, after = {}, [], []
             for kind in sorted(set(self.kinds)):

@@ -136,14 +136,17 @@ RUN_LAYOUTS = {  # name: (world, the model's flags, the layout's flags)
     "selective-recompute": (1, [], ["--recompute-granularity", "selective"]),
     "moe-layer-recompute": (1, MOE, ["--moe-layer-recompute"]),
     "moe-ep2": (2, MOE, ["--expert-model-parallel-size", "2"]),  # each expert's rows of two micro-batches
+    "moe-tp2-ep2-folded": (4, MOE, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                    "--expert-model-parallel-size", "2"]),  # EP over TP; rows meet over EDP
     "moe-zb-h1-pp2": (2, MOE + ["--num-layers", "4", "--global-batch-size", "8", "--micro-batch-size", "1"],
                       ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"]),  # deferred W GEMMs
 }
 
 
-def _one_recipe_each(layouts):
-    """(layout, recipe) for each layout and recipe; the default suite runs one recipe per layout."""
-    return [pytest.param(name, recipe, marks=() if (i + j) % 2 == 0 else pytest.mark.slow)
+def _one_recipe_each(layouts, slow_layouts=()):
+    """(layout, recipe) for each layout and recipe; the default suite runs one recipe per layout
+    (none of `slow_layouts`)."""
+    return [pytest.param(name, recipe, marks=() if (i + j) % 2 == 0 and name not in slow_layouts else pytest.mark.slow)
             for i, name in enumerate(layouts) for j, recipe in enumerate(["tensorwise", "rowwise"])]
 
 
@@ -256,27 +259,20 @@ FP8_MOE_LAYOUTS = {  # name: (world, tp, cp, ep, etp, sp): each rank's share of 
     "ep2-tp2-etp1-sp": (4, 2, 1, 2, 1, True),
     "ep2-tp2-etp2-sp": (4, 2, 1, 2, 2, True),
     "ep2-cp2-dp2": (4, 1, 2, 2, 1, False),
+    # MoE parallel folding: EP over the TP (and CP) ranks, ETP inside TP or over DP; an expert's rows
+    # of one micro-batch meet over EDP
+    "tp2-ep4-sp": (4, 2, 1, 4, 1, True),
+    "tp2-cp2-ep4-sp": (4, 2, 2, 4, 1, True),
+    "tp4-etp2-ep2-sp": (4, 4, 1, 2, 2, True),
+    "dp4-etp2-ep2": (4, 1, 1, 2, 2, False),
+    "ep2-cp4": (4, 1, 4, 2, 1, False),  # EP not a multiple of CP
 }
 
 
-@pytest.mark.parametrize("layout,recipe", _one_recipe_each(FP8_MOE_LAYOUTS))
+@pytest.mark.parametrize("layout,recipe", _one_recipe_each(FP8_MOE_LAYOUTS, ("tp2-cp2-ep4-sp", "dp4-etp2-ep2", "ep2-cp4")))
 def test_fp8_moe_layer_at_each_layout_equals_the_single_process_layer(layout, recipe):
     """Experts (grouped GEMM: the FP8 loop), shared expert and its gate; the router stays precise."""
     from test_moe_parallel import DEEPSEEK_LIKE, MIXTRAL_LIKE, check_layout
     cp = FP8_MOE_LAYOUTS[layout][2]
     cfg_kw = dict(DEEPSEEK_LIKE if cp > 1 else MIXTRAL_LIKE, moe_grouped_gemm=True)
     check_layout(cfg_kw, FP8_MOE_LAYOUTS[layout], fp8=("hybrid", recipe), rtol=1e-4)
-
-
-def test_fp8_moe_with_ep_not_a_multiple_of_cp_is_refused():
-    from megatron_lite.arguments import parse_args
-    from megatron_lite.errors import ConfigError
-    from models.zoo import zoo
-    argv = TINY + LLAMA_SWITCHES + MOE + ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise",
-                                          "--context-parallel-size", "4", "--expert-model-parallel-size", "2"]
-    cfg = parse_args(argv, zoo()).finalize(8)
-    with pytest.raises(ConfigError, match=r"^FP8 MoE with --expert-model-parallel-size 2 and --context-parallel-size "
-                                          r"4: EP must be 1 or a multiple of CP"):
-        cfg.validate(8)
-    cfg.parallel.expert_model_parallel_size = 4
-    cfg.validate(8)

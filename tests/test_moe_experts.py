@@ -69,10 +69,20 @@ def test_shard_specs_under_ep2_etp2():
 
 
 def test_shard_specs_under_etp1_are_whole_experts():
-    dims = ParallelDims(tp=2, dp=2, ep=2, etp=1, rank=1)  # tp_rank 1, ep_rank 0
+    dims = ParallelDims(tp=2, dp=2, ep=2, etp=1, rank=1)  # tp_rank 1: EP folds over TP first, ep_rank 1
     experts = GroupedExperts(E, H, FF, dims, swiglu=False)
-    assert spec_of(experts.weight1).splits == (Split(0, "ep", 2, 0, (E,)),)
-    assert tuple(experts.weight1.shape) == (2, FF, H) and experts.local_expert_start == 0
+    assert spec_of(experts.weight1).splits == (Split(0, "ep", 2, 1, (E,)),)
+    assert tuple(experts.weight1.shape) == (2, FF, H) and experts.local_expert_start == 2
+
+
+def test_shard_specs_under_folded_etp2_inside_tp4():
+    # rank 1 of tp 4 with ETP 2 x EP 2: etp_rank 1, ep_rank 0 (ETP adjacent, then EP)
+    dims = ParallelDims(tp=4, ep=2, etp=2, rank=1)
+    experts = GroupedExperts(E, H, FF, dims, swiglu=True)
+    s1, s2 = spec_of(experts.weight1), spec_of(experts.weight2)
+    assert s1.splits == (Split(0, "ep", 2, 0, (E,)), Split(1, "tp", 2, 1, (FF, FF)))
+    assert s2.splits == (Split(0, "ep", 2, 0, (E,)), Split(2, "tp", 2, 1, (FF,)))
+    assert tuple(experts.weight1.shape) == (2, FF, H) and tuple(experts.weight2.shape) == (2, H, FF // 2)
 
 
 @pytest.mark.parametrize("hidden,ffn,dtype,needle", [

@@ -16,10 +16,10 @@ LAYOUTS = [
                         "etp_ep": [[0, 1], [2, 3]], "expert_mp": [[0, 1], [2, 3]], "tp_dp_cp": [[0, 1, 2, 3]]}),
     (dict(dp=4, ep=4), {"ep": [[0, 1, 2, 3]], "etp": [[0], [1], [2], [3]], "edp": [[0], [1], [2], [3]],
                         "etp_ep": [[0, 1, 2, 3]], "expert_mp": [[0, 1, 2, 3]], "tp_dp_cp": [[0, 1, 2, 3]]}),
-    # TP 2 with ETP 1: EP pairs the DP replicas of one TP rank; the two TP ranks hold the same
-    # whole experts, so they are expert-data-parallel.
-    (dict(tp=2, dp=2, ep=2, etp=1), {"ep": [[0, 2], [1, 3]], "etp": [[0], [1], [2], [3]], "edp": [[0, 1], [2, 3]],
-                                     "etp_ep": [[0, 2], [1, 3]], "expert_mp": [[0, 2], [1, 3]],
+    # TP 2 with ETP 1 (Megatron's folding, order tp-ep-dp): EP spans the two TP ranks of a replica;
+    # the DP replicas hold the same experts, so they are expert-data-parallel.
+    (dict(tp=2, dp=2, ep=2, etp=1), {"ep": [[0, 1], [2, 3]], "etp": [[0], [1], [2], [3]], "edp": [[0, 2], [1, 3]],
+                                     "etp_ep": [[0, 1], [2, 3]], "expert_mp": [[0, 1], [2, 3]],
                                      "tp_dp_cp": [[0, 1, 2, 3]]}),
     # TP 2 with ETP 2: the expert TP group is the TP group; no expert replicas are left.
     (dict(tp=2, dp=2, ep=2, etp=2), {"ep": [[0, 2], [1, 3]], "etp": [[0, 1], [2, 3]], "edp": [[0], [1], [2], [3]],
@@ -34,13 +34,25 @@ LAYOUTS = [
     (dict(dp=2, pp=2, ep=2), {"ep": [[0, 1], [2, 3]], "etp": [[0], [1], [2], [3]], "edp": [[0], [1], [2], [3]],
                               "etp_ep": [[0, 1], [2, 3]], "expert_mp": [[0, 1, 2, 3]], "tp_dp_cp": [[0, 1], [2, 3]]}),
     (dict(tp=2, dp=2, pp=2, ep=2, etp=1),
-     {"ep": [[0, 2], [1, 3], [4, 6], [5, 7]], "etp": [[r] for r in range(8)],
-      "edp": [[0, 1], [2, 3], [4, 5], [6, 7]], "etp_ep": [[0, 2], [1, 3], [4, 6], [5, 7]],
-      "expert_mp": [[0, 2, 4, 6], [1, 3, 5, 7]], "tp_dp_cp": [[0, 1, 2, 3], [4, 5, 6, 7]]}),
+     {"ep": [[0, 1], [2, 3], [4, 5], [6, 7]], "etp": [[r] for r in range(8)],
+      "edp": [[0, 2], [1, 3], [4, 6], [5, 7]], "etp_ep": [[0, 1], [2, 3], [4, 5], [6, 7]],
+      "expert_mp": [[0, 1, 4, 5], [2, 3, 6, 7]], "tp_dp_cp": [[0, 1, 2, 3], [4, 5, 6, 7]]}),
     (dict(tp=2, dp=4, ep=2, etp=2),
      {"ep": [[0, 2], [1, 3], [4, 6], [5, 7]], "etp": [[0, 1], [2, 3], [4, 5], [6, 7]],
       "edp": [[0, 4], [1, 5], [2, 6], [3, 7]], "etp_ep": [[0, 1, 2, 3], [4, 5, 6, 7]],
       "expert_mp": [[0, 1, 2, 3], [4, 5, 6, 7]], "tp_dp_cp": [list(range(8))]}),
+    # MoE parallel folding: EP (and ETP) over any ranks of a stage, TP ranks first.
+    (dict(tp=2, cp=2, ep=4), {"ep": [[0, 1, 2, 3]], "etp": [[0], [1], [2], [3]], "edp": [[0], [1], [2], [3]],
+                              "etp_ep": [[0, 1, 2, 3]], "expert_mp": [[0, 1, 2, 3]], "tp_dp_cp": [[0, 1, 2, 3]]}),
+    (dict(tp=4, ep=2, etp=2), {"ep": [[0, 2], [1, 3]], "etp": [[0, 1], [2, 3]], "edp": [[0], [1], [2], [3]],
+                               "etp_ep": [[0, 1, 2, 3]], "expert_mp": [[0, 1, 2, 3]], "tp_dp_cp": [[0, 1, 2, 3]]}),
+    (dict(tp=2, dp=4, ep=2, etp=2, pp=1),  # ETP = TP: EP pairs DP replicas, as before folding
+     {"ep": [[0, 2], [1, 3], [4, 6], [5, 7]], "etp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+      "edp": [[0, 4], [1, 5], [2, 6], [3, 7]], "etp_ep": [[0, 1, 2, 3], [4, 5, 6, 7]],
+      "expert_mp": [[0, 1, 2, 3], [4, 5, 6, 7]], "tp_dp_cp": [list(range(8))]}),
+    (dict(dp=4, ep=2, etp=2),  # ETP over data-parallel ranks (no dense TP at all)
+     {"ep": [[0, 2], [1, 3]], "etp": [[0, 1], [2, 3]], "edp": [[0], [1], [2], [3]], "etp_ep": [[0, 1, 2, 3]],
+      "expert_mp": [[0, 1, 2, 3]], "tp_dp_cp": [[0, 1, 2, 3]]}),
 ]
 
 
@@ -63,9 +75,11 @@ def test_dense_groups_are_unchanged_by_ep():
         assert with_ep[kind] == without[kind]
 
 
-@pytest.mark.parametrize("sizes,needle", [(dict(dp=4, ep=3), "must divide data x context parallel size 4"),
-                                          (dict(dp=2, cp=1, ep=4), "expert model parallel size 4"),
-                                          (dict(tp=4, dp=2, ep=2, etp=2), "must be 1 or the tensor parallel size 4")])
+@pytest.mark.parametrize("sizes,needle", [
+    (dict(dp=4, ep=3), "expert model parallel size 3 must divide tp x cp x dp = 4"),
+    (dict(dp=2, cp=1, ep=4), "expert tensor parallel size 1 x expert model parallel size 4 must divide tp x cp x dp = 2"),
+    (dict(tp=2, dp=2, ep=2, etp=4), "expert tensor parallel size 4 x expert model parallel size 2 must divide"),
+    (dict(tp=2, cp=3, ep=4), "ETP x EP x EDP = TP x CP x DP")])
 def test_impossible_expert_grids_are_one_line_errors(sizes, needle):
     with pytest.raises(ConfigError) as err:
         ParallelDims(**sizes)
@@ -97,4 +111,42 @@ def test_groups_built_in_a_4_rank_world(etp):
             ranks, size = out[kind]
             assert rank in ranks and ranks in expected[kind] and size == len(ranks), (rank, kind)
         assert out["ep_sum"] == sum(out["ep"][0])
-    assert [o["coords"][1] for o in results] == [0, 0, 1, 1]  # ep_rank = dp_rank here
+    # ep_rank: the TP rank under folding (ETP 1), the DP rank with ETP = TP
+    assert [o["coords"][1] for o in results] == ([0, 1, 0, 1] if etp == 1 else [0, 0, 1, 1])
+
+
+ORACLE_LAYOUTS = [dict(tp=2, dp=2, ep=2), dict(tp=2, dp=2, ep=4), dict(tp=2, cp=2, ep=4), dict(tp=4, ep=2, etp=2),
+                  dict(tp=2, dp=2, ep=2, etp=2), dict(dp=4, ep=2, etp=2), dict(tp=2, cp=2, dp=2, pp=2, ep=4),
+                  dict(tp=2, cp=2, dp=2, ep=2, etp=2), dict(tp=4, dp=2, pp=2, ep=2, etp=2)]
+
+
+@pytest.mark.parametrize("sizes", ORACLE_LAYOUTS, ids=[str(s) for s in ORACLE_LAYOUTS])
+def test_groups_equal_megatron_cores_rank_generators(sizes):
+    """Oracle: Megatron-Core's own RankGenerators (megatron/core/parallel_state.py, default order
+    "tp-cp-ep-dp-pp"; the expert one with CP 1, i.e. "tp-ep-dp-pp") give the same rank lists, dense
+    and expert, folded or not."""
+    from megatron.core.parallel_state import RankGenerator
+    dims = ParallelDims(**sizes)
+    order = "tp-cp-ep-dp-pp"
+    dense = RankGenerator(tp=dims.tp, ep=1, dp=dims.dp, pp=dims.pp, cp=dims.cp, order=order)
+    expert = RankGenerator(tp=dims.etp, ep=dims.ep, dp=dims.edp, pp=dims.pp, cp=1, order=order)
+    ours = dims._rank_lists()
+    for kind, gen, token in [("tp", dense, "tp"), ("cp", dense, "cp"), ("dp_cp", dense, "cp-dp"), ("pp", dense, "pp"),
+                             ("mp", dense, "tp-pp"), ("etp", expert, "tp"), ("ep", expert, "ep"),
+                             ("edp", expert, "dp"), ("etp_ep", expert, "tp-ep"), ("expert_mp", expert, "tp-ep-pp")]:
+        assert sorted(ours[kind]) == sorted(gen.get_ranks(token)), kind
+
+
+@pytest.mark.parametrize("sizes,sources,shared", [
+    (dict(dp=2), [[0], [1]], False),  # each expert copy sees one replica's tokens
+    (dict(cp=2, dp=2), [[0], [0], [1], [1]], True),  # a replica's CP halves reach two copies
+    (dict(tp=2, dp=2, ep=2), [[0, 0], [1, 1]], False),  # folded: EP over a replica's TP ranks
+    (dict(dp=4, ep=2), [[0, 1], [2, 3]], False),
+    (dict(cp=4, ep=2), [[0, 0], [0, 0]], True),
+])
+def test_which_micro_batches_each_expert_copy_receives(sizes, sources, shared):
+    """Per expert-data-parallel copy, the data-parallel rank of each ETP x EP source (what FP8's
+    per-micro-batch scales group by), and whether two copies share a micro-batch."""
+    dims = ParallelDims(**sizes)
+    assert [dims.expert_source_replicas(e) for e in range(dims.edp)] == sources
+    assert dims.edp_shares_micro_batches is shared

@@ -83,6 +83,12 @@ LAYOUTS = {  # name: (world, tp, cp, ep, etp, sp)
     "ep2-tp2-etp2-sp": (4, 2, 1, 2, 2, True),
     "ep2-tp2-etp2": (4, 2, 1, 2, 2, False),
     "ep2-cp2": (2, 1, 2, 2, 1, False),  # EP over the two CP ranks of one replica
+    # MoE parallel folding (Megatron-Core's expert grid): EP over TP (x CP) ranks, ETP inside TP or over DP
+    "tp2-ep4-sp": (4, 2, 1, 4, 1, True),
+    "tp2-ep4": (4, 2, 1, 4, 1, False),
+    "tp2-cp2-ep4-sp": (4, 2, 2, 4, 1, True),
+    "tp4-etp2-ep2-sp": (4, 4, 1, 2, 2, True),
+    "dp4-etp2-ep2": (4, 1, 1, 2, 2, False),
 }
 
 _REFERENCES = {}
@@ -107,7 +113,11 @@ def _check_metrics(got, ref):
         assert torch.equal(got["layers"][layer]["tokens_per_expert"], entry["tokens_per_expert"])
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+SLOW_LAYOUTS = ("tp2-ep4", "tp2-cp2-ep4-sp", "dp4-etp2-ep2")  # folded cells beyond the default's two
+
+
+@pytest.mark.parametrize("layout", [pytest.param(n, marks=pytest.mark.slow if n in SLOW_LAYOUTS else ())
+                                    for n in LAYOUTS])
 @pytest.mark.parametrize("dispatcher,grouped", [("alltoall", True), ("allgather", False)])
 def test_layer_matches_single_process(layout, dispatcher, grouped):
     cp = LAYOUTS[layout][2]

@@ -150,7 +150,10 @@ def test_stacked_experts_are_orthogonalized_one_matrix_each():
          "--expert-tensor-parallel-size", "2", "--zero-stage", "1", "--moe-token-dispatcher-type", "alltoall"]),
     (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b"]),
     (2, ["--context-parallel-size", "2", "--zero-stage", "1"]),
-], ids=["ep2", "ep2-etp2-tp2-zero1", "pp2", "cp2-zero1"])
+    pytest.param(4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "4", "--sequence-parallel",
+                     "--expert-tensor-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
+                 marks=pytest.mark.slow),  # folded: expert pieces gathered over ETP 2 inside TP 4
+], ids=["ep2", "ep2-etp2-tp2-zero1", "pp2", "cp2-zero1", "folded-tp4-etp2-ep2"])
 def test_moe_layouts_equal_the_single_process(world, extra):
     """Stacked expert weights [E, out, in]: whole experts on each EP rank, expert-TP pieces gathered;
     pipeline stages each step their own matrices."""

@@ -151,3 +151,36 @@ def test_fp8_param_gather_halves_the_gathered_bytes_of_the_fp8_weights():
     assert plain - fp8 == linear and fp8 < 0.6 * plain
     slow, fast = (step_time(m, x, hw, inventory) for x in (lay, lay.with_(fp8_param_gather=True)))
     assert fast.detail["dp_comm_s"] < slow.detail["dp_comm_s"] and fast.compute_s == slow.compute_s
+
+
+def test_folded_moe_layouts_are_accepted_and_their_all_to_all_stays_on_nvlink():
+    """MoE parallel folding in the planner: EP over the TP ranks (EP 8 beside TP 2 on one 8-GPU
+    node, EP not dividing DP x CP) is a candidate, the trainer's rules accept it, expert state is
+    counted over EDP = TP x CP x DP / (ETP x EP), and the token all-to-all of an EP group inside
+    a node is priced at NVLink speed: the same run with ETP = TP (EP over DP, 16 ranks apart)
+    pays the network for exactly the same bytes (besides ETP's own gather of the rows)."""
+    import math
+
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.parallel.state import ParallelDims
+    from megatron_lite.planning.hardware import GPUS
+    from megatron_lite.planning.layout import Layout
+    from megatron_lite.planning.search import candidates, evaluate, trainer_error
+    from models.gpt_inventory import GPTInventory
+    from models.zoo import zoo
+
+    cfg = parse_args(["--model", "olmoe-1b-7b", "--bf16", "--seq-length", "4096", "--train-iters", "10"], zoo())
+    hw, inventory = GPUS["H100"], GPTInventory(cfg.model, torch.bfloat16).chunk
+    base = Layout(dp=8, seq_length=4096, global_batch_size=64, micro_batch_size=1)
+    assert any(c[0].ep > c[0].dp * c[0].cp for c in candidates(cfg, base, hw, max_pp=1))
+    folded = Layout(tp=2, dp=4, ep=8, sequence_parallel=True, seq_length=4096, global_batch_size=64)
+    assert folded.edp == ParallelDims(tp=2, dp=4, ep=8).edp == 1
+    ev = evaluate(cfg, folded, hw, inventory)
+    assert ev.valid and ev.time.ep_s > 0, ev.error
+    inside, across = (Layout(tp=2, dp=8, ep=8, etp=etp, sequence_parallel=True, seq_length=4096,
+                             global_batch_size=64) for etp in (1, 2))
+    assert (inside.edp, across.edp) == (2, 1) and trainer_error(cfg, inside) is None is trainer_error(cfg, across)
+    t_in, t_across = (evaluate(cfg, x, hw, inventory).time for x in (inside, across))
+    etp_gather = t_across.detail["etp_comm_s"]  # ETP 2's gather of the received rows, over NVLink
+    assert "etp_comm_s" not in t_in.detail and 0 < etp_gather < 0.2 * t_across.ep_s
+    assert math.isclose((t_across.ep_s - etp_gather) / t_in.ep_s, hw.nvlink_gbps / hw.network_gbps, rel_tol=1e-9)

@@ -237,7 +237,8 @@ def _layout(args, cfg: ModelConfig) -> Tuple[int, int, int, int, int]:
 
 
 def _layout_meta(tp, pp, dp, vpp, ep) -> dict:
-    return {"tp": tp, "pp": pp, "dp": dp, "cp": 1, "ep": ep, "vpp": vpp, "world_size": tp * pp * dp, "zero_stage": None}
+    return {"tp": tp, "pp": pp, "dp": dp, "cp": 1, "ep": ep, "etp": 1, "vpp": vpp, "world_size": tp * pp * dp,
+            "zero_stage": None}
 
 
 # --- subcommands ------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ def world_size() -> int:
 
 def layout_of(state: TrainState) -> dict:
     dims, p, t = state.dims, state.cfg.parallel, state.cfg.training
-    return {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "cp": dims.cp, "ep": dims.ep, "vpp": dims.vpp,
+    return {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "cp": dims.cp, "ep": dims.ep, "etp": dims.etp, "vpp": dims.vpp,
             "zero_stage": p.zero_stage, "world_size": dims.world_size,
             "precision": "bf16" if t.bf16 else "fp16" if t.fp16 else "fp32"}
 

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from ..parallel.sharding import ShardSpec, spec_of
+from ..parallel.sharding import ShardSpec, spec_of, tp_axis_group
 from ..parallel.state import ParallelDims, group_size
 from .adam import AdamW
 from .lr_scheduler import DECOUPLED_GROUP
@@ -117,7 +117,7 @@ class Muon:
         local = flat.view(bucket.shapes[i])
         spec = spec_of(param)
         split = spec.split("tp")
-        tp = self.dims.group("tp")
+        tp = tp_axis_group(param, self.dims)[0]  # experts: the expert TP group
         if split is not None and group_size(tp) > 1:
             pieces = torch.empty(group_size(tp) * flat.numel(), dtype=flat.dtype, device=flat.device)
             self.dims.comm.all_gather(pieces, flat, tp)

@@ -6,14 +6,15 @@ Scale = fp8 max / amax / 2^margin per tensor (`tensorwise`), or per row of the l
 per column of the right one, along the contracted dimension (`rowwise`, scales [M,1] x [1,N]).
 `--fp8-format hybrid` quantizes output gradients to e5m2, everything else to e4m3. An amax over a
 dimension split across ranks is MAX-all-reduced over those ranks, so the layout does not change the
-numerics: the features over TP (row-parallel inputs and weights, column-parallel gradients, an
-expert's ffn slice at ETP = TP), the tokens over CP (and an expert's tokens over the TP ranks that
-each route their own share at ETP = 1; over CP unless EP hands every CP rank's tokens to the
-expert's one owner). The per-tensor amax is reduced over all of them (a replicated tensor keeps its
-value). A weight replicated over TP ranks whose output gradient is partial on each (MLA's
-down-projections, K/V groups fewer than TP ranks) has its backward GEMMs run on the replicas' sum
-of the gradient, counted by the first replica. Where EP over data-parallel ranks hands an expert the tokens of several micro-batches (the
-call's `batches`), each micro-batch's rows get their own scale, as in the single-process run. Only the layers built with the path are FP8 (attention and MLP linears, experts, shared
+numerics: the features over TP (row-parallel inputs and weights, column-parallel gradients; an
+expert's ffn slice over ETP), the tokens over CP (an expert's tokens over EDP: every rank routes
+its own tokens, and those of one micro-batch for expert e reach the ranks holding e, whatever
+the folded expert grid). The per-tensor amax is reduced over all of them (a replicated tensor keeps
+its value). An expert's rows carry their micro-batch (the data-parallel rank they came from, the
+call's `batches`): each micro-batch's rows get their own scale, as in the single-process run.
+A weight replicated over TP ranks whose output gradient is partial on each (MLA's down-projections,
+K/V groups fewer than TP ranks) has its backward GEMMs run on the replicas' sum of the gradient,
+counted by the first replica. Only the layers built with the path are FP8 (attention and MLP linears, experts, shared
 experts), less a weight marked `keep_precision` (the output layer, and with --first-last-layers-bf16
 those layers' weights); the embedding, norms and router are not built with it. The experts' grouped GEMM is the loop of dense FP8 GEMMs over the experts
 (torch._scaled_grouped_mm has no CPU kernel in torch 2.13).
@@ -141,8 +142,9 @@ class Float8GemmPath(GemmPath):
         return {"batches": batches, "order": order}
 
     def _splits(self, w):
-        """(the dimension of the 2-D weight `w` that TP splits or None, the groups splitting the tokens),
-        from w's ShardSpec or that of the stacked experts' weight it is one expert of."""
+        """(the dimension of the 2-D weight `w` that TP splits or None, the groups splitting its
+        features, the groups splitting the tokens), from w's ShardSpec or that of the stacked
+        experts' weight it is one expert of."""
         spec, shift = getattr(w, "shard_spec", None), 0
         if spec is None and w._base is not None:
             spec, shift = getattr(w._base, "shard_spec", None), w._base.dim() - w.dim()
@@ -150,12 +152,13 @@ class Float8GemmPath(GemmPath):
         split = next((s.dim - shift for s in spec.splits if s.axis == "tp" and s.shards > 1), None) if spec else None
         d = self.dims
         if d is None:
-            return split, []
-        expert = spec is not None and spec.split("ep") is not None
-        tokens = [d.cp_group] if d.cp > 1 and not (expert and d.ep > 1) else []  # EP % CP == 0 (config)
-        if expert and d.tp > 1 and d.etp == 1:
-            tokens.append(d.tp_group)  # every TP rank routes its share of the tokens to whole experts
-        return split, tokens
+            return split, [], []
+        if spec is not None and spec.split("ep") is not None:
+            # An expert's ffn slice is over ETP; its rows of one micro-batch (every rank routes its own
+            # tokens) lie on the ranks holding the expert, EDP, kept apart by micro-batch (`batches`).
+            shared = d.edp > 1 and d.edp_shares_micro_batches  # else each micro-batch's rows are on one copy
+            return split, [d.etp_group] if d.etp > 1 else [], [d.edp_group] if shared else []
+        return split, [d.tp_group] if d.tp > 1 else [], [d.cp_group] if d.cp > 1 else []
 
     def _reducer(self, groups):
         def reduce(amax):
@@ -181,7 +184,7 @@ class Float8GemmPath(GemmPath):
         if self.recipe == "blockwise":  # blocks hold whole in a TP shard (bind): no amax spans ranks
             return blockwise_mm(a, b, dtypes, roles[1] == "weight", self.margin, out_dtype)
         rowwise = self.recipe == "rowwise"
-        tp = [self.dims.tp_group] if self.dims is not None and self.dims.tp > 1 else []
+        tp = call["features"]
         reduce = self._reducer(k_groups if rowwise else tp + call["tokens"])
         if call["batches"] is not None and not rowwise:
             # an expert's rows (tokens) of several micro-batches: one current scale per micro-batch,
@@ -204,8 +207,6 @@ class Float8GemmPath(GemmPath):
         scale = self.delayed.scale_of(name, role)
         return quantize(t, dtype, dim, self.margin, reduce if scale is None else None, scale)
 
-    def _tp_if(self, split):
-        return [self.dims.tp_group] if split and self.dims is not None and self.dims.tp > 1 else []
 
     def forward(self, call, x, w, bias=None):
         # an expert's weight is a view of the stacked parameter (a parameter may be a view of a buffer)
@@ -217,11 +218,11 @@ class Float8GemmPath(GemmPath):
             call["name"] = _gemm_name(w)
             assert call["name"] is not None, "delayed scaling: bind() the model to the GEMM path first"
         (w if w._base is None else w._base).fp8_gemm = True  # its ZeRO gathers may move FP8 (fp8_param_gather.py)
-        call["split"], call["tokens"] = self._splits(w)
+        call["split"], call["features"], call["tokens"] = self._splits(w)
         call["partial"] = self._partial(w)
         if self.token_order and call["order"] is None and call["tokens"] and x.dim() == 3:
             call["order"] = self._sequence_order(x)  # a dense layer's tokens split over CP
-        k_split = self._tp_if(call["split"] == 1)  # row parallel: x and W split along the contracted dimension
+        k_split = call["features"] if call["split"] == 1 else []  # row parallel: x and W split along K
         e4m3 = FORMATS["e4m3"]
         y = self._mm(x.reshape(-1, x.shape[-1]), w.t(), (e4m3, e4m3), k_split, x.dtype, call)
         y = y.reshape(*x.shape[:-1], w.shape[0]).detach()  # not a view: callers may modify it in place
@@ -256,7 +257,7 @@ class Float8GemmPath(GemmPath):
         return self._input_grad(call, g, w)
 
     def _input_grad(self, call, g, w):
-        n_split = self._tp_if(call["split"] == 0)  # column parallel: g and W split along the output features
+        n_split = call["features"] if call["split"] == 0 else []  # column parallel: g and W split along N
         g2 = self._mm(g.reshape(-1, g.shape[-1]), w, (self.grad_dtype, FORMATS["e4m3"]), n_split, g.dtype, call,
                       ("grad", "weight"))
         return g2.reshape(*g.shape[:-1], w.shape[1])
@@ -276,8 +277,10 @@ class Float8GemmPath(GemmPath):
         if call["batches"] is None:
             return self._token_mm(call, g, x)
         (rows, n), order = call["batches"], call["order"]  # each micro-batch quantized alone, summed
-        return sum(self._token_mm(dict(call, batches=None, order=order and (order[0][rows == i], order[1])),
-                                  g[rows == i], x[rows == i]) for i in range(n))
+        present = range(n) if call["tokens"] else rows.unique().tolist()  # (no amax shared: skip absent ones)
+        return sum((self._token_mm(dict(call, batches=None, order=order and (order[0][rows == i], order[1])),
+                                   g[rows == i], x[rows == i]) for i in present),
+                   g.new_zeros((g.shape[1], x.shape[1])))
 
     def _token_mm(self, call, g, x):
         """g^T x, contracted over tokens; blockwise tiles them in the single process's order."""

@@ -7,7 +7,8 @@ the global norm count each distinct element once (`counts_in_norm`), checkpoints
 full boxes (`spec.local_to_full`), and conversion pads, shards and gathers through it.
 
 A full tensor may be split along several dimensions, each over one parallel axis (`Split`):
-  "tp"  tensor parallelism (expert tensor parallelism uses the same axis): the full dimension is a
+  "tp"  tensor parallelism (expert tensor parallelism uses the same axis, over the ETP group:
+        `tp_axis_group`): the full dimension is a
         concatenation of segments ([Q | K | V], [gate | up]), each split evenly, and a rank holds
         its piece of every segment; `replicas` consecutive ranks may hold the same piece
         (grouped-query K/V when there are fewer groups than TP ranks);
@@ -184,8 +185,8 @@ def counts_in_norm(param: nn.Parameter, dims) -> bool:
     spec = spec_of(param)
     if spec.tie is not None and not spec.tie.primary:
         return False  # the other pipeline stage's copy of a tied weight
-    if spec.split("ep") is not None and spec.split("tp") is None:
-        return True  # experts whole on each TP rank: those ranks are expert-data-parallel copies
+    if spec.split("ep") is not None:
+        return True  # experts: every piece on the ETP x EP x PP ranks (expert_mp) is distinct
     replicas = spec.replicas("tp")
     return dims.tp_rank == 0 if replicas == 0 else dims.tp_rank % replicas == 0
 
@@ -198,7 +199,16 @@ def gather_full(t: torch.Tensor, param: nn.Parameter, dims) -> torch.Tensor:
     t = t.detach()
     if s is None or s.shards == 1:
         return spec.trim(t.clone())
+    group, size = tp_axis_group(param, dims)
     moved = t.movedim(s.dim, 0).contiguous()
-    out = torch.empty((dims.tp * moved.shape[0],) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
-    dims.comm.all_gather(out, moved, dims.tp_group)
-    return spec.trim(spec.unshard([x.movedim(0, s.dim) for x in out.chunk(dims.tp, dim=0)]))
+    out = torch.empty((size * moved.shape[0],) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
+    dims.comm.all_gather(out, moved, group)
+    return spec.trim(spec.unshard([x.movedim(0, s.dim) for x in out.chunk(size, dim=0)]))
+
+
+def tp_axis_group(param: nn.Parameter, dims):
+    """(group, size) of the ranks along the parameter's "tp" axis: the expert TP group for
+    experts (ETP, which need not be TP under MoE parallel folding), else the TP group."""
+    if spec_of(param).split("ep") is not None:
+        return dims.etp_group, dims.etp
+    return dims.tp_group, dims.tp

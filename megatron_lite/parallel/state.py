@@ -5,25 +5,25 @@ TP stays inside a node), then CP, then DP, then PP outermost:
 
     rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
-EP is carved out of (dp * cp) for expert layers. One object is built once and passed to the
-layers that need a group; nothing is stored in module-level globals, so several instances may
-coexist (tests build one per layout).
+Expert layers see Megatron-Core's expert grid ETP x EP x EDP x PP, folded over the same ranks as
+the attention grid TP x CP x DP x PP but independently of it (MoE parallel folding): within one
+pipeline stage, with s = tp_rank + tp * (cp_rank + cp * dp_rank) the rank's place in the stage,
+the expert order is "tp-ep-dp" (ETP ranks adjacent, then EP, then EDP):
 
-Expert layers see the same ranks as Megatron's expert grid ETP x EP x EDP x PP, folded over the
-dense grid: with m = cp_rank + cp * dp_rank (the rank's place among the DP x CP replicas)
+    etp_rank = s % etp,   ep_rank = (s // etp) % ep,   edp_rank = s // (etp * ep)
 
-    ep_rank  = m % ep                       (EP must divide dp * cp)
-    etp_rank = tp_rank if etp == tp else 0  (ETP is 1 or TP)
-    edp_rank = (tp_rank // etp) + (tp // etp) * (m // ep)
+so ETP x EP x EDP = TP x CP x DP (etp * ep must divide it). With ETP = TP the expert TP group is
+the dense TP group; with ETP < TP, EP spans the TP ranks of a node first (TP2 x EP4 on 4 ranks).
+Every rank routes its own tokens (MoE layers split the sequence over TP), so any expert grid
+sees each token once.
 
-So with ETP = TP the expert TP group is the dense TP group and EP consecutive DP x CP replicas
-share out the experts (Megatron's "tp-ep-dp-pp" order exactly). With ETP = 1 the TP ranks hold
-whole experts and become expert-data-parallel replicas of each other (Megatron instead lets EP
-span the TP ranks there; keeping EP inside DP x CP makes every TP size fold the same way).
+One object is built once and passed to the layers that need a group; nothing is stored in
+module-level globals, so several instances may coexist (tests build one per layout).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from datetime import timedelta
 from typing import Dict, List, Optional, Tuple
 
@@ -43,7 +43,7 @@ class ParallelDims:
     ep: int = 1
     vpp: int = 1  # virtual pipeline stages (model chunks) per pipeline rank
     cp_a2a: int = 0  # hierarchical CP (a2a+p2p): consecutive CP ranks in each all-to-all group; 0: none
-    etp: int = 1  # expert tensor parallelism: 1 (experts whole on each TP rank) or tp
+    etp: int = 1  # expert tensor parallelism: ranks splitting each expert's ffn dimension
     pp_placement: str = "loop"  # which pipeline rank runs each virtual stage (pipeline/placement.py)
     rank: int = 0
     groups: Dict[str, Optional[dist.ProcessGroup]] = field(default_factory=dict, repr=False)
@@ -52,13 +52,13 @@ class ParallelDims:
     comm: Communicator = field(default_factory=Communicator, repr=False, compare=False)  # every collective
 
     def __post_init__(self):
-        if (self.dp * self.cp) % self.ep != 0:
-            raise ConfigError(f"expert model parallel size {self.ep} must divide data x context parallel size "
-                              f"{self.dp * self.cp} (dp {self.dp} x cp {self.cp}): pick --expert-model-parallel-size "
-                              f"among its divisors")
-        if self.etp not in (1, self.tp):
-            raise ConfigError(f"expert tensor parallel size {self.etp} must be 1 or the tensor parallel size "
-                              f"{self.tp}: set --expert-tensor-parallel-size to 1 or {self.tp}")
+        stage = self.tp * self.cp * self.dp
+        if self.ep < 1 or self.etp < 1 or stage % (self.ep * self.etp) != 0:
+            raise ConfigError(f"expert grid does not fit: expert tensor parallel size {self.etp} x expert model "
+                              f"parallel size {self.ep} must divide tp x cp x dp = {stage} (tp {self.tp} x cp "
+                              f"{self.cp} x dp {self.dp}; ETP x EP x EDP = TP x CP x DP): pick "
+                              f"--expert-model-parallel-size and --expert-tensor-parallel-size whose product "
+                              f"divides {stage}")
 
     @property
     def comm_counter(self) -> Optional[CommCounter]:
@@ -76,7 +76,7 @@ class ParallelDims:
     @property
     def edp(self) -> int:
         """Expert data parallel size: ranks of one pipeline stage holding the same expert shard."""
-        return (self.tp // self.etp) * (self.dp * self.cp) // self.ep
+        return self.tp * self.cp * self.dp // (self.etp * self.ep)
 
     # --- coordinates -------------------------------------------------------------------------
     def coords(self, rank: Optional[int] = None) -> Tuple[int, int, int, int]:
@@ -95,11 +95,28 @@ class ParallelDims:
 
     def expert_coords(self, rank: Optional[int] = None) -> Tuple[int, int, int, int]:
         """(etp_rank, ep_rank, edp_rank, pp_rank) of a global rank in the expert grid."""
-        tp_rank, cp_rank, dp_rank, pp_rank = self.coords(rank)
-        m = cp_rank + self.cp * dp_rank
-        etp_rank = tp_rank if self.etp == self.tp else 0
-        edp_rank = tp_rank // self.etp + (self.tp // self.etp) * (m // self.ep)
-        return etp_rank, m % self.ep, edp_rank, pp_rank
+        r = self.rank if rank is None else rank
+        stage = self.tp * self.cp * self.dp
+        s, pp_rank = r % stage, r // stage
+        return s % self.etp, (s // self.etp) % self.ep, s // (self.etp * self.ep), pp_rank
+
+    def expert_global_rank(self, etp_rank: int = 0, ep_rank: int = 0, edp_rank: int = 0, pp_rank: int = 0) -> int:
+        return etp_rank + self.etp * (ep_rank + self.ep * (edp_rank + self.edp * pp_rank))
+
+    def expert_source_replicas(self, edp_rank: Optional[int] = None) -> List[int]:
+        """The data-parallel rank of each member (etp_src * EP + ep_src) of this rank's ETP x EP group,
+        or that of expert-data-parallel rank `edp_rank`: whose micro-batches its experts receive."""
+        _, _, mine, pp_rank = self.expert_coords()
+        edp_rank = mine if edp_rank is None else edp_rank
+        return [self.coords(self.expert_global_rank(t, e, edp_rank, pp_rank))[2]
+                for t in range(self.etp) for e in range(self.ep)]
+
+    @cached_property
+    def edp_shares_micro_batches(self) -> bool:
+        """Whether two expert-data-parallel copies of an expert receive tokens of one micro-batch (a
+        data-parallel replica split over CP or TP ranks of different ETP x EP groups)."""
+        seen = [set(self.expert_source_replicas(d)) for d in range(self.edp)]
+        return sum(len(r) for r in seen) > len(set().union(*seen))
 
     @property
     def ep_rank(self) -> int:
@@ -182,7 +199,7 @@ class ParallelDims:
 
     @property
     def etp_group(self):
-        """Expert tensor parallel: the ranks holding slices of the same experts (= tp or single)."""
+        """Expert tensor parallel: the ranks holding slices of the same experts (adjacent ranks)."""
         return self.group("etp")
 
     @property

@@ -71,8 +71,8 @@ class Layout:
 
     @property
     def edp(self) -> int:
-        """Expert-data-parallel size (ParallelDims.edp)."""
-        return (self.tp // self.etp) * (self.dp * self.cp) // self.ep
+        """Expert-data-parallel size (ParallelDims.edp): the expert grid ETP x EP x EDP folds over TP x CP x DP."""
+        return self.tp * self.cp * self.dp // (self.etp * self.ep)
 
     @property
     def buckets(self) -> int:
@@ -86,6 +86,8 @@ class Layout:
             parts.append(f"CP{self.cp}")
         if self.ep > 1:
             parts.append(f"EP{self.ep}")
+        if self.etp > 1:
+            parts.append(f"ETP{self.etp}")
         parts += [f"DP{self.dp}", f"ZeRO-{self.zero_stage}"]
         if self.sp:
             parts.append("SP")

@@ -116,7 +116,8 @@ def candidates(cfg: Config, base: Layout, hw: Hardware, max_pp: int = 16,
                     continue
                 dp = world // (tp * cp * pp)
                 vpps = [1] + ([v for v in range(2, 9) if m.num_layers % (pp * v) == 0] if pp > 1 else [])
-                eps = [e for e in _divisors(dp * cp, 64) if experts % e == 0] if experts else [1]
+                # MoE parallel folding: EP over any ranks of a stage (TP ranks first), not only DP x CP
+                eps = [e for e in _divisors(tp * cp * dp, 64) if experts % e == 0] if experts else [1]
                 for vpp in vpps:
                     schedule = ("interleaved" if vpp > 1 else "1f1b") if pp > 1 else None
                     if schedule is not None and schedule not in schedules:

@@ -230,10 +230,14 @@ def model_parallel_comm(cfg: ModelConfig, lay: Layout, hw: Hardware, rank_work: 
             cp = max(0.0, moved - attn)
             detail["cp_comm_s"] = moved
     ep = 0.0
-    if cfg.moe is not None and lay.ep > 1:  # dispatch and combine, forward and backward: exposed
+    if cfg.moe is not None and lay.ep * lay.etp > 1:  # dispatch and combine, forward and backward: exposed
         moe_layers = max(sum(w.moe for w in ws) for ws in rank_work)
         rows = a * tokens_mb // (lay.tp if lay.sp else 1) * cfg.moe.moe_router_topk * cfg.hidden_size
+        # EP ranks sit ETP apart (expert grid "tp-ep-dp"): NVLink for the peers inside a node
         ep = 4 * all_to_all_seconds(hw, rows, lay.ep, lay.etp) * moe_layers * m
+        if lay.etp > 1:  # ETP gathers its ranks' received rows, reduce-scatters the outputs; and in backward
+            detail["etp_comm_s"] = 4 * ring_seconds(hw, (lay.etp - 1) * rows, lay.etp, 1) * moe_layers * m
+            ep += detail["etp_comm_s"]
     return tp, cp, ep
 
 

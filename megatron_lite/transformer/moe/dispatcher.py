@@ -149,8 +149,21 @@ class DispatchState:
     out_splits: Optional[List[int]] = None
     etp_sizes: Optional[List[int]] = None
     chunk_sizes: Optional[torch.Tensor] = None  # [sources, local experts] rows at the experts
-    batches: Optional[tuple] = None  # (micro-batch of each expert row, how many): EP over DP brings several
+    batches: Optional[tuple] = None  # (data-parallel rank = micro-batch of each expert row, DP): None at DP 1
     orders: Optional[tuple] = None  # (each expert row's place among its expert's rows in the single process, tokens)
+
+
+def _needs_batches(replicas: List[int], dims: ParallelDims) -> bool:
+    """Whether expert rows must carry their micro-batch (data-parallel rank): they come from several,
+    or an expert's copies share one (FP8 scales are per micro-batch, reduced over EDP: parallel/fp8.py)."""
+    return dims.dp > 1 and (len(set(replicas)) > 1 or dims.edp_shares_micro_batches)
+
+
+def _own_batch(rows: torch.Tensor, dims: ParallelDims):
+    """`batches` of rows that all hold this rank's tokens: its data-parallel replica's micro-batch."""
+    if not _needs_batches([dims.dp_rank], dims):
+        return None
+    return torch.full((rows.shape[0],), dims.dp_rank, device=rows.device), dims.dp
 
 
 class AllToAllDispatcher:
@@ -168,6 +181,7 @@ class AllToAllDispatcher:
                                                       routing.routing_map)
         if self.ep == 1 and self.etp == 1:
             state.orders = None if keys is None else (orders, keys[1])
+            state.batches = _own_batch(rows, self.dims)
             return rows, counts.tolist(), state
         received = self._exchange_counts(counts)  # [ETP, EP, local experts]
         comm = self.dims.comm
@@ -185,11 +199,10 @@ class AllToAllDispatcher:
         state.chunk_sizes = received.reshape(-1, self.num_local_experts)
         rows = sort_chunks(rows, state.chunk_sizes)
         state.orders = None if keys is None else (sort_chunks(orders, state.chunk_sizes), keys[1])
-        replicas = self.ep // min(self.ep, self.dims.cp)  # EP spans whole CP groups (or is 1)
-        if replicas > 1:  # source s = etp_src * EP + ep_src, from the data-parallel replica ep_src // CP
-            source = torch.arange(state.chunk_sizes.shape[0]) % self.ep // (self.ep // replicas)
-            which = source.repeat(self.num_local_experts).to(rows.device)
-            state.batches = (which.repeat_interleave(state.chunk_sizes.t().reshape(-1).to(rows.device)), replicas)
+        replicas = self.dims.expert_source_replicas()  # of each source s = etp_src * EP + ep_src
+        if _needs_batches(replicas, self.dims):  # rows, grouped by (local expert, source), of their micro-batches
+            which = torch.tensor(replicas, device=rows.device).repeat(self.num_local_experts)
+            state.batches = (which.repeat_interleave(state.chunk_sizes.t().reshape(-1).to(rows.device)), self.dims.dp)
         return rows, state.chunk_sizes.sum(0).tolist(), state
 
     def _exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
@@ -236,11 +249,12 @@ class AllGatherDispatcher:
         state = DispatchState(weights, token_idx, tokens.shape[0], tokens.dtype)
         if keys is not None:
             state.orders = (_pair_rows(per_pair[:, local], routing_map[:, local]), keys[1])
-        if group_size(self.group) > 1:  # the tokens of group rank i are rows [i n, (i + 1) n) of the gathered ones
-            replica = [self.dims.coords(r)[2] for r in self.dims.group_ranks["etp_ep"]]  # EP over DP: several
-            if len(set(replica)) > 1:
-                which = torch.tensor([sorted(set(replica)).index(d) for d in replica], device=rows.device)
-                state.batches = (which[token_idx // per_source], len(set(replica)))
+        # the data-parallel rank of group rank i, whose tokens are rows [i n, (i + 1) n)
+        replicas = [self.dims.coords(r)[2] for r in self.dims.group_ranks["etp_ep"]]
+        if group_size(self.group) > 1 and _needs_batches(replicas, self.dims):
+            state.batches = (torch.tensor(replicas, device=rows.device)[token_idx // per_source], self.dims.dp)
+        else:
+            state.batches = _own_batch(rows, self.dims)
         return rows, counts.tolist(), state
 
     def combine(self, expert_output: torch.Tensor, state: DispatchState) -> torch.Tensor:

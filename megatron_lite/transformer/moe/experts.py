@@ -10,7 +10,8 @@ added to each expert's rows before the routing weight; refused with ETP > 1 (the
 a partial sum that a replicated bias2 cannot join).
 Their ShardSpecs: full shapes [E, 2F, H] and [E, H, F]; Split(0, "ep", EP, ep_rank, (E,)) always
 (so every expert parameter is recognisable, `is_expert_parameter`); with ETP > 1 also a "tp"
-split of the ffn dimension (dim 1 of weight1 in two segments [F, F], dim 2 of weight2).
+split of the ffn dimension over the expert TP group (dim 1 of weight1 in two segments [F, F],
+dim 2 of weight2; ETP pieces, this rank's etp_rank).
 Expert gradients are summed over the expert-data-parallel group, not dp_cp, and in the global
 grad norm every rank counts all of its expert elements, all-reduced over `expert_mp`.
 
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 
 from ...errors import ConfigError
 from ...parallel.gemm import GemmPath, apply as gemm_apply
-from ...parallel.sharding import ShardSpec, Split, replicated, set_spec, spec_of, tp_split
+from ...parallel.sharding import ShardSpec, Split, replicated, set_spec, spec_of
 from ...parallel.state import ParallelDims
 from ...parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from ..mlp import GatedUnit
@@ -117,9 +118,9 @@ class GroupedExperts(nn.Module):
         f, h = ffn_hidden_size, hidden_size
         fc1_rows, fc1_segments = (2 * f, (f, f)) if swiglu else (f, (f,))
         fc1_splits, fc2_splits = (ep_split,), (ep_split,)
-        if dims.etp > 1:  # expert TP uses the dense TP group (ETP = TP)
-            fc1_splits += (tp_split(dims, 1, fc1_rows, fc1_segments),)
-            fc2_splits += (tp_split(dims, 2, f),)
+        if dims.etp > 1:  # the ffn dimension over the expert TP group (the "tp" axis, ETP pieces)
+            fc1_splits += (Split(1, "tp", dims.etp, dims.etp_rank, fc1_segments),)
+            fc2_splits += (Split(2, "tp", dims.etp, dims.etp_rank, (f,)),)
         spec1 = ShardSpec((num_experts, fc1_rows, h), fc1_splits, init="normal")
         spec2 = ShardSpec((num_experts, h, f), fc2_splits, init="normal_scaled")
         self.weight1 = set_spec(nn.Parameter(torch.empty(spec1.local_shape, dtype=dtype)), spec1)

@@ -4,14 +4,15 @@ forward(x [s, b, h]) -> [s, b, h], in the layer's sequence layout (sequence-shar
 under SP), like the dense MLP it replaces.
 
 Which tokens each rank routes. Under TP the experts' tokens must be split among the TP ranks,
-not replicated: with ETP = 1 each TP rank holds whole experts and is an expert-data-parallel
-replica of the others, so replicated tokens would be computed (and their expert gradients
-summed) TP times; with ETP = TP the experts' slices need each token once per TP group. So, as in
+not replicated: the expert grid (ETP x EP x EDP, folded over TP x CP x DP, parallel/state.py)
+puts the TP ranks of a replica in the EP, ETP or EDP group, and in each of them replicated
+tokens would be computed (and their expert gradients summed) several times. So, as in
 Megatron-Core (which requires SP for MoE under TP), every TP rank routes its own sequence shard:
   - with SP the input already is that shard;
   - without SP (input whole on every TP rank) the layer keeps its shard of the sequence on the
     way in (s must be divisible by tp) and all-gathers the output on the way out.
-Under CP each CP rank routes its own part of the sequence; EP spans DP x CP ranks. The router
+Under CP each CP rank routes its own part of the sequence, so every rank of a pipeline stage
+routes distinct tokens and any expert grid sees each token once. The router
 weight's gradient is therefore partial on each TP rank (summed over TP by grad finalization, its
 ShardSpec says sequence_parallel) and summed over DP x CP with the dense gradients.
 
