@@ -67,3 +67,15 @@ def test_saved_bytes_per_layer_shrink_as_the_planner_counts():
     assert got[1]["measured"] < 0.75 * plain  # the MLP keeps only its input (the norm's output)
     # layernorm: both norms' outputs (2 a h a token) are recomputed, not kept
     assert plain - got[2]["measured"] == 2 * 2 * got[0]["sbh"]
+
+
+@pytest.mark.slow
+def test_compiled_layers_with_recompute_modules_and_offloading_match_compiled_plain():
+    """--compile with output-discarding recomputation and with offloading (the host copies keep the
+    saved tensors' strides, which compiled backward kernels check)."""
+    base = LLAMA + ["--train-iters", "2", "--compile"]
+    variants = [SELECTIVE + ["layernorm", "mlp"], OFFLOAD]
+    runs = run_distributed(_train_each, 1, [base] + [base + v for v in variants], timeout=900)[0]
+    for extra, (history, params, _, _) in zip(variants, runs[1:]):
+        assert_same_run(records_of([runs[0][0]]), history, rtol=1e-5, params=params, ref_params=runs[0][1],
+                        what=f"compiled {' '.join(extra)}")

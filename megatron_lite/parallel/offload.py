@@ -34,7 +34,8 @@ def allocating_host() -> bool:
 def _host_buffer(t: torch.Tensor, pinned: bool) -> torch.Tensor:
     _allocating.on = True
     try:
-        return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned)
+        # the same strides: backward kernels (compiled ones check) see the layout they saved
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu", pin_memory=pinned)
     finally:
         _allocating.on = False
 
@@ -112,9 +113,9 @@ class ActivationOffloader:
     def to_device(self, host: List[torch.Tensor]):
         """(device copies of `host`, the CUDA event that says they are there, or None)."""
         if not self.cuda:  # the CPU stands in for the device: copies back, as memory measurements expect
-            return [h.clone() for h in host], None
+            return [torch.empty_like(h).copy_(h) for h in host], None
         with torch.cuda.stream(self.stream):
-            out = [h.to(self.device, non_blocking=True) for h in host]
+            out = [torch.empty_like(h, device=self.device).copy_(h, non_blocking=True) for h in host]
             ready = torch.cuda.Event()
             ready.record(self.stream)
         current = torch.cuda.current_stream(self.device)
