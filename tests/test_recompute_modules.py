@@ -43,10 +43,19 @@ def test_each_recompute_module_and_offloading_match_the_plain_run(model):
                         what=f"{model} {' '.join(extra)}")
 
 
+FOUR = ["--num-layers", "4", "--global-batch-size", "8", "--cpu-offloading", "--cpu-offloading-num-layers", "3"]
+
+
 @pytest.mark.parametrize("extra,world", [
     (["--tensor-model-parallel-size", "2", "--sequence-parallel"] + SELECTIVE + ["core_attn", "mlp", "layernorm"], 2),
-    (["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--global-batch-size", "8", "--cpu-offloading",
-      "--cpu-offloading-num-layers", "3"], 2)], ids=["tp2-sp-modules", "pp2-offload"])
+    (["--pipeline-model-parallel-size", "2"] + FOUR, 2),
+    pytest.param(["--zero-stage", "3"] + FOUR, 2, marks=pytest.mark.slow),
+    pytest.param(["--tensor-model-parallel-size", "2", "--sequence-parallel"] + FOUR, 2, marks=pytest.mark.slow),
+    pytest.param(["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"] + FOUR, 2,
+                 marks=pytest.mark.slow),
+    pytest.param(["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"] + FOUR, 2,
+                 marks=pytest.mark.slow)],
+    ids=["tp2-sp-modules", "pp2-offload", "zero3-offload", "tp2-sp-offload", "interleaved-offload", "zb-h1-offload"])
 def test_parallel_cell_matches_the_plain_single_process_run(extra, world):
     shape = [a for flag in ("--num-layers", "--global-batch-size") if flag in extra
              for a in (flag, extra[extra.index(flag) + 1])]
