@@ -52,8 +52,9 @@ class _LayerGroup:
         self.ready = None  # CUDA: the event after the copies back
 
     def pack(self, t: torch.Tensor):
-        if isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad):
-            return t  # weights stay where they are
+        weight = isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad)
+        if weight or t.device.type != self.offloader.device.type:
+            return t  # weights stay where they are, and so do tensors that are not on the device
         st = t.untyped_storage()
         key = (st.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
         seen = self.index.get(key)
