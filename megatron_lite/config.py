@@ -215,6 +215,9 @@ class ParallelConfig:
 
 
 CP_COMM_TYPES = ("p2p", "a2a", "all_gather", "allgather", "a2a+p2p")
+# Megatron-LM's --recompute-modules: core_attn, mlp, moe, shared_experts are checkpointed (only their
+# input kept); layernorm, moe_act, mla_up_proj drop their outputs, recomputed when backward needs them.
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts", "moe_act", "layernorm", "mla_up_proj")
 
 
 @dataclass
@@ -348,6 +351,17 @@ class TrainingConfig:
     recompute_method: str = arg("uniform", "full recomputation: uniform groups of --recompute-num-layers, or block "
                                            "(only the first ones)", choices=["uniform", "block"])
     recompute_num_layers: int = arg(1, "layers per recomputed group (uniform) or recomputed layers (block)")
+    cpu_offloading: bool = arg(False, "keep the saved activations of the first --cpu-offloading-num-layers layers "
+                                      "of each model chunk in (pinned) host memory until backward", store="true")
+    cpu_offloading_num_layers: int = arg(0, "with --cpu-offloading: layers whose activations are offloaded "
+                                            "(0 to num_layers - 1)")
+    cpu_offloading_activations: bool = arg(True, "with --cpu-offloading: offload activations (the default)",
+                                           store="true")
+    cpu_offloading_weights: bool = arg(False, "with --cpu-offloading: offload weights (not implemented: refused)",
+                                       store="true")
+    recompute_modules: Optional[List[str]] = arg(
+        None, "selective recomputation: the submodules recomputed in backward (default core_attn); layernorm, "
+              "moe_act and mla_up_proj drop their outputs only", nargs="+", choices=list(RECOMPUTE_MODULES))
     device: Optional[str] = arg(None, "cpu or cuda; None: cuda when available", choices=["cpu", "cuda"])
     distributed_timeout_minutes: float = arg(10, "timeout of every process group (gloo and NCCL): a collective that "
                                                  "waits longer for a peer fails")
@@ -520,6 +534,8 @@ class TrainingConfig:
             _require(problem is None, f"--compile: {problem}; install it or drop --compile")
         _require(self.recompute_granularity in (None, "full", "selective"),
                  f"recompute_granularity ({self.recompute_granularity}) must be full or selective")
+        _require(self.recompute_modules is None or self.recompute_granularity == "selective",
+                 "--recompute-modules needs --recompute-granularity selective")
         _require(self.device in (None, "cpu", "cuda"), f"device ({self.device}) must be cpu or cuda")
         _require(self.log_interval >= 1, f"log_interval ({self.log_interval}) must be >= 1")
         _require(self.distributed_timeout_minutes > 0,
@@ -680,6 +696,30 @@ class Config:
             _require(self.training.fp8_recipe in (None, "tensorwise", "delayed", "blockwise"),
                      f"--fp8-recipe {self.training.fp8_recipe} has no Transformer Engine recipe: use tensorwise, "
                      f"delayed or blockwise, or --transformer-impl local")
+        self._validate_activation_memory()
+
+    def _validate_activation_memory(self) -> None:
+        t, m = self.training, self.model
+        moe = m.moe is not None and bool(m.moe.num_experts)
+        for module, present, what in (("moe", moe, "MoE layers (--num-experts)"),
+                                      ("moe_act", moe, "MoE layers (--num-experts)"),
+                                      ("shared_experts", moe and bool(m.moe.moe_shared_expert_intermediate_size),
+                                       "a shared expert (--moe-shared-expert-intermediate-size)"),
+                                      ("mla_up_proj", m.multi_latent_attention, "--multi-latent-attention")):
+            _require(module not in (t.recompute_modules or ()) or present,
+                     f"--recompute-modules {module} needs {what}: drop it from the list")
+        if not t.cpu_offloading:
+            _require(t.cpu_offloading_num_layers == 0 and not t.cpu_offloading_weights,
+                     "--cpu-offloading-num-layers and --cpu-offloading-weights need --cpu-offloading")
+            return
+        _require(not t.cpu_offloading_weights, "--cpu-offloading-weights is not implemented (weights stay on the "
+                                               "device; --optimizer-cpu-offload moves optimizer state): drop it")
+        _require(0 <= t.cpu_offloading_num_layers < m.num_layers,
+                 f"--cpu-offloading-num-layers ({t.cpu_offloading_num_layers}) must lie in [0, {m.num_layers - 1}] "
+                 f"(fewer than --num-layers, as in Megatron-LM)")
+        _require(t.recompute_granularity is None, "--cpu-offloading with --recompute-granularity: activation "
+                                                  "offloading does not work with recomputation (nor in "
+                                                  "Megatron-LM): use one of them")
 
     def _validate_fp8(self) -> None:
         t, p, moe = self.training, self.parallel, self.model.moe

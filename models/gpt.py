@@ -57,7 +57,8 @@ def moe_mlp(cfg: C.ModelConfig, ctx: BuildContext, layer_number: int) -> MoELaye
                      loss_normalization=ctx.loss_normalization, tracker=hooks.tracker,
                      sequence_parallel=ctx.sequence_parallel, swiglu=cfg.swiglu, activation=cfg.activation,
                      glu=GatedUnit.of(cfg), bias=cfg.add_bias_linear,
-                     dtype=ctx.params_dtype, recompute_tracker=ctx.tracker, gemm=ctx.gemm)
+                     dtype=ctx.params_dtype, recompute_tracker=ctx.tracker, gemm=ctx.gemm,
+                     recompute=tuple(m for m in ("moe", "shared_experts", "moe_act") if ctx.recomputes(m)))
     hooks.routers.append(layer.router)
     return layer
 

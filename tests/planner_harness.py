@@ -123,6 +123,14 @@ LAYOUTS = [
         "--pipeline-model-parallel-size", "2", "--zero-stage", "3", "--no-reshard-after-forward"] + GBS8),
     ("B  TP2 DP2 ZeRO-3, 2 micro-batches", 4, MODEL_B + ["--tensor-model-parallel-size", "2", "--zero-stage", "3"]
      + GBS8),
+    ("B  recompute modules core_attn mlp layernorm", 1, MODEL_B + [
+        "--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mlp", "layernorm"]),
+    ("B  MoE recompute modules moe_act", 1, MODEL_B + ["--num-experts", "4", "--moe-router-topk", "2",
+                                                      "--recompute-granularity", "selective",
+                                                      "--recompute-modules", "moe_act"]),
+    ("B  CPU offloading 3 of 4 layers", 1, MODEL_B + ["--cpu-offloading", "--cpu-offloading-num-layers", "3"]),
+    ("B  PP2 1f1b CPU offloading 3 layers", 2, MODEL_B + ["--pipeline-model-parallel-size", "2", "--cpu-offloading",
+                                                         "--cpu-offloading-num-layers", "3"] + GBS8),
 ]
 
 
@@ -146,3 +154,44 @@ def measure_all() -> List[Dict]:
                 rows.append({"name": name, "world": world, **got,
                              "predicted": predict(argv, world, got["pp_rank"], got["tp_rank"])})
     return rows
+
+
+# --- saved activations per layer against Korthikanti's formula ------------------------------------
+# bf16 (Megatron's mixed precision: bf16 parameters and activations, fp32 main copy), 2 layers.
+_LAYER = ["--num-layers", "2", "--device", "cpu", "--eval-iters", "0", "--train-iters", "1", "--micro-batch-size", "2",
+          "--global-batch-size", "2", "--attention-dropout", "0", "--hidden-dropout", "0", "--mock-data", "--bf16",
+          "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "128", "--vocab-size", "512"]
+LAYER_MODELS = {"GPT": _LAYER,
+                "Llama": _LAYER + ["--ffn-hidden-size", "704", "--normalization", "RMSNorm", "--swiglu",
+                                   "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
+                                   "--disable-bias-linear", "--group-query-attention", "--num-query-groups", "2"]}
+TP2 = ["--tensor-model-parallel-size", "2"]
+LAYER_CELLS = [("GPT", []), ("Llama", []), ("GPT", TP2), ("GPT", TP2 + ["--sequence-parallel"]),
+               ("Llama", TP2), ("Llama", TP2 + ["--sequence-parallel"])]
+
+
+def saved_per_layer(rank: int, world: int, argvs: List[List[str]]) -> List[Dict]:
+    """Per flags of `argvs`: bytes autograd keeps for the last layer over one micro-batch's forward
+    (measure.SavedBytes), with the formula's and the planner's (layer counts) figures."""
+    from pretrain_gpt import make_trainer, resolve
+
+    from megatron_lite.planning.activations import formula_layer_bytes, micro_batch
+    from megatron_lite.planning.measure import SavedBytes
+    from megatron_lite.transformer.model_counts import layer_counts
+
+    os.environ["WORLD_SIZE"] = str(world)
+    out = []
+    for argv in argvs:
+        cfg, tokenizer = resolve(argv)
+        trainer = make_trainer(cfg, tokenizer, torch.device("cpu"))
+        model = trainer.chunks[0]
+        batch = trainer._next_batches(trainer.train_iter, 1)[0]
+        with SavedBytes(dict(model.layers.items())) as saved:
+            trainer.forward_step(batch, model)
+        lay = from_config(cfg, world)
+        mb = micro_batch(lay)
+        last = str(cfg.model.num_layers - 1)
+        out.append({"measured": saved.per_layer[last], "sbh": mb.tokens * cfg.model.hidden_size,
+                    "formula": formula_layer_bytes(cfg.model, mb.tokens, lay.tp, lay.sp, mb.a),
+                    "planner": layer_counts(cfg.model, mb, False).act_bytes})
+    return out

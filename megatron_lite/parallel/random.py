@@ -90,3 +90,43 @@ def recompute(fn, tracker: RNGStatesTracker, *args):
             tracker.set_states(current)
 
     return torch_checkpoint.checkpoint(replay, *args, use_reentrant=False, preserve_rng_state=True)
+
+
+class _Discarded:
+    """What a saved tensor is replaced by under `recomputed_when_saved`: where it lies in the
+    recomputed output."""
+    __slots__ = ("index", "size", "stride", "offset")
+
+    def __init__(self, index: int, t: torch.Tensor):
+        self.index, self.size, self.stride, self.offset = index, t.size(), t.stride(), t.storage_offset()
+
+
+@contextmanager
+def recomputed_when_saved(outputs, fn, *inputs):
+    """Inside the block, a tensor autograd saves that lies in one of `outputs` (what fn(*inputs)
+    returned: a tensor or a tuple) is not kept: backward computes fn(*inputs) again when it needs
+    it (Megatron's output-discarding checkpoint: the layernorm, moe_act and mla_up_proj modules of
+    --recompute-modules). fn must be deterministic and keep no RNG; `inputs` are kept (they should
+    be kept by backward anyway, or nothing is saved). Other saved tensors go to the hooks outside
+    (activation offloading, measurements) as if these were not there."""
+    outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    where = {t.untyped_storage().data_ptr(): i for i, t in enumerate(outputs)}
+    inputs = tuple(x.detach() for x in inputs)
+    cache = {}
+    outer = torch._C._autograd._top_saved_tensors_default_hooks(False) or (lambda t: t, lambda t: t)
+
+    def pack(t):
+        i = where.get(t.untyped_storage().data_ptr())
+        return (outer[0](t),) if i is None else _Discarded(i, t)
+
+    def unpack(p):
+        if not isinstance(p, _Discarded):
+            return outer[1](p[0])
+        if "out" not in cache:  # once for every tensor of this backward
+            with torch.no_grad():
+                out = fn(*inputs)
+            cache["out"] = out if isinstance(out, (tuple, list)) else (out,)
+        return cache["out"][p.index].as_strided(p.size, p.stride, p.offset)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield

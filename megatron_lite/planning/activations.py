@@ -56,7 +56,7 @@ def element_size(dtype: torch.dtype) -> int:
 def micro_batch(lay: Layout) -> MicroBatch:
     """One micro-batch on one rank of the layout (tokens of this CP rank's sequence part)."""
     return MicroBatch(lay.seq_length, lay.seq_length // lay.cp * lay.micro_batch_size, lay.tp, lay.etp, lay.sp,
-                      element_size(lay.params_dtype), lay.recompute)
+                      element_size(lay.params_dtype), lay.recompute, lay.recompute_modules)
 
 
 @dataclass
@@ -91,6 +91,14 @@ def _layer_backward_working_set(w: Widths) -> int:
     """Gradients alive inside a layer's backward beside its activations: the incoming gradient of the
     residual stream and its all-gathered copy (SP), and the MLP's input gradient."""
     return w.a * w.h * (w.tokens + w.residual_tokens) + w.a * w.f * w.tokens
+
+
+def _mlp_backward_working_set(cfg: ModelConfig, w: Widths) -> int:
+    """The largest working set of a layer's backward, its MLP's: the residual gradient (and its
+    gathered copy), the gradients of fc2's input and of fc1's output, and fc1's weight gradient
+    before it joins the main gradient."""
+    fc1 = (2 if cfg.swiglu else 1) * w.f
+    return w.a * (w.h * (w.tokens + w.residual_tokens) + (fc1 + w.f) * w.tokens + fc1 * w.h)
 
 
 def _linear_io(cfg: ModelConfig, w: Widths) -> int:
@@ -130,8 +138,12 @@ def chunk_costs(cfg: ModelConfig, lay: Layout, pp_rank: int, tp_rank: int = 0) -
     chunk_input += 2 * w.a * w.d * w.tokens if cfg.position_embedding_type == "rope" else 0
     loss = counts.final_norm.act_bytes + counts.output.act_bytes + counts.mtp.act_bytes  # MTP: on the last stage
     out = []
+    replayed = _selective_recompute_transient(cfg, lay)
     for (lo, hi), pre, post in stage_chunks(cfg.num_layers, lay, pp_rank):
         layers = [layer.act_bytes for layer in counts.layers[lo:hi]]
+        fetched = _offloaded_backward(layers, lo, lay.cpu_offloading_num_layers, _mlp_backward_working_set(cfg, w),
+                                      loss if post else 0)
+        layers = [0 if lo + i < lay.cpu_offloading_num_layers else n for i, n in enumerate(layers)]
         extra = chunk_input + (counts.embedding.act_bytes if pre else 0) + (loss if post else 0)
         recomputed = 0
         if lay.recompute == "full":
@@ -151,10 +163,14 @@ def chunk_costs(cfg: ModelConfig, lay: Layout, pp_rank: int, tp_rank: int = 0) -
                 recomputed += w.a * w.vocab * w.h
         else:
             saved = extra + sum(layers)
-        fwd_t, bwd_t = _layer_forward_transient(cfg, w), 0
+        # A recomputed module's activations come back in the last layer's backward, beside its working
+        # set, once the loss's tensors are gone.
+        replay = max(0, replayed + _mlp_backward_working_set(cfg, w) - (loss if post else 0)) if replayed else 0
+        fwd_t, bwd_t = _layer_forward_transient(cfg, w), max(replay, fetched)
         if post:
             padded_here = (tp_rank + 1) * w.vocab > cfg.vocab_size
-            loss_fwd, bwd_t = _loss_transients(cfg, lay, w, padded_here)
+            loss_fwd, loss_bwd = _loss_transients(cfg, lay, w, padded_here)
+            bwd_t = max(bwd_t, loss_bwd)
             fwd_t = max(fwd_t, loss_fwd)
         deferred = 0
         if lay.pipeline_schedule in ZERO_BUBBLE:
@@ -163,6 +179,34 @@ def chunk_costs(cfg: ModelConfig, lay: Layout, pp_rank: int, tp_rank: int = 0) -
                 deferred += w.a * (w.h + w.vocab) * w.tokens
         out.append(ChunkCost(saved, deferred, fwd_t, max(recomputed, bwd_t), loss if post else 0))
     return out
+
+
+def _selective_recompute_transient(cfg: ModelConfig, lay: Layout) -> int:
+    """--recompute-modules: what a layer's backward brings back at most at once, one recomputed
+    module's activations (the difference it makes to a layer's kept bytes), beyond core_attn's."""
+    if lay.recompute != "selective":
+        return 0
+    mods = set(lay.recompute_modules)
+    kept = functools.partial(_layer_bytes, cfg, lay)
+    return max([kept(tuple(mods - {m})) - kept(tuple(mods)) for m in mods - {"core_attn"}], default=0)
+
+
+def _layer_bytes(cfg: ModelConfig, lay: Layout, modules: Tuple[str, ...]) -> int:
+    """The most any layer of the model keeps under these --recompute-modules."""
+    layers = model_counts(cfg, micro_batch(lay.with_(recompute_modules=modules))).layers
+    return max(layer.act_bytes for layer in layers)
+
+
+def _offloaded_backward(layers: List[int], first: int, offloaded: int, working_set: int, loss: int) -> int:
+    """--cpu-offloading: the most device bytes the backward of an offloaded layer (of a chunk whose
+    layers keep `layers`, the first numbered `first`) needs beyond the chunk's live activations:
+    its activations and those of the layer before it, brought back ahead of time, beside the
+    layer's backward working set; the chunk's kept layers after it and the loss's are gone by then."""
+    n = min(len(layers), max(0, offloaded - first))
+    if n == 0:
+        return 0
+    back = max(layers[i] + (layers[i - 1] if i > 0 else 0) for i in range(n))
+    return max(0, back + working_set - sum(layers[n:]) - loss)
 
 
 @functools.lru_cache(maxsize=256)
@@ -325,3 +369,30 @@ def _unit_param_bytes(cfg, lay, pp_rank, inventory) -> List[List[int]]:
             units[u] = units.get(u, 0) + b.numel * element_size(b.dtype)
         out.append([units.get(0, 0)] + [units[k] for k in sorted(units) if k])
     return out
+
+
+def formula_layer_bytes(cfg: ModelConfig, tokens: int, tp: int = 1, sp: bool = False, a: int = 2) -> int:
+    """Korthikanti et al. ("Reducing Activation Recomputation in Large Transformer Models", 2022) for
+    one dense layer with flash-style attention (no s^2 terms), bytes over `tokens` (s x b) on one of
+    `tp` ranks, `a` the activation element size. Per token:
+
+      residual width, / tp under SP    norm inputs 2 a h, the Q/K/V and fc1 inputs 2 a h,
+                                       hidden-dropout masks 2 h (one byte each, with dropout)
+      split over TP                    Q a h, K and V 2 a g d (g query groups), the core's output a h
+                                       and its log-sum-exp 4 n (n heads); GELU: fc1's output and GELU's
+                                       output 2 a f; SwiGLU: [gate | up] 2 a f and their product a f
+
+    GPT (h = n d = g d, f = 4 h, bf16): 32 h, with dropout 34 h, per token: 34 s b h / t under SP.
+    Biases add nothing (their gradients need only the output gradient); the norms' statistics
+    (LayerNorm's mean and 1/std, RMSNorm's 1/rms: 8 or 4 bytes a token each) are left out, as
+    Korthikanti does.
+
+    Llama (RMSNorm, SwiGLU, GQA, no biases), per token on one rank:
+      4 a h / (tp under SP)  +  (2 a h + 2 a g d + 4 n + 3 a f) / tp
+    e.g. Llama-3-70B (h 8192, n 64, g 8, d 128, f 28672), bf16: 33.5 h bytes a token, at TP4
+    with SP 8.38 s b h per rank."""
+    h, n, g, d, f = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels,
+                     cfg.ffn_hidden_size)
+    replicated = 4 * a * h + (2 * h if cfg.hidden_dropout > 0 else 0)
+    split = a * (2 * n * d + 2 * max(1, g // tp) * tp * d) + 4 * n + (3 if cfg.swiglu else 2) * a * f
+    return tokens * (replicated // (tp if sp else 1) + split // tp)

@@ -4,7 +4,7 @@ from the same Config the trainer runs (pretrain_gpt.py's flags)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -29,6 +29,8 @@ class Layout:
     recompute: Optional[str] = None  # None | "selective" | "full"
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
+    recompute_modules: Tuple[str, ...] = ("core_attn",)  # selective: --recompute-modules
+    cpu_offloading_num_layers: int = 0  # --cpu-offloading: the first layers' activations wait in host memory
     schedule: Optional[str] = None  # None: 1f1b, or interleaved with vpp > 1 (the trainer's default)
     micro_batch_size: int = 1
     global_batch_size: int = 1
@@ -92,7 +94,10 @@ class Layout:
         if self.sp:
             parts.append("SP")
         if self.recompute:
-            parts.append(f"recompute {self.recompute}")
+            modules = f" ({' '.join(self.recompute_modules)})" if self.recompute == "selective" else ""
+            parts.append(f"recompute {self.recompute}{modules}")
+        if self.cpu_offloading_num_layers:
+            parts.append(f"CPU offload {self.cpu_offloading_num_layers} layers")
         if self.fp8:
             parts.append(f"FP8 {self.fp8}" + (" + FP8 param gather" if self.fp8_param_gather else ""))
         if self.pp > 1:
@@ -119,6 +124,8 @@ def from_config(cfg: Config, world_size: int) -> Layout:
                   sequence_parallel=p.sequence_parallel, cp_comm_type=p.cp_comm_type[0],
                   recompute=t.recompute_granularity,
                   recompute_method=t.recompute_method, recompute_num_layers=t.recompute_num_layers,
+                  recompute_modules=tuple(t.recompute_modules or ("core_attn",)),
+                  cpu_offloading_num_layers=t.cpu_offloading_num_layers if t.cpu_offloading else 0,
                   schedule=p.pipeline_schedule, micro_batch_size=t.micro_batch_size, global_batch_size=gbs,
                   seq_length=t.seq_length, params_dtype=dtype_of(cfg),
                   grad_dtype=torch.bfloat16 if p.grad_reduce_in_bf16 else torch.float32, bucket_size=p.ddp_bucket_size,

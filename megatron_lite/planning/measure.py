@@ -17,6 +17,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..parallel.offload import allocating_host
+
 
 def _storages(tree) -> Dict[int, torch.UntypedStorage]:
     out = {}
@@ -40,6 +42,8 @@ class StepMemory(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if allocating_host():  # an offloaded activation's host copy (parallel/offload.py): not device memory
+            return out
         inputs = _storages((args, kwargs))
         for key, st in _storages(out).items():
             if key not in inputs and key not in self._alive:
@@ -94,3 +98,41 @@ class SavedActivations(StepMemory):
     def __exit__(self, *exc):
         super().__exit__(*exc)
         return self._hooks.__exit__(*exc)
+
+class SavedBytes:
+    """`with SavedBytes(layers) as saved: <forward>` -> saved.per_layer {layer name: bytes}: the
+    storages autograd keeps for backward (saved-tensor hooks), each counted once, in the layer that
+    saves it first; parameters and buffers are not counted. `layers`: {name: module}."""
+
+    def __init__(self, layers: Dict[str, torch.nn.Module]):
+        self.per_layer: Dict[str, int] = {}
+        self._current = None
+        self._seen: Dict[int, torch.UntypedStorage] = {}  # kept alive so no id is reused
+        self._layers = layers
+        self._hooks = []
+        self._held = set()
+
+    def __enter__(self) -> "SavedBytes":
+        for name, layer in self._layers.items():
+            self._held |= {id(t.untyped_storage()) for t in (*layer.parameters(), *layer.buffers())}
+            self._hooks.append(layer.register_forward_pre_hook(lambda m, a, name=name: self._enter_layer(name)))
+            self._hooks.append(layer.register_forward_hook(lambda m, a, o: self._enter_layer(None)))
+        self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._saved.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._saved.__exit__(*exc)
+        for h in self._hooks:
+            h.remove()
+
+    def _enter_layer(self, name) -> None:
+        self._current = name
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        key = id(st)
+        if self._current is not None and key not in self._held and key not in self._seen:
+            self._seen[key] = st
+            self.per_layer[self._current] = self.per_layer.get(self._current, 0) + st.nbytes()
+        return t

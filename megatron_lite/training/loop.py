@@ -30,6 +30,7 @@ from ..parallel.context_parallel import split_batch_for_cp
 from ..parallel.pipeline.executor import PipelineExecutor
 from ..parallel.pipeline.schedules import ZERO_BUBBLE, default_schedule
 from ..parallel.gemm import GemmPath
+from ..parallel.offload import ActivationOffloader
 from ..parallel.fp8 import Float8GemmPath
 from ..parallel.fp8_delayed import register_checkpoint_state as register_fp8_state
 from ..optim.adam import fused_adamw_available
@@ -132,7 +133,10 @@ class Trainer:
         ctx = BuildContext(dims, sequence_parallel=p.sequence_parallel, params_dtype=params_dtype(cfg),
                            tracker=self.tracker, gemm=gemm,
                            recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
-                           recompute_num_layers=t.recompute_num_layers, device=device,
+                           recompute_num_layers=t.recompute_num_layers,
+                           recompute_modules=tuple(t.recompute_modules or ("core_attn",)), device=device,
+                           offloader=ActivationOffloader(device) if t.cpu_offloading else None,
+                           offloaded_layers=t.cpu_offloading_num_layers if t.cpu_offloading else 0,
                            cp_comm_type=[c.replace("allgather", "all_gather") for c in p.cp_comm_type],
                            compile=t.compile, cross_entropy_chunk_size=t.cross_entropy_chunk_size, te=te)
         clock = time.perf_counter()

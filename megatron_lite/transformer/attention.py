@@ -61,7 +61,7 @@ class SelfAttention(nn.Module):
         self.head_dim, self.v_head_dim, self.heads = d, dv, heads // tp
         self.tracker, self.tp, self.sequence_parallel, self.dims = ctx.tracker, tp, sp, dims
         self.layer_number = layer_number  # names this layer's buffers in a KV cache
-        self.recompute_core = ctx.recompute_granularity == "selective"
+        self.recompute_core = ctx.recomputes("core_attn")
         q_size, k_size, v_size = heads * d, groups * d, groups * dv
         # With fewer query groups than TP ranks, each K/V group is replicated on tp / groups
         # consecutive ranks (their weight gradients are summed over those ranks after backward).
@@ -123,6 +123,8 @@ class SelfAttention(nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            if torch.is_grad_enabled() and not hasattr(self, "q_layernorm"):
+                v = v.contiguous()  # else the saved v (a view) would keep the pre-RoPE k alive beside it
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [b, s, heads, d]
         q_offset = 0
         if self.cache_update is not None:  # causality by absolute position: the queries sit after the cache
@@ -157,7 +159,7 @@ class SelfAttention(nn.Module):
     @classmethod
     def counts(cls, cfg, mb: MicroBatch, window: Optional[int] = None) -> Counts:
         """Q, K, V and output projections, their biases and q/k norms; the core's 2 H (d + dv) T FLOPs
-        per token (4 H Q T). Kept per token (heads per TP rank): q and k after RoPE and [k | v]; the
+        per token (4 H Q T). Kept per token (heads per TP rank): q and k after RoPE (and q/k norms) and v; the
         core's output and its log-sum-exp, 4 per head (fused kernels keep no [s, s] scores; under
         selective recomputation the core is replayed: no log-sum-exp)."""
         c, h = AttentionConfig.from_model(cfg), cfg.hidden_size
@@ -170,6 +172,8 @@ class SelfAttention(nn.Module):
         keys = min(mb.seq_length, window) if window else mb.seq_length  # `window`: this layer's sliding window
         core = 2 * heads * (d + dv) * keys
         heads, groups = heads // mb.tp, max(1, groups // mb.tp)
-        kept = heads * (d + dv) + groups * ((2 if cfg.position_embedding_type == "rope" else 1) * d + dv)
-        kept = mb.a * kept + (4 * heads if mb.recompute != "selective" else 0)
+        kept = heads * (d + dv) + groups * (d + dv)
+        if c.qk_layernorm:  # the norms keep their inputs: q and [k | v] as the projections left them
+            kept += heads * d + groups * d
+        kept = mb.a * kept + (0 if mb.recomputes("core_attn") else 4 * heads)
         return weights(n, act_bytes=kept * mb.tokens) + Counts(flops=core, core_flops=core)

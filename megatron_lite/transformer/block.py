@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..parallel.random import recompute, recomputed_when_saved
 from .core_attention import PackedSeq
 from .spec import TransformerLayerSpec
 
@@ -23,6 +24,8 @@ class TransformerLayer(nn.Module):
         self.self_attention = spec.self_attention(cfg, ctx, layer_number, core_attention=spec.core_attention)
         self.pre_mlp_layernorm = spec.pre_mlp_layernorm(cfg, ctx, layer_number)
         self.mlp = spec.mlp(cfg, ctx, layer_number)
+        self.recompute_norms = ctx.recomputes("layernorm")
+        self.offloader = ctx.offloader if layer_number < ctx.offloaded_layers else None
 
     def _dropout_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         p = self.hidden_dropout if self.training else 0.0
@@ -36,13 +39,35 @@ class TransformerLayer(nn.Module):
     compiled = False  # --compile (transformer/fast_paths.py:compile_layer): this layer runs compiled
 
     def forward(self, x: torch.Tensor, rope=None, packed: Optional[PackedSeq] = None) -> torch.Tensor:
+        if self.offloader is not None and self.training and torch.is_grad_enabled():
+            with self.offloader.layer(self.layer_number):  # what backward keeps waits in host memory
+                return self._run(x, rope, packed)
+        return self._run(x, rope, packed)
+
+    def _run(self, x: torch.Tensor, rope=None, packed: Optional[PackedSeq] = None) -> torch.Tensor:
         if self.compiled and self.self_attention.cache_update is None:  # decoding runs eager
             return compiled_layer_forward()(self, x, rope, packed)
         return self._forward(x, rope, packed)
 
     def _forward(self, x: torch.Tensor, rope=None, packed: Optional[PackedSeq] = None) -> torch.Tensor:
-        x = self._dropout_add(self.self_attention(self.input_layernorm(x), rope, packed), x)
-        return self._dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x)
+        x = self._dropout_add(self._norm_then(self.input_layernorm, self.self_attention, x, rope, packed), x)
+        return self._dropout_add(self._mlp_block(x), x)
+
+    def _norm_then(self, norm: nn.Module, block: nn.Module, x: torch.Tensor, *args) -> torch.Tensor:
+        """block(norm(x)); under --recompute-modules layernorm the norm's output is not kept for
+        backward (the block's linear layers would keep it): it is computed again from x there."""
+        y = norm(x)
+        if not (self.recompute_norms and self.training and torch.is_grad_enabled()):
+            return block(y, *args)
+        with recomputed_when_saved(y, norm, x):
+            return block(y, *args)
+
+    def _mlp_block(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute_norms and getattr(self.mlp, "recompute_tracker", None) is not None and self.training \
+                and torch.is_grad_enabled():
+            # The MLP slot is recomputed whole (mlp, moe): the norm joins its region, so only x is kept
+            return recompute(lambda y: self.mlp._forward(self.pre_mlp_layernorm(y)), self.tracker, x)
+        return self._norm_then(self.pre_mlp_layernorm, self.mlp, x)
 
 
 @functools.cache

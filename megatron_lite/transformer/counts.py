@@ -6,7 +6,7 @@ per weight a token uses (norms and biases too, embedding lookups not) plus the c
 4 H Q T (T the keys a query sees, not halved for causality); training 3 times the forward."""
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 
 class MicroBatch(NamedTuple):
@@ -18,6 +18,11 @@ class MicroBatch(NamedTuple):
     sequence_parallel: bool = False  # residual-stream tensors hold 1/tp of the tokens
     a: int = 2  # activation element size
     recompute: Optional[str] = None  # None | selective | full
+    recompute_modules: Tuple[str, ...] = ("core_attn",)  # selective: --recompute-modules
+
+    def recomputes(self, module: str) -> bool:
+        """Whether selective recomputation covers `module` (a --recompute-modules name)."""
+        return self.recompute == "selective" and module in self.recompute_modules
 
     @property
     def residual_tokens(self) -> int:

@@ -27,7 +27,7 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ..parallel.random import recompute
+from ..parallel.random import recompute, recomputed_when_saved
 from ..parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, linear
 from .attention import SelfAttention
 from .core_attention import PackedSeq
@@ -69,7 +69,8 @@ class MLASelfAttention(nn.Module):
         tp, h, heads = dims.tp, cfg.hidden_size, c.num_attention_heads
         self.heads, self.tp, self.tracker, self.gemm, self.dims = heads // tp, tp, ctx.tracker, gemm, dims
         self.layer_number = layer_number
-        self.recompute_core = ctx.recompute_granularity == "selective"
+        self.recompute_core = ctx.recomputes("core_attn")
+        self.recompute_up = ctx.recomputes("mla_up_proj")
         q_head = c.qk_head_dim + c.qk_pos_emb_head_dim
 
         def duplicated(out_size):  # whole on every TP rank; its gradient partial over TP (summed there)
@@ -110,34 +111,74 @@ class MLASelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope=None, packed: Optional[PackedSeq] = None) -> torch.Tensor:
         c = self.config
-        dn, dr, dv, r = c.qk_head_dim, c.qk_pos_emb_head_dim, c.v_head_dim, c.kv_lora_rank
         first = self.linear_q_proj if c.q_lora_rank is None else self.linear_q_down_proj
         q, kv = ColumnParallelLinear.shared_input(x, first, self.linear_kv_down_proj)  # [s, b, ...], full sequence
         if c.q_lora_rank is not None:
-            q = self._local(self.linear_q_up_proj, self.q_layernorm(q))
+            q = self.q_layernorm(q)  # the query latent
         s, b = q.shape[:2]
-        latent, k_rope = kv.split([r, dr], dim=-1)
+        latent, k_rope = kv.split([c.kv_lora_rank, c.qk_pos_emb_head_dim], dim=-1)
         latent = self.kv_layernorm(latent)
-        q_nope, q_rope = q.reshape(s, b, self.heads, dn + dr).split([dn, dr], dim=-1)
+        if self.cache_update is not None:
+            q_nope, q_rope, k_rope = self._queries(q, k_rope, rope)
+            out = self._absorbed(q_nope, q_rope, latent.transpose(0, 1), k_rope.squeeze(2), packed)
+        else:
+            out = self._attend(q, latent, k_rope, rope, packed)
+        return self.linear_proj(out.transpose(0, 1).reshape(s, b, self.heads * c.v_head_dim))
+
+    def _queries(self, q, k_rope, rope):
+        """q_nope, q_rope [b, s, heads, ...] (after the query's up-projection) and k_rope [b, s, 1, dr],
+        with RoPE applied."""
+        c = self.config
+        if c.q_lora_rank is not None:
+            q = self._local(self.linear_q_up_proj, q)
+        s, b = q.shape[:2]
+        q_nope, q_rope = q.reshape(s, b, self.heads, c.qk_head_dim + c.qk_pos_emb_head_dim).split(
+            [c.qk_head_dim, c.qk_pos_emb_head_dim], dim=-1)
         k_rope = k_rope.unsqueeze(2)  # [s, b, 1, dr]
         if rope is not None:
             q_rope, k_rope = apply_rope(q_rope, *rope), apply_rope(k_rope, *rope)
-        q_nope, q_rope, latent, k_rope = (t.transpose(0, 1) for t in (q_nope, q_rope, latent, k_rope))
-        if self.cache_update is not None:
-            out = self._absorbed(q_nope, q_rope, latent, k_rope.squeeze(2), packed)
-        else:
-            kv = self._local(self.linear_kv_up_proj, latent).reshape(b, s, self.heads, dn + dv)
-            k_nope, v = kv.split([dn, dv], dim=-1)
-            # The core scales by 1/sqrt(dn + dr): the rest of the softmax scale goes into the query.
-            q = torch.cat([q_nope, q_rope], dim=-1) * (c.softmax_scale * math.sqrt(dn + dr))
-            k = torch.cat([k_nope, k_rope.expand(b, s, self.heads, dr)], dim=-1)
-            if self.max_logits is not None and self.training:
-                self.max_logits.observe(q, k, packed, getattr(self.core_attention, "window", None))
-            if self.recompute_core and self.training:
-                out = recompute(self._core, self.tracker, q, k, v, packed)
-            else:
-                out = self._core(q, k, v, packed)
-        return self.linear_proj(out.transpose(0, 1).reshape(s, b, self.heads * dv))
+        return q_nope.transpose(0, 1), q_rope.transpose(0, 1), k_rope.transpose(0, 1)
+
+    def _qkv(self, q, latent, k_rope, rope):
+        """The core's q, k, v [b, s, heads, ...] from the query (or its latent) and the K/V latent:
+        the up-projections and RoPE (what --recompute-modules mla_up_proj recomputes)."""
+        c = self.config
+        dn, dr, dv = c.qk_head_dim, c.qk_pos_emb_head_dim, c.v_head_dim
+        q_nope, q_rope, k_rope = self._queries(q, k_rope, rope)
+        b, s = q_nope.shape[:2]
+        kv = self._local(self.linear_kv_up_proj, latent.transpose(0, 1)).reshape(b, s, self.heads, dn + dv)
+        k_nope, v = kv.split([dn, dv], dim=-1)
+        # The core scales by 1/sqrt(dn + dr): the rest of the softmax scale goes into the query.
+        q = torch.cat([q_nope, q_rope], dim=-1) * (c.softmax_scale * math.sqrt(dn + dr))
+        k = torch.cat([k_nope, k_rope.expand(b, s, self.heads, dr)], dim=-1)
+        return q, k, v
+
+    def _attend(self, q, latent, k_rope, rope, packed):
+        """Training and prefill: the core over the up-projected heads, recomputed as
+        --recompute-modules says (core_attn: the core; mla_up_proj: the up-projections, whose
+        outputs are not kept; both: one region from the latents)."""
+        latents = (q, latent, k_rope)
+        recomputing = self.training and torch.is_grad_enabled()
+        up, core = recomputing and self.recompute_up, recomputing and self.recompute_core
+        observe = self.max_logits is not None and self.training
+        if up and core:
+            if observe:  # q, k are not kept here: measured apart
+                with torch.no_grad():
+                    self._observe(*self._qkv(*latents, rope)[:2], packed)
+            return recompute(lambda *a: self._core(*self._qkv(*a, rope), packed), self.tracker, *latents)
+        q, k, v = self._qkv(*latents, rope)
+        if observe:
+            self._observe(q, k, packed)
+        if core:
+            return recompute(self._core, self.tracker, q, k, v, packed)
+        if not up:
+            return self._core(q, k, v, packed)
+        with recomputed_when_saved((q, k, v), lambda *a: self._qkv(*a, rope), *latents):
+            return self._core(q, k, v, packed)
+
+    def _observe(self, q, k, packed):
+        """--qk-clip / --log-max-attention-logit: this step's max logit per head (transformer/qk_clip.py)."""
+        self.max_logits.observe(q, k, packed, getattr(self.core_attention, "window", None))
 
     def qk_clip_rows(self, max_logits: torch.Tensor, tau: float, alpha: float) -> RowScales:
         """QK-clip's factors of this rank's rows given every head's largest logit [num heads], as
@@ -191,8 +232,8 @@ class MLASelfAttention(nn.Module):
         core = 2 * heads * (d + dv) * keys
         local = heads // mb.tp
         latents = r + dr + (c.q_lora_rank or 0)
-        kept = 2 * latents + local * (2 * d + dv) + local * (d + dv)
-        kept = mb.a * kept + (4 * local if mb.recompute != "selective" else 0)
+        kept = 2 * latents + (0 if mb.recomputes("mla_up_proj") else local * (2 * d + dv) + local * (d + dv))
+        kept = mb.a * kept + (0 if mb.recomputes("core_attn") else 4 * local)
         return weights(n, act_bytes=kept * mb.tokens) + Counts(flops=core, core_flops=core)
 
 

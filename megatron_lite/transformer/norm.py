@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from ..parallel.sharding import ShardSpec, replicated, set_spec, tp_split
 from .counts import Counts, MicroBatch, weights
+from .replay import rms_norm
 
 
 class LayerNorm(nn.Module):
@@ -36,10 +37,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 whatever the activation dtype, as Llama does (F.rms_norm: one fused
-        # kernel on CUDA; torch.compile fuses it with its neighbours).
-        x32 = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
-        w = self.weight + 1 if self.zero_centered else self.weight
-        return w * x32.to(x.dtype)
+        # kernel on CUDA; torch.compile fuses it with its neighbours). Backward keeps x and the
+        # fp32 1/rms only (replay.py), not the fp32 copy nor the normalized value.
+        return rms_norm(x, self.weight, self.eps, self.zero_centered)
 
 
 def build_norm(cfg, ctx, layer_number: int = 0) -> nn.Module:
@@ -84,9 +84,10 @@ def norm_weights(cfg, width: int) -> int:
 
 
 def norm_counts(cfg, mb: MicroBatch) -> Counts:
-    """One norm over the hidden size. Kept per residual-stream token besides its input: RMSNorm its
-    fp32 input copy (bf16) and normalized value and 1/rms, (8 - a) h + 4; LayerNorm mean and 1/std,
-    8; and its output as the next linear's input, a h (under SP the shard: backward gathers it)."""
+    """One norm over the hidden size. Kept per residual-stream token besides its input: LayerNorm mean
+    and 1/std, 8; RMSNorm 1/rms, 4; and its output as the next linear's input, a h (under SP the
+    shard: backward gathers it), unless --recompute-modules layernorm."""
     h = cfg.hidden_size
-    internal = (8 - mb.a) * h + 4 if cfg.normalization == "RMSNorm" else 8
-    return weights(norm_weights(cfg, h), act_bytes=(internal + mb.a * h) * mb.residual_tokens)
+    internal = 4 if cfg.normalization == "RMSNorm" else 8
+    output = 0 if mb.recomputes("layernorm") else mb.a * h  # --recompute-modules layernorm: recomputed
+    return weights(norm_weights(cfg, h), act_bytes=(internal + output) * mb.residual_tokens)

@@ -15,11 +15,12 @@ recomputation settings, the loss weights and the step hooks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 
 from ..parallel.gemm import GemmPath
+from ..parallel.offload import ActivationOffloader
 from ..parallel.random import RNGStatesTracker
 from ..parallel.state import ParallelDims
 from .loss_normalization import LossNormalizationSlot
@@ -36,6 +37,9 @@ class BuildContext:
     recompute_granularity: Optional[str] = None  # full | selective
     recompute_method: str = "uniform"  # full: uniform groups of recompute_num_layers, or the first ones
     recompute_num_layers: int = 1
+    recompute_modules: Tuple[str, ...] = ("core_attn",)  # selective: Megatron's --recompute-modules
+    offloader: Optional[ActivationOffloader] = None  # --cpu-offloading: for layers below offloaded_layers
+    offloaded_layers: int = 0
     device: Optional[torch.device] = None  # where the built model goes (built on the CPU, then moved)
     cp_comm_type: Union[str, List[str]] = "p2p"  # context parallelism: one type, or one per layer
     loss_normalization: LossNormalizationSlot = field(default_factory=LossNormalizationSlot)  # set every step
@@ -46,6 +50,10 @@ class BuildContext:
 
     def __post_init__(self):
         self.sequence_parallel = self.sequence_parallel and self.dims.tp > 1
+
+    def recomputes(self, module: str) -> bool:
+        """Whether selective recomputation covers `module` (a --recompute-modules name)."""
+        return self.recompute_granularity == "selective" and module in self.recompute_modules
 
 
 @dataclass(frozen=True)

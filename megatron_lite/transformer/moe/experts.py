@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from ...errors import ConfigError
 from ...parallel.gemm import GemmPath, apply as gemm_apply
+from ...parallel.random import recomputed_when_saved
 from ...parallel.sharding import ShardSpec, Split, replicated, set_spec, spec_of
 from ...parallel.state import ParallelDims
 from ...parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -102,8 +103,12 @@ def experts_linear(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: List[int
 class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, dims: ParallelDims,
                  swiglu: bool = True, activation: str = "gelu", grouped_gemm: bool = False, dtype=torch.float32,
-                 gemm: Optional[GemmPath] = None, glu: Optional[GatedUnit] = None, bias: bool = False):
+                 gemm: Optional[GemmPath] = None, glu: Optional[GatedUnit] = None, bias: bool = False,
+                 recompute_act: bool = False):
+        """`recompute_act` (--recompute-modules moe_act): the activation's output, fc2's input, is
+        not kept for backward but computed again from fc1's output there."""
         super().__init__()
+        self.recompute_act = recompute_act
         if bias and dims.etp > 1:
             raise ConfigError("expert biases (--add-bias-linear with MoE) need expert tensor parallel size 1: "
                               "drop --expert-tensor-parallel-size or add --disable-bias-linear")
@@ -155,8 +160,15 @@ class GroupedExperts(nn.Module):
         def linear(inp, w, b):
             y = experts_linear(inp, w, tokens_per_expert, self.gemm, self.grouped_gemm, batches, orders)
             return y if b is None else y + b.repeat_interleave(rows, dim=0, output_size=y.shape[0])
-        h = activation_fn(linear(x, self.weight1, self.bias1), self.swiglu, self.activation, self.glu)
-        return linear(h, self.weight2, self.bias2)
+        h1 = linear(x, self.weight1, self.bias1)
+        h = self._activation(h1)
+        if not (self.recompute_act and self.training and torch.is_grad_enabled()):
+            return linear(h, self.weight2, self.bias2)
+        with recomputed_when_saved(h, self._activation, h1):
+            return linear(h, self.weight2, self.bias2)
+
+    def _activation(self, h: torch.Tensor) -> torch.Tensor:
+        return activation_fn(h, self.swiglu, self.activation, self.glu)
 
 
 class SharedExpertMLP(nn.Module):

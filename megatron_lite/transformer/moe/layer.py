@@ -28,7 +28,7 @@ after the update (moe_router_enable_expert_bias) and reduces the statistics for 
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -53,8 +53,9 @@ class MoELayer(nn.Module):
                  loss_normalization: Optional[LossNormalizationSlot] = None,
                  tracker: Optional[MoEMetricsTracker] = None, sequence_parallel: bool = False, swiglu: bool = True,
                  activation: str = "gelu", dtype=torch.float32, recompute_tracker: Optional[RNGStatesTracker] = None,
-                 gemm: Optional[GemmPath] = None, glu=None, bias: bool = False):
-        """`recompute_tracker`: the RNG streams a --moe-layer-recompute replay restores; `gemm`: the
+                 gemm: Optional[GemmPath] = None, glu=None, bias: bool = False, recompute: Tuple[str, ...] = ()):
+        """`recompute_tracker`: the RNG streams a --moe-layer-recompute replay restores; `recompute`:
+        which of --recompute-modules moe, shared_experts, moe_act apply here; `gemm`: the
         GemmPath of the experts' and the shared expert's weights (the router's stays plain); `glu`:
         the gated unit (mlp.GatedUnit) when `swiglu` (None: SwiGLU); `bias`: biases on the router and
         both expert projections (--add-bias-linear, as Megatron-Core; the shared expert has none)."""
@@ -63,14 +64,17 @@ class MoELayer(nn.Module):
         self.cfg, self.dims, self.sequence_parallel = cfg, dims, sequence_parallel
         self.router = TopKRouter(cfg, hidden_size, dims, layer_number, loss_normalization, tracker, dtype, bias)
         self.experts = GroupedExperts(cfg.num_experts, hidden_size, cfg.moe_ffn_hidden_size, dims, swiglu,
-                                      activation, cfg.moe_grouped_gemm, dtype, gemm, glu, bias)
+                                      activation, cfg.moe_grouped_gemm, dtype, gemm, glu, bias,
+                                      recompute_act="moe_act" in recompute)
         self.shared_experts = None
         if cfg.moe_shared_expert_intermediate_size:
             self.shared_experts = SharedExpertMLP(hidden_size, cfg.moe_shared_expert_intermediate_size, dims,
                                                   sequence_parallel, swiglu, activation, cfg.moe_shared_expert_gate,
                                                   dtype, gemm, glu)
         self.dispatcher = build_dispatcher(cfg.moe_token_dispatcher_type, cfg.num_experts, dims)
-        self.recompute_tracker = recompute_tracker if cfg.moe_layer_recompute else None
+        recomputed = cfg.moe_layer_recompute or "moe" in recompute
+        self.recompute_tracker = recompute_tracker if recomputed else None
+        self.shared_recompute_tracker = recompute_tracker if "shared_experts" in recompute else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute_tracker is not None and self.training and torch.is_grad_enabled():
@@ -88,9 +92,11 @@ class MoELayer(nn.Module):
         rows, tokens_per_expert, state = self.dispatcher.dispatch(tokens, routing, keys)
         out = self.dispatcher.combine(self.experts(rows, tokens_per_expert, state.batches, state.orders), state)
         out = self._all_tokens(out.view(s, b, h))
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        if self.shared_experts is None:
+            return out
+        if self.shared_recompute_tracker is not None and self.training and torch.is_grad_enabled():
+            return out + recompute(self.shared_experts, self.shared_recompute_tracker, x)
+        return out + self.shared_experts(x)
 
     def _token_keys(self, s: int, b: int, device):
         """(the index of each of this rank's [s, b] tokens in the single-process micro-batch, its
@@ -126,15 +132,18 @@ class MoELayer(nn.Module):
         scatters around it by the load imbalance)."""
         m, h, a = cfg.moe, cfg.hidden_size, mb.a
         k, e, f = m.moe_router_topk, m.num_experts, m.moe_ffn_hidden_size
-        expert = ffn_counts(h, f, cfg.swiglu, cfg.add_bias_linear, a, f // mb.etp)
+        expert = ffn_counts(h, f, cfg.swiglu, cfg.add_bias_linear, a, f // mb.etp,
+                            recompute_act=mb.recomputes("moe_act"))
         kept = (k * (3 * a * h + expert.act_bytes) + 12 * e) // mb.tp * mb.tokens
         router = e * (h + 1) if cfg.add_bias_linear else e * h
         out = weights(router + e * expert.params, router + k * expert.params, kept)
         if m.moe_shared_expert_intermediate_size:
             i = m.moe_shared_expert_intermediate_size
             gate = h if m.moe_shared_expert_gate else 0
-            out += ffn_counts(h, i, cfg.swiglu, False, a, i // mb.tp, mb.tokens) + weights(gate)
-        return out
+            shared = ffn_counts(h, i, cfg.swiglu, False, a, i // mb.tp, mb.tokens)
+            out += (shared._replace(act_bytes=0) if mb.recomputes("shared_experts") else shared) + weights(gate)
+        # --recompute-modules moe (or --moe-layer-recompute): only the input, the norm's output
+        return out._replace(act_bytes=0) if mb.recomputes("moe") or m.moe_layer_recompute else out
 
 
 class MoEStepHooks:
