@@ -58,6 +58,10 @@ class ParallelConfig:
               "step), instead of freeing them after each forward and backward", flag="--no-reshard-after-forward",
         store="false")
     grad_reduce_in_bf16: bool = arg(False, "reduce gradients in bf16", store="true")
+    grad_comm_dtype: Optional[str] = arg(
+        None, "send DP gradient reductions in this format (fp8: one scale per shard), summed in fp32 where they "
+              "land, with error feedback (each rank's compression error joins its next gradient); None: as the "
+              "buffers are", choices=["bf16", "fp8-e4m3", "fp8-e5m2"])
     num_distributed_optimizer_instances: int = arg(1, "shard the distributed optimizer inside this many groups of "
                                                       "DP ranks (gradients summed across them)")
     cp_comm_type: List[str] = arg(help="context-parallel attention, one value or one per layer: p2p (ring), a2a "
@@ -166,6 +170,9 @@ class ParallelConfig:
         _require(not (self.overlap_param_gather and self.zero_stage == 0),
                  "--overlap-param-gather needs the distributed optimizer: --zero-stage 1, 2 or 3 "
                  "(or --use-distributed-optimizer)")
+        _require(self.grad_comm_dtype is None or not self.grad_reduce_in_bf16,
+                 f"--grad-comm-dtype {self.grad_comm_dtype} compresses fp32 gradient buffers: drop "
+                 f"--grad-reduce-in-bf16 (or --grad-comm-dtype)")
         n = self.num_distributed_optimizer_instances
         if n != 1:
             dp_cp = world_size // (tp * pp)
@@ -607,6 +614,10 @@ class Config:
             self._validate_pipeline(m)
         self._validate_pipeline(t.num_microbatches(dp))  # evaluation
         self._validate_fp8()
+        _require(self.parallel.grad_comm_dtype is None or not t.use_precision_aware_optimizer
+                 or t.main_grads_dtype == "fp32",
+                 f"--grad-comm-dtype {self.parallel.grad_comm_dtype} compresses fp32 gradient buffers: drop "
+                 f"--main-grads-dtype {t.main_grads_dtype} (or --grad-comm-dtype)")
 
     def _validate_fp8(self) -> None:
         t, p, moe = self.training, self.parallel, self.model.moe

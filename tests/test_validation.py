@@ -132,6 +132,11 @@ CASES = [
     (1, ["--hang-detection-factor", "5", "--hang-detection-warmup-steps", "0"],
      ["--hang-detection-warmup-steps (0) must be >= 1"]),
     (1, ["--log-straggler", "--straggler-minmax-count", "0"], ["--straggler-minmax-count (0) must be >= 1"]),
+    (2, ["--grad-comm-dtype", "fp8-e4m3", "--grad-reduce-in-bf16"],
+     ["--grad-comm-dtype fp8-e4m3 compresses fp32 gradient buffers", "--grad-reduce-in-bf16"]),
+    (2, ["--grad-comm-dtype", "bf16", "--use-distributed-optimizer", "--use-precision-aware-optimizer",
+         "--main-grads-dtype", "bf16"], ["--grad-comm-dtype bf16", "--main-grads-dtype bf16"]),
+    (1, ["--grad-comm-dtype", "int4"], ["--grad-comm-dtype", "invalid choice: 'int4'"]),
 ]
 
 

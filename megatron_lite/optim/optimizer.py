@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from ..config import ParallelConfig, TrainingConfig
 from ..errors import ConfigError
+from ..parallel.compression import build_reducer
 from ..parallel.data_parallel import GradientSync
 from ..parallel.fp8_param_gather import Fp8ParamGather
 from ..parallel.state import ParallelDims, partial_dp_groups
@@ -47,7 +48,8 @@ def build_optimizer(chunks: List[nn.Module], dims: ParallelDims, tcfg: TrainingC
                              grad_reduce_once_per_step=pcfg.grad_reduce_once_per_step,
                              reshard_after_forward=pcfg.reshard_after_forward,
                              overlap_param_gather=pcfg.overlap_param_gather, grad_dtype=grad_dtype, units=units,
-                             dp_groups=dp_groups, param_gather=Fp8ParamGather(dims, tcfg.fp8_margin)
+                             dp_groups=dp_groups, reducer=build_reducer(dims.comm, pcfg.grad_comm_dtype),
+                             param_gather=Fp8ParamGather(dims, tcfg.fp8_margin)
                              if tcfg.fp8_param_gather else None)
     return DistributedOptimizer(grad_sync, tcfg, precision, rule=update_rule(tcfg, dims)), grad_sync
 

@@ -174,13 +174,14 @@ class Communicator:
         return self._run("reduce_scatter", group, lambda: _REDUCE_SCATTER(out, inp.contiguous(), group=group,
                                                                           async_op=async_op), async_op)
 
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group, out_splits=None, in_splits=None):
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group, out_splits=None, in_splits=None,
+                   async_op: bool = False):
         if group_size(group) == 1:
             out.copy_(inp)
             return None
         self._count("all_to_all", inp)
-        return self._run("all_to_all", group, lambda: dist.all_to_all_single(out, inp.contiguous(), out_splits,
-                                                                             in_splits, group=group))
+        return self._run("all_to_all", group, lambda: dist.all_to_all_single(
+            out, inp.contiguous(), out_splits, in_splits, group=group, async_op=async_op), async_op)
 
     def record_p2p(self, t: torch.Tensor) -> None:
         """Count a point-to-point send (posted by the caller: batched with its receives)."""
