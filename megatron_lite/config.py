@@ -268,7 +268,11 @@ class TrainingConfig:
     adam_beta2: float = arg(0.999, "Adam beta2")
     adam_eps: float = arg(1e-8, "Adam epsilon")
     optimizer: str = arg("adam", "adam: AdamW (decoupled weight decay); muon: Muon for the hidden weight matrices, "
-                                 "AdamW for embeddings, output layer, router, norms and biases", choices=["adam", "muon"])
+                                 "AdamW for embeddings, output layer, router, norms and biases; adam-1bit: "
+                                 "DeepSpeed's 1-bit Adam (AdamW for --freeze-step steps, then frozen variance and "
+                                 "sign-compressed momentum)", choices=["adam", "muon", "adam-1bit"])
+    freeze_step: int = arg(100000, "1-bit Adam: warm-up steps of exact AdamW before the variance is frozen and the "
+                                   "momentum is sent compressed (DeepSpeed's freeze_step and default)")
     muon_momentum: float = arg(0.9, "Muon: momentum of its internal SGD")
     muon_use_nesterov: bool = arg(False, "Muon: Nesterov-style momentum", store="true")
     muon_num_ns_steps: int = arg(5, "Muon: Newton-Schulz iterations")
@@ -522,8 +526,20 @@ class TrainingConfig:
                  "--optimizer muon keeps fp32 state on the device: drop --use-precision-aware-optimizer and "
                  "--optimizer-cpu-offload")
 
+    def _validate_onebit(self, zero_stage: int) -> None:
+        if self.optimizer != "adam-1bit":
+            return
+        _require(self.freeze_step >= 1, f"--freeze-step ({self.freeze_step}) must be >= 1: 1-bit Adam freezes the "
+                                        f"variance of its warm-up steps")
+        _require(zero_stage == 0, "--optimizer adam-1bit averages whole momenta over DP (as DeepSpeed's): use "
+                                  "--zero-stage 0 (no --use-distributed-optimizer)")
+        _require(not (self.fp16 or self.use_precision_aware_optimizer or self.optimizer_cpu_offload),
+                 "--optimizer adam-1bit keeps fp32 state on the device and skips no steps: drop --fp16, "
+                 "--use-precision-aware-optimizer and --optimizer-cpu-offload")
+
     def _validate_optimizer(self, zero_stage: int) -> None:
         self._validate_muon(zero_stage)
+        self._validate_onebit(zero_stage)
         for flag, v in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):
             _require(0.0 <= v < 1.0, f"{flag} ({v}) must lie in [0, 1)")
         _require(self.adam_eps > 0, f"--adam-eps ({self.adam_eps}) must be positive")
@@ -614,6 +630,9 @@ class Config:
             self._validate_pipeline(m)
         self._validate_pipeline(t.num_microbatches(dp))  # evaluation
         self._validate_fp8()
+        _require(self.parallel.grad_comm_dtype is None or t.optimizer != "adam-1bit",
+                 f"--optimizer adam-1bit sends the momentum compressed, not the gradients: drop --grad-comm-dtype "
+                 f"{self.parallel.grad_comm_dtype}")
         _require(self.parallel.grad_comm_dtype is None or not t.use_precision_aware_optimizer
                  or t.main_grads_dtype == "fp32",
                  f"--grad-comm-dtype {self.parallel.grad_comm_dtype} compresses fp32 gradient buffers: drop "

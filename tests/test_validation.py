@@ -137,6 +137,10 @@ CASES = [
     (2, ["--grad-comm-dtype", "bf16", "--use-distributed-optimizer", "--use-precision-aware-optimizer",
          "--main-grads-dtype", "bf16"], ["--grad-comm-dtype bf16", "--main-grads-dtype bf16"]),
     (1, ["--grad-comm-dtype", "int4"], ["--grad-comm-dtype", "invalid choice: 'int4'"]),
+    (2, ["--optimizer", "adam-1bit", "--use-distributed-optimizer"], ["--optimizer adam-1bit", "--zero-stage 0"]),
+    (1, ["--optimizer", "adam-1bit", "--freeze-step", "0"], ["--freeze-step (0) must be >= 1"]),
+    (1, ["--optimizer", "adam-1bit", "--fp16"], ["--optimizer adam-1bit", "drop --fp16"]),
+    (2, ["--optimizer", "adam-1bit", "--grad-comm-dtype", "bf16"], ["drop --grad-comm-dtype bf16"]),
 ]
 
 

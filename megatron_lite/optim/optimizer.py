@@ -16,6 +16,7 @@ from ..parallel.state import ParallelDims, partial_dp_groups
 from .adam import AdamW
 from .distributed_optimizer import DistributedOptimizer, lr_group, no_weight_decay
 from .muon import Muon
+from .onebit_adam import OneBitAdam, OneBitReducer
 from .precision import OptimizerPrecision
 
 __all__ = ["build_optimizer", "DistributedOptimizer", "OptimizerPrecision", "lr_group", "no_weight_decay"]
@@ -43,20 +44,27 @@ def build_optimizer(chunks: List[nn.Module], dims: ParallelDims, tcfg: TrainingC
     if precision.main_grads != torch.float32:
         grad_dtype = precision.main_grads
     units = [c.sharding_units() if hasattr(c, "sharding_units") else [] for c in chunks]
+    onebit = tcfg.optimizer == "adam-1bit"
+    reducer = OneBitReducer(dims.comm) if onebit else build_reducer(dims.comm, pcfg.grad_comm_dtype)
     grad_sync = GradientSync(chunks, dims, zero_stage=pcfg.zero_stage, bucket_size=pcfg.ddp_bucket_size,
                              overlap_grad_reduce=pcfg.overlap_grad_reduce,
                              grad_reduce_once_per_step=pcfg.grad_reduce_once_per_step,
                              reshard_after_forward=pcfg.reshard_after_forward,
                              overlap_param_gather=pcfg.overlap_param_gather, grad_dtype=grad_dtype, units=units,
-                             dp_groups=dp_groups, reducer=build_reducer(dims.comm, pcfg.grad_comm_dtype),
+                             dp_groups=dp_groups, reducer=reducer,
                              param_gather=Fp8ParamGather(dims, tcfg.fp8_margin)
                              if tcfg.fp8_param_gather else None)
-    return DistributedOptimizer(grad_sync, tcfg, precision, rule=update_rule(tcfg, dims)), grad_sync
+    optimizer = DistributedOptimizer(grad_sync, tcfg, precision, rule=update_rule(tcfg, dims))
+    if onebit:  # after the warm-up the momentum, not the gradient, is communicated
+        reducer.frozen = lambda: optimizer.num_updates >= tcfg.freeze_step
+    return optimizer, grad_sync
 
 
 def update_rule(tcfg: TrainingConfig, dims: ParallelDims):
-    """--optimizer's update rule: AdamW, or Muon with AdamW beside it (muon.py)."""
+    """--optimizer's update rule: AdamW, 1-bit Adam (onebit_adam.py), or Muon with AdamW beside it (muon.py)."""
     adam = AdamW(tcfg.adam_beta1, tcfg.adam_beta2, tcfg.adam_eps)
+    if tcfg.optimizer == "adam-1bit":
+        return OneBitAdam(adam, tcfg.freeze_step, dims.comm)
     if tcfg.optimizer != "muon":
         return adam
     return Muon(dims, tcfg.muon_momentum, tcfg.muon_use_nesterov, tcfg.muon_num_ns_steps, tcfg.muon_scale_mode,

@@ -21,6 +21,7 @@ unchanged.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, Optional
 
 import torch
@@ -29,11 +30,14 @@ from .comm import Communicator
 
 FORMATS = {"bf16": torch.bfloat16, "fp8-e4m3": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2}
 RESIDUAL = "grad_residual"  # the checkpointed state's name (optim/<param>/grad_residual)
+# Error-feedback states a checkpoint may lack (written without compression): loaded as zeros.
+OPTIONAL_STATES = (RESIDUAL, "exp_avg_residual")
 _SCALE_BYTES = 4  # one fp32 scale per encoded piece (fp8 formats)
 
 
 class Codec:
     """Rows of fp32 values <-> rows of bytes in a wire format (fp8: the row's scale appended)."""
+    align = 1  # a row's length must be a multiple of this
 
     def __init__(self, name: str):
         self.name, self.dtype = name, FORMATS[name]
@@ -62,6 +66,37 @@ class Codec:
         return values * payload[:, n:].contiguous().view(torch.float32)
 
 
+_BITS = 1 << torch.arange(8, dtype=torch.uint8)
+
+
+class SignCodec:
+    """1-bit Adam's format (DeepSpeed's compressed all-reduce): each value's sign (0 counts as +)
+    packed 8 to a byte, and one scale for all the rows encoded together, their RMS (the norm over
+    sqrt(elements)), so that the decoded values keep the input's norm."""
+    name, align = "sign", 8
+
+    def row_bytes(self, n: int) -> int:
+        return n // 8 + _SCALE_BYTES
+
+    def encode(self, x: torch.Tensor):
+        k, n = x.shape
+        positive = x >= 0
+        packed = (positive.view(k, n // 8, 8).to(torch.uint8) * _BITS.to(x.device)).sum(dim=2, dtype=torch.uint8)
+        scale = (x.norm() / math.sqrt(x.numel())).reshape(1, 1).expand(k, 1).contiguous()
+        payload = torch.cat([packed, scale.view(torch.uint8)], dim=1)
+        return payload, torch.where(positive, scale, -scale)
+
+    def decode(self, payload: torch.Tensor, n: int) -> torch.Tensor:
+        k = payload.shape[0]
+        bits = (payload[:, :n // 8].unsqueeze(2) & _BITS.to(payload.device)).ne(0).view(k, n)
+        scale = payload[:, n // 8:].contiguous().view(torch.float32)
+        return torch.where(bits, scale, -scale)
+
+
+def codec(name: str):
+    return SignCodec() if name == "sign" else Codec(name)
+
+
 class _Pending:
     """An all-to-all in flight and what to do once it has landed (decode and add up). When that
     issues a collective of its own (`collective`: ZeRO 0's all-gather) it must run at the same
@@ -84,60 +119,100 @@ class _Pending:
             self.done = True
 
 
-class CompressedReducer:
-    """GradientSync's bucket reducer sending gradients as `fmt` (a FORMATS key), with error
-    feedback. State per bucket (by index): the worker error [padded bucket], at ZeRO 0 the server
-    error [this rank's piece], and the residual [the bucket's shard] a checkpoint load gave."""
+class ErrorFeedbackExchange:
+    """The two halves of a compressed all-reduce with error feedback, over tensors named by a key
+    (a bucket's index): `scatter` encodes x + the worker error in N pieces and all-to-alls them
+    (each rank gets every rank's copy of its piece, which `land` decodes and sums in fp32);
+    `gather` encodes a summed piece + the server error and all-gathers it to every rank."""
 
     def __init__(self, comm: Communicator, fmt: str):
-        self.comm, self.codec = comm, Codec(fmt)
+        self.comm, self.codec = comm, codec(fmt)
         self.worker: Dict[int, torch.Tensor] = {}
         self.server: Dict[int, torch.Tensor] = {}
+
+    def piece(self, numel: int, ranks: int) -> int:
+        """Elements of each rank's piece of `numel` (padded: whole pieces, whole bytes of signs)."""
+        a = self.codec.align
+        return -(-numel // (ranks * a)) * a
+
+    def error(self, store: Dict[int, torch.Tensor], key: int, n: int, device) -> torch.Tensor:
+        if key not in store:
+            store[key] = torch.zeros(n, dtype=torch.float32, device=device)
+        return store[key]
+
+    def scatter(self, key: int, x: torch.Tensor, group, ranks: int, async_op: bool = False):
+        """(what lands, its all-to-all's handle, piece size) of x (flat fp32) plus the worker error."""
+        n = self.piece(x.numel(), ranks)
+        error = self.error(self.worker, key, n * ranks, x.device)
+        y = error.clone()
+        y[:x.numel()].add_(x)
+        payload, sent = self.codec.encode(y.view(ranks, n))
+        error.view(ranks, n).copy_(y.view(ranks, n) - sent)
+        received = torch.empty_like(payload)
+        return received, self.comm.all_to_all(received, payload, group, async_op=async_op), n
+
+    def land(self, received: torch.Tensor, n: int) -> torch.Tensor:
+        return self.codec.decode(received, n).sum(dim=0)
+
+    def gather(self, key: int, piece: torch.Tensor, group, ranks: int, out: torch.Tensor) -> None:
+        """out (flat, its first elements) = every rank's piece (plus its server error), as sent."""
+        n = piece.numel()
+        error = self.error(self.server, key, n, piece.device)
+        y = piece + error
+        payload, sent = self.codec.encode(y.view(1, n))
+        error.copy_(y - sent.view(-1))
+        gathered = torch.empty((ranks, payload.shape[1]), dtype=torch.uint8, device=piece.device)
+        self.comm.all_gather(gathered, payload, group)
+        out.copy_(self.codec.decode(gathered, n).view(-1)[:out.numel()])
+
+    def all_reduce(self, key: int, x: torch.Tensor, group, ranks: int) -> None:
+        """x = the sum over ranks of x, compressed both ways (in place, blocking)."""
+        received, handle, n = self.scatter(key, x, group, ranks)
+        if handle is not None:
+            handle.wait()
+        self.gather(key, self.land(received, n), group, ranks, x)
+
+    def summed_errors(self, key: int, numel: int, group, ranks: int) -> torch.Tensor:
+        """Collective: every rank's worker error plus every server error, summed over the whole
+        (first `numel` elements); the errors are left zero."""
+        n = self.piece(numel, ranks)
+        total = self.comm.reduced(self.error(self.worker, key, n * ranks, None), group)
+        servers = torch.empty(ranks * n, dtype=torch.float32, device=total.device)
+        self.comm.all_gather(servers, self.error(self.server, key, n, total.device), group)
+        self.worker[key].zero_()
+        self.server[key].zero_()
+        return (total + servers)[:numel]
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in (self.worker, self.server) for t in s.values())
+
+
+class CompressedReducer:
+    """GradientSync's bucket reducer sending gradients as `fmt` (a FORMATS key), with error
+    feedback (an ErrorFeedbackExchange keyed by bucket index), and the residual [the bucket's
+    shard] a checkpoint load gave, added to the next reduced gradient."""
+
+    residual_name = RESIDUAL
+
+    def __init__(self, comm: Communicator, fmt: str):
+        self.comm, self.exchange = comm, ErrorFeedbackExchange(comm, fmt)
         self.residual: Dict[int, torch.Tensor] = {}
-
-    @staticmethod
-    def _piece(b) -> int:
-        """Elements of each rank's piece: the shard (ZeRO 1-3), the bucket cut in N (ZeRO 0)."""
-        return b.shard_numel if b.sharded else -(-b.numel // b.group_size)
-
-    def _error(self, store: Dict[int, torch.Tensor], b, n: int) -> torch.Tensor:
-        if b.index not in store:
-            store[b.index] = torch.zeros(n, dtype=torch.float32, device=b.device)
-        return store[b.index]
 
     def start(self, b):
         if b.group_size == 1:  # nothing to send: exact, like PlainReducer
             if b.sharded:
                 b.reduce_out().copy_(b.grad_data)
             return None
-        n, ranks = self._piece(b), b.group_size
-        error = self._error(self.worker, b, n * ranks)
-        x = error.clone()
-        x[:b.numel].add_(b.grad_data)
-        payload, sent = self.codec.encode(x.view(ranks, n))
-        error.view(ranks, n).copy_(x.view(ranks, n) - sent)
-        received = torch.empty_like(payload)
-        handle = self.comm.all_to_all(received, payload, b.group, async_op=True)
+        received, handle, n = self.exchange.scatter(b.index, b.grad_data, b.group, b.group_size, async_op=True)
         out = b.reduce_out() if b.sharded else None
 
         def land():
-            summed = self.codec.decode(received, n).sum(dim=0)
+            summed = self.exchange.land(received, n)
             if b.sharded:
                 out.copy_(summed)
-            else:
-                self._all_gather(b, summed)
+            else:  # ZeRO 0's second half: the summed pieces to every rank
+                self.exchange.gather(b.index, summed, b.group, b.group_size, b.grad_data)
         return _Pending(handle, land, collective=not b.sharded)
-
-    def _all_gather(self, b, piece: torch.Tensor) -> None:
-        """ZeRO 0's second half: this rank's summed piece (plus its server error) to every rank."""
-        n, ranks = piece.numel(), b.group_size
-        error = self._error(self.server, b, n)
-        y = piece + error
-        payload, sent = self.codec.encode(y.view(1, n))
-        error.copy_(y - sent.view(-1))
-        gathered = torch.empty((ranks, payload.shape[1]), dtype=torch.uint8, device=b.device)
-        self.comm.all_gather(gathered, payload, b.group)
-        b.grad_data.copy_(self.codec.decode(gathered, n).view(-1)[:b.numel])
 
     def finish(self, b) -> None:
         if b.replica_group is not None:
@@ -151,7 +226,7 @@ class CompressedReducer:
         """Collective over b's groups: the errors of every rank summed over this rank's shard (the
         whole bucket at ZeRO 0), moved into the residual, which is returned (fp32, shard-sized)."""
         residual = self.residual.setdefault(b.index, torch.zeros(b.shard_numel, dtype=torch.float32, device=b.device))
-        worker = self.worker.get(b.index)
+        worker = self.exchange.worker.get(b.index)
         if worker is None:
             return residual
         if b.sharded:
@@ -160,27 +235,18 @@ class CompressedReducer:
             if b.replica_group is not None:
                 self.comm.all_reduce(piece, b.replica_group)
             residual.add_(piece)
+            worker.zero_()
         else:
-            total = self.comm.reduced(worker, b.group)  # every rank's worker errors, whole bucket
-            servers = torch.empty(b.group_size * self._piece(b), dtype=torch.float32, device=b.device)
-            server = self._error(self.server, b, self._piece(b))
-            self.comm.all_gather(servers, server, b.group)
-            residual.add_((total + servers)[:b.numel])
-            server.zero_()
-        worker.zero_()
+            residual.add_(self.exchange.summed_errors(b.index, b.numel, b.group, b.group_size))
         return residual
 
     def residual_for_loading(self, b) -> torch.Tensor:
         """The tensor a checkpoint load fills (a run resumed here starts with no errors of its own)."""
-        for store in (self.worker, self.server):
+        for store in (self.exchange.worker, self.exchange.server):
             if b.index in store:
                 store[b.index].zero_()
         self.residual[b.index] = torch.zeros(b.shard_numel, dtype=torch.float32, device=b.device)
         return self.residual[b.index]
-
-    def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in (self.worker, self.server, self.residual)
-                   for t in s.values())
 
 
 def build_reducer(comm: Communicator, fmt: Optional[str]):
