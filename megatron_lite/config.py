@@ -62,6 +62,9 @@ class ParallelConfig:
         None, "send DP gradient reductions in this format (fp8: one scale per shard), summed in fp32 where they "
               "land, with error feedback (each rank's compression error joins its next gradient); None: as the "
               "buffers are", choices=["bf16", "fp8-e4m3", "fp8-e5m2"])
+    zeropp_quantized_weights: bool = arg(
+        False, "ZeRO-3: all-gather parameters as int8 blocks of 256 with fp32 scales (ZeRO++'s qwZ); forward and "
+               "backward compute with the dequantized weights, the shards stay exact", store="true")
     num_distributed_optimizer_instances: int = arg(1, "shard the distributed optimizer inside this many groups of "
                                                       "DP ranks (gradients summed across them)")
     cp_comm_type: List[str] = arg(help="context-parallel attention, one value or one per layer: p2p (ring), a2a "
@@ -170,6 +173,8 @@ class ParallelConfig:
         _require(not (self.overlap_param_gather and self.zero_stage == 0),
                  "--overlap-param-gather needs the distributed optimizer: --zero-stage 1, 2 or 3 "
                  "(or --use-distributed-optimizer)")
+        _require(not self.zeropp_quantized_weights or self.zero_stage == 3,
+                 "--zeropp-quantized-weights quantizes ZeRO-3's parameter all-gather: add --zero-stage 3")
         _require(self.grad_comm_dtype is None or not self.grad_reduce_in_bf16,
                  f"--grad-comm-dtype {self.grad_comm_dtype} compresses fp32 gradient buffers: drop "
                  f"--grad-reduce-in-bf16 (or --grad-comm-dtype)")
@@ -669,6 +674,8 @@ class Config:
         if t.fp8_param_gather:  # fp8_param_gather.py
             _require(p.zero_stage > 0, "--fp8-param-gather needs --use-distributed-optimizer or --zero-stage 1|2|3 "
                                        "(at --zero-stage 0 nothing is gathered)")
+            _require(not p.zeropp_quantized_weights, "--fp8-param-gather and --zeropp-quantized-weights both "
+                                                     "quantize the parameter all-gather: choose one")
         # MLA's replicated down-projections see partial input gradients on each TP rank (summed after): FP8
         # would quantize the partial sums, not the single process's whole gradient.
         _require(not (self.model.multi_latent_attention and p.tp > 1),

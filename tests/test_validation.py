@@ -141,6 +141,7 @@ CASES = [
     (1, ["--optimizer", "adam-1bit", "--freeze-step", "0"], ["--freeze-step (0) must be >= 1"]),
     (1, ["--optimizer", "adam-1bit", "--fp16"], ["--optimizer adam-1bit", "drop --fp16"]),
     (2, ["--optimizer", "adam-1bit", "--grad-comm-dtype", "bf16"], ["drop --grad-comm-dtype bf16"]),
+    (2, ["--zeropp-quantized-weights", "--zero-stage", "2"], ["--zeropp-quantized-weights", "--zero-stage 3"]),
 ]
 
 

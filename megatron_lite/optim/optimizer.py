@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from ..config import ParallelConfig, TrainingConfig
 from ..errors import ConfigError
-from ..parallel.compression import build_reducer
+from ..parallel.compression import QuantizedWeightGather, build_reducer
 from ..parallel.data_parallel import GradientSync
 from ..parallel.fp8_param_gather import Fp8ParamGather
 from ..parallel.state import ParallelDims, partial_dp_groups
@@ -52,12 +52,19 @@ def build_optimizer(chunks: List[nn.Module], dims: ParallelDims, tcfg: TrainingC
                              reshard_after_forward=pcfg.reshard_after_forward,
                              overlap_param_gather=pcfg.overlap_param_gather, grad_dtype=grad_dtype, units=units,
                              dp_groups=dp_groups, reducer=reducer,
-                             param_gather=Fp8ParamGather(dims, tcfg.fp8_margin)
-                             if tcfg.fp8_param_gather else None)
+                             param_gather=param_gather(dims, tcfg, pcfg))
     optimizer = DistributedOptimizer(grad_sync, tcfg, precision, rule=update_rule(tcfg, dims))
     if onebit:  # after the warm-up the momentum, not the gradient, is communicated
         reducer.frozen = lambda: optimizer.num_updates >= tcfg.freeze_step
     return optimizer, grad_sync
+
+
+def param_gather(dims: ParallelDims, tcfg: TrainingConfig, pcfg: ParallelConfig):
+    """What gathers updated parameters instead of the plain all-gather: --fp8-param-gather's FP8
+    weights, or --zeropp-quantized-weights' int8 blocks (ZeRO-3); None: the plain all-gather."""
+    if tcfg.fp8_param_gather:
+        return Fp8ParamGather(dims, tcfg.fp8_margin)
+    return QuantizedWeightGather(dims.comm) if pcfg.zeropp_quantized_weights else None
 
 
 def update_rule(tcfg: TrainingConfig, dims: ParallelDims):
