@@ -65,6 +65,9 @@ class ParallelConfig:
     zeropp_quantized_weights: bool = arg(
         False, "ZeRO-3: all-gather parameters as int8 blocks of 256 with fp32 scales (ZeRO++'s qwZ); forward and "
                "backward compute with the dequantized weights, the shards stay exact", store="true")
+    zeropp_hpz_partition_size: int = arg(
+        1, "ZeRO-3: after each forward keep a secondary partition of the parameters within groups of this many "
+           "consecutive DP ranks (a node), from which backward re-gathers them (ZeRO++'s hpZ); 1: off")
     num_distributed_optimizer_instances: int = arg(1, "shard the distributed optimizer inside this many groups of "
                                                       "DP ranks (gradients summed across them)")
     cp_comm_type: List[str] = arg(help="context-parallel attention, one value or one per layer: p2p (ring), a2a "
@@ -175,6 +178,14 @@ class ParallelConfig:
                  "(or --use-distributed-optimizer)")
         _require(not self.zeropp_quantized_weights or self.zero_stage == 3,
                  "--zeropp-quantized-weights quantizes ZeRO-3's parameter all-gather: add --zero-stage 3")
+        hpz = self.zeropp_hpz_partition_size
+        if hpz != 1:
+            dp_cp = world_size // (tp * pp)
+            _require(hpz >= 1 and dp_cp % hpz == 0, f"--zeropp-hpz-partition-size ({hpz}) must divide the "
+                                                    f"data-parallel x context-parallel ranks ({dp_cp})")
+            _require(self.zero_stage == 3 and self.reshard_after_forward and self.num_distributed_optimizer_instances
+                     == 1, "--zeropp-hpz-partition-size re-gathers ZeRO-3's parameters for backward: it needs "
+                           "--zero-stage 3, without --no-reshard-after-forward or --num-distributed-optimizer-instances")
         _require(self.grad_comm_dtype is None or not self.grad_reduce_in_bf16,
                  f"--grad-comm-dtype {self.grad_comm_dtype} compresses fp32 gradient buffers: drop "
                  f"--grad-reduce-in-bf16 (or --grad-comm-dtype)")

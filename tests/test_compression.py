@@ -294,3 +294,23 @@ def test_zeropp_quantized_weights_gather_int8_blocks_and_train_like_the_plain_ga
     base, losses = losses_of([r[0] for r in plain]), losses_of([r[0] for r in quantized])
     assert losses == pytest.approx(base, rel=0.01) and losses[1:] != base[1:]
     assert all(r[4] for r in quantized)
+
+
+def test_zeropp_hpz_regathers_backward_within_groups_and_changes_no_value():
+    """DP4 ZeRO-3, --zeropp-hpz-partition-size 2: the backward's gathers come from the secondary
+    partition inside pairs of ranks (counted as all_gather_hpz, the same logical bytes) and the
+    cross-group all_gather halves (the forward's only); losses and final parameters are the plain
+    run's bit for bit. With --zeropp-quantized-weights too, the forward gathers int8 blocks and the
+    backward the dequantized values from the secondary partition: bit for bit the qwZ-only run."""
+    argv = TINY + ["--train-iters", "3", "--zero-stage", "3", "--global-batch-size", "8", "--log-comm-volume"]
+    hpz, qw = ["--zeropp-hpz-partition-size", "2"], ["--zeropp-quantized-weights"]
+    runs = {name: run_distributed(_train_with_params, 4, argv + flags, timeout=240)
+            for name, flags in (("plain", []), ("hpz", hpz), ("qw", qw), ("hpz+qw", hpz + qw))}
+    for base, name in (("plain", "hpz"), ("qw", "hpz+qw")):
+        assert losses_of([r[0] for r in runs[name]]) == losses_of([r[0] for r in runs[base]])
+        assert all(torch.equal(runs[name][0][1][k], v) for k, v in runs[base][0][1].items())
+    full = sum(4 * numel for numel in runs["plain"][0][2])  # one gather of every unit, fp32
+    for rec, rec_qw, rec_both in zip(runs["hpz"][0][0], runs["qw"][0][0], runs["hpz+qw"][0][0]):
+        assert rec["comm_bytes"]["all_gather"] == full and rec["comm_bytes"]["all_gather_hpz"] == full
+        assert rec_both["comm_bytes"]["all_gather"] == rec_qw["comm_bytes"]["all_gather"] // 2
+        assert rec_both["comm_bytes"]["all_gather_hpz"] == full

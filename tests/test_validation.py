@@ -142,6 +142,8 @@ CASES = [
     (1, ["--optimizer", "adam-1bit", "--fp16"], ["--optimizer adam-1bit", "drop --fp16"]),
     (2, ["--optimizer", "adam-1bit", "--grad-comm-dtype", "bf16"], ["drop --grad-comm-dtype bf16"]),
     (2, ["--zeropp-quantized-weights", "--zero-stage", "2"], ["--zeropp-quantized-weights", "--zero-stage 3"]),
+    (4, ["--zeropp-hpz-partition-size", "3", "--zero-stage", "3"], ["--zeropp-hpz-partition-size (3)", "(4)"]),
+    (4, ["--zeropp-hpz-partition-size", "2", "--zero-stage", "1"], ["--zeropp-hpz-partition-size", "--zero-stage 3"]),
 ]
 
 

@@ -12,7 +12,7 @@ from ..errors import ConfigError
 from ..parallel.compression import QuantizedWeightGather, build_reducer
 from ..parallel.data_parallel import GradientSync
 from ..parallel.fp8_param_gather import Fp8ParamGather
-from ..parallel.state import ParallelDims, partial_dp_groups
+from ..parallel.state import ParallelDims, group_size, partial_dp_groups
 from .adam import AdamW
 from .distributed_optimizer import DistributedOptimizer, lr_group, no_weight_decay
 from .muon import Muon
@@ -44,6 +44,8 @@ def build_optimizer(chunks: List[nn.Module], dims: ParallelDims, tcfg: TrainingC
     if precision.main_grads != torch.float32:
         grad_dtype = precision.main_grads
     units = [c.sharding_units() if hasattr(c, "sharding_units") else [] for c in chunks]
+    hpz = pcfg.zeropp_hpz_partition_size
+    hpz_group = partial_dp_groups(dims, group_size(dims.dp_cp_group) // hpz)[0] if hpz > 1 else None
     onebit = tcfg.optimizer == "adam-1bit"
     reducer = OneBitReducer(dims.comm) if onebit else build_reducer(dims.comm, pcfg.grad_comm_dtype)
     grad_sync = GradientSync(chunks, dims, zero_stage=pcfg.zero_stage, bucket_size=pcfg.ddp_bucket_size,
@@ -51,7 +53,7 @@ def build_optimizer(chunks: List[nn.Module], dims: ParallelDims, tcfg: TrainingC
                              grad_reduce_once_per_step=pcfg.grad_reduce_once_per_step,
                              reshard_after_forward=pcfg.reshard_after_forward,
                              overlap_param_gather=pcfg.overlap_param_gather, grad_dtype=grad_dtype, units=units,
-                             dp_groups=dp_groups, reducer=reducer,
+                             dp_groups=dp_groups, reducer=reducer, hpz_group=hpz_group,
                              param_gather=param_gather(dims, tcfg, pcfg))
     optimizer = DistributedOptimizer(grad_sync, tcfg, precision, rule=update_rule(tcfg, dims))
     if onebit:  # after the warm-up the momentum, not the gradient, is communicated
