@@ -65,6 +65,9 @@ class ParallelConfig:
     zeropp_quantized_weights: bool = arg(
         False, "ZeRO-3: all-gather parameters as int8 blocks of 256 with fp32 scales (ZeRO++'s qwZ); forward and "
                "backward compute with the dequantized weights, the shards stay exact", store="true")
+    zeropp_quantized_gradients: bool = arg(
+        False, "ZeRO-3: reduce-scatter gradients as int4 blocks of 256 with fp32 scales over one all-to-all, summed "
+               "in fp32 (ZeRO++'s qgZ), with error feedback as --grad-comm-dtype", store="true")
     zeropp_hpz_partition_size: int = arg(
         1, "ZeRO-3: after each forward keep a secondary partition of the parameters within groups of this many "
            "consecutive DP ranks (a node), from which backward re-gathers them (ZeRO++'s hpZ); 1: off")
@@ -178,6 +181,11 @@ class ParallelConfig:
                  "(or --use-distributed-optimizer)")
         _require(not self.zeropp_quantized_weights or self.zero_stage == 3,
                  "--zeropp-quantized-weights quantizes ZeRO-3's parameter all-gather: add --zero-stage 3")
+        _require(not self.zeropp_quantized_gradients or self.zero_stage == 3,
+                 "--zeropp-quantized-gradients quantizes ZeRO-3's gradient reduce-scatter: add --zero-stage 3")
+        _require(not (self.zeropp_quantized_gradients and (self.grad_comm_dtype or self.grad_reduce_in_bf16)),
+                 "--zeropp-quantized-gradients sends fp32 gradient buffers as int4: drop --grad-comm-dtype and "
+                 "--grad-reduce-in-bf16")
         hpz = self.zeropp_hpz_partition_size
         if hpz != 1:
             dp_cp = world_size // (tp * pp)
@@ -649,8 +657,8 @@ class Config:
         _require(self.parallel.grad_comm_dtype is None or t.optimizer != "adam-1bit",
                  f"--optimizer adam-1bit sends the momentum compressed, not the gradients: drop --grad-comm-dtype "
                  f"{self.parallel.grad_comm_dtype}")
-        _require(self.parallel.grad_comm_dtype is None or not t.use_precision_aware_optimizer
-                 or t.main_grads_dtype == "fp32",
+        _require((self.parallel.grad_comm_dtype is None and not self.parallel.zeropp_quantized_gradients)
+                 or not t.use_precision_aware_optimizer or t.main_grads_dtype == "fp32",
                  f"--grad-comm-dtype {self.parallel.grad_comm_dtype} compresses fp32 gradient buffers: drop "
                  f"--main-grads-dtype {t.main_grads_dtype} (or --grad-comm-dtype)")
 

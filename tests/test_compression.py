@@ -7,7 +7,8 @@ import torch
 from megatron_lite.config import ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.optim.optimizer import build_optimizer
 from megatron_lite.parallel import comm
-from megatron_lite.parallel.compression import Codec, CompressedReducer
+from megatron_lite.parallel.compression import CompressedReducer
+from megatron_lite.parallel.compression import codec as make_codec
 from megatron_lite.parallel.data_parallel import GradientSync, PlainReducer
 from megatron_lite.parallel.state import ParallelDims
 from megatron_lite.testing import run_distributed
@@ -18,19 +19,28 @@ from training_utils import LLAMA_SWITCHES, TINY, losses_of, reduce_step, train_i
 # How far one reduced gradient may be from the exact one, relative to the bucket's largest value:
 # bf16 keeps 8 significant bits (half an ulp: 2^-9 of a value, each of N ranks' parts rounded);
 # fp8 e4m3 4 bits (2^-4), e5m2 3 bits (2^-3), relative to each shard's scale.
-STEP_TOLERANCE = {"bf16": 2 ** -7, "fp8-e4m3": 2 ** -3, "fp8-e5m2": 2 ** -2}
+# int4 blocks: half a step of amax / 7 (1/14 of the block's largest value).
+STEP_TOLERANCE = {"bf16": 2 ** -7, "fp8-e4m3": 2 ** -3, "fp8-e5m2": 2 ** -2, "int4-blocks": 2 ** -3}
 STEPS = 3
 
 
-@pytest.mark.parametrize("fmt", sorted(STEP_TOLERANCE))
+@pytest.mark.parametrize("fmt", sorted(STEP_TOLERANCE) + ["int8-blocks"])
 def test_codec_sends_what_it_says_it_sends(fmt):
-    codec = Codec(fmt)
-    x = torch.randn(3, 40) * torch.tensor([[1e-4], [1.0], [300.0]])
+    """Bytes as row_bytes says, decoded = what the sender kept as sent, within the rounding of the
+    format (block codecs: of each block's largest value, 256 to a block here)."""
+    codec = make_codec(fmt)
+    width = 512 if fmt.endswith("blocks") else 40
+    x = torch.randn(3, width) * torch.tensor([[1e-4], [1.0], [300.0]])
+    if fmt.endswith("blocks"):
+        x[:, :256] *= 1e-3  # one small block, one large per row: each its own scale
+    tolerance = 1 / 254 if fmt == "int8-blocks" else STEP_TOLERANCE[fmt]
+    block = 256 if fmt.endswith("blocks") else width
     x[1, :] = 0.0 if fmt != "bf16" else x[1, :]  # an all-zero row keeps a finite scale
     payload, sent = codec.encode(x)
-    assert payload.dtype == torch.uint8 and payload.shape == (3, codec.row_bytes(40))
-    assert torch.equal(codec.decode(payload, 40), sent)
-    assert torch.all((sent - x).abs() <= STEP_TOLERANCE[fmt] * x.abs().amax(dim=1, keepdim=True))
+    assert payload.dtype == torch.uint8 and payload.shape == (3, codec.row_bytes(width))
+    assert torch.equal(codec.decode(payload, width), sent)
+    amax = x.view(3, -1, block).abs().amax(dim=2, keepdim=True)
+    assert torch.all((sent - x).view(3, -1, block).abs() <= tolerance * amax * (1 + 1e-6))
 
 
 def _reduce_steps(rank, world, stage, fmt):
@@ -59,7 +69,8 @@ def _reduce_steps(rank, world, stage, fmt):
 
 @pytest.mark.parametrize("stage,fmt,world", [
     (0, "fp8-e4m3", 2), (1, "bf16", 2), pytest.param(2, "fp8-e5m2", 4, marks=pytest.mark.slow),
-    (3, "fp8-e4m3", 2), pytest.param(0, "bf16", 3, marks=pytest.mark.slow)])
+    (3, "fp8-e4m3", 2), (3, "int4-blocks", 2), pytest.param(0, "bf16", 3, marks=pytest.mark.slow),
+    pytest.param(0, "int4-blocks", 3, marks=pytest.mark.slow)])
 def test_compressed_reduction_loses_nothing_and_moves_the_bytes_of_its_format(stage, fmt, world):
     """Each step's reduced gradient is within the format's rounding of the exact one; the
     gradients applied over the steps plus the residual the errors fold into equal the exact sums
@@ -67,7 +78,7 @@ def test_compressed_reduction_loses_nothing_and_moves_the_bytes_of_its_format(st
     all-to-all of N encoded pieces per round (ZeRO 2-3: one round per micro-batch), plus at ZeRO 0
     an all-gather of them; the uncompressed run's reduce-scatter / all-reduce of fp32 for
     comparison."""
-    codec = Codec(fmt)
+    codec = make_codec(fmt)
     rounds = len(make_batches(0, type("D", (), {"dp": world, "dp_rank": 0}), 1, 1)) if stage >= 2 else 1
     results = run_distributed(_reduce_steps, world, stage, fmt, timeout=120)
     for rank, run in enumerate(results):
@@ -80,7 +91,8 @@ def test_compressed_reduction_loses_nothing_and_moves_the_bytes_of_its_format(st
             applied = sum(got[s][i] for s in range(STEPS)) + residual[i]
             wanted = sum(exact[s][i] for s in range(STEPS))
             torch.testing.assert_close(applied, wanted, rtol=1e-5, atol=1e-6 * wanted.abs().max().item())
-        pieces = [numel // n if stage else -(-numel // n) for numel, _, n in theory]
+        pieces = [-(-numel // n) for numel, _, n in theory]  # (ZeRO 1-3: the shard) ...
+        pieces = [-(-p // codec.align) * codec.align for p in pieces]  # ... in whole blocks of the codec
         to_all = sum(n * codec.row_bytes(p) for p, (_, _, n) in zip(pieces, theory))
         expected = {"all_to_all": rounds * to_all}
         plain = {"reduce_scatter" if stage else "all_reduce": rounds * sum(4 * numel for numel, _, _ in theory)}
@@ -242,9 +254,13 @@ def _onebit_errors(rank, world, argv):
     from pretrain_gpt import make_trainer, resolve
     from megatron_lite.parallel.sharding import stored_name
     trainer = make_trainer(*resolve(argv), torch.device("cpu"))
-    worker = trainer.optimizer.rule.exchange.worker
-    return {stored_name(b.names[i], b.params[i]): worker[b.index][b.offsets[i][0] + lo:b.offsets[i][0] + hi].clone()
-            for b in trainer.grad_sync.buckets for i, lo, hi in b.segments(0, b.numel)}
+    rule, out = trainer.optimizer.rule, {}
+    for b in trainer.grad_sync.buckets:
+        rule.apply_loaded(b)  # (done by the next update)
+        worker = rule.exchange.from_rows(rule.exchange.worker[b.index], b.numel)
+        for i, lo, hi in b.segments(0, b.numel):
+            out[stored_name(b.names[i], b.params[i])] = worker[b.offsets[i][0] + lo:b.offsets[i][0] + hi].clone()
+    return out
 
 
 def test_one_bit_adam_resumes_exactly_and_its_errors_reshard(tmp_path):
@@ -275,25 +291,33 @@ def test_a_short_one_bit_adam_run_recovers_from_its_freeze():
     assert sum(losses[-5:]) < sum(losses[15:20])
 
 
-def test_zeropp_quantized_weights_gather_int8_blocks_and_train_like_the_plain_gather():
+def test_zeropp_quantized_weights_and_gradients_move_int8_and_int4_blocks_and_train_like_plain():
     """DP2 ZeRO-3: with --zeropp-quantized-weights each parameter all-gather (two per unit per
     micro-batch) moves N rows of int8 values and one fp32 scale per 256 (each shard padded to whole
-    blocks) instead of the fp32 bucket; the losses stay within 1 % of the plain gather's (int8
-    weights: about 0.4 % of a block's largest value) yet differ, and gathered_params() still
-    returns the exact shards."""
-    from megatron_lite.parallel.compression import Int8BlockCodec
+    blocks) instead of the fp32 bucket; with --zeropp-quantized-gradients as well, the gradient
+    reduce-scatter becomes one all-to-all of N int4 rows (half a byte a value, a scale per 256).
+    The losses stay within 1 % of plain ZeRO-3's (int8 weights: 0.4 % of a block's largest
+    value; int4 gradients with error feedback) yet differ, and gathered_params() still returns
+    the exact shards."""
     argv = TINY + ["--train-iters", "4", "--zero-stage", "3", "--log-comm-volume"]
-    plain = run_distributed(_train_with_params, 2, argv, timeout=240)
-    quantized = run_distributed(_train_with_params, 2, argv + ["--zeropp-quantized-weights"], timeout=240)
-    codec, shards = Int8BlockCodec(), quantized[0][3]
-    int8_bytes = sum(n * codec.row_bytes(-(-shard // 256) * 256) for shard, n in shards)
+    qw, qg = ["--zeropp-quantized-weights"], ["--zeropp-quantized-gradients"]
+    runs = {name: run_distributed(_train_with_params, 2, argv + flags, timeout=240)
+            for name, flags in (("plain", []), ("qw", qw), ("qw+qg", qw + qg))}
+    shards, numels = runs["plain"][0][3], runs["plain"][0][2]
+    blocks = [(-(-shard // 256) * 256, n) for shard, n in shards]
+    int8_bytes = sum(n * make_codec("int8-blocks").row_bytes(p) for p, n in blocks)
+    int4_bytes = sum(n * make_codec("int4-blocks").row_bytes(p) for p, n in blocks)
     gathers = 2  # per unit and micro-batch (one micro-batch per rank here)
-    for p_rec, q_rec in zip(plain[0][0], quantized[0][0]):
-        assert p_rec["comm_bytes"]["all_gather"] == gathers * sum(4 * numel for numel in plain[0][2])
-        assert q_rec["comm_bytes"]["all_gather"] == gathers * int8_bytes
-    base, losses = losses_of([r[0] for r in plain]), losses_of([r[0] for r in quantized])
-    assert losses == pytest.approx(base, rel=0.01) and losses[1:] != base[1:]
-    assert all(r[4] for r in quantized)
+    for plain, q_rec, both in zip(*(runs[name][0][0] for name in ("plain", "qw", "qw+qg"))):
+        assert plain["comm_bytes"]["all_gather"] == gathers * sum(4 * numel for numel in numels)
+        assert plain["comm_bytes"]["reduce_scatter"] == sum(4 * numel for numel in numels)
+        assert q_rec["comm_bytes"]["all_gather"] == both["comm_bytes"]["all_gather"] == gathers * int8_bytes
+        assert both["comm_bytes"]["all_to_all"] == int4_bytes and "reduce_scatter" not in both["comm_bytes"]
+    base = losses_of([r[0] for r in runs["plain"]])
+    for name in ("qw", "qw+qg"):
+        losses = losses_of([r[0] for r in runs[name]])
+        assert losses == pytest.approx(base, rel=0.01) and losses[1:] != base[1:], name
+        assert all(r[4] for r in runs[name]), name
 
 
 def test_zeropp_hpz_regathers_backward_within_groups_and_changes_no_value():

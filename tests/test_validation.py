@@ -144,6 +144,9 @@ CASES = [
     (2, ["--zeropp-quantized-weights", "--zero-stage", "2"], ["--zeropp-quantized-weights", "--zero-stage 3"]),
     (4, ["--zeropp-hpz-partition-size", "3", "--zero-stage", "3"], ["--zeropp-hpz-partition-size (3)", "(4)"]),
     (4, ["--zeropp-hpz-partition-size", "2", "--zero-stage", "1"], ["--zeropp-hpz-partition-size", "--zero-stage 3"]),
+    (2, ["--zeropp-quantized-gradients", "--zero-stage", "2"], ["--zeropp-quantized-gradients", "--zero-stage 3"]),
+    (2, ["--zeropp-quantized-gradients", "--zero-stage", "3", "--grad-comm-dtype", "bf16"],
+     ["--zeropp-quantized-gradients", "drop --grad-comm-dtype"]),
 ]
 
 

@@ -24,7 +24,7 @@ compressed all-reduce computes unchanged, whatever the number of ranks.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Dict
 
 import torch
 
@@ -59,6 +59,11 @@ class OneBitAdam:
     def __init__(self, adam: AdamW, freeze_step: int, comm: Communicator):
         self.adam, self.freeze_step = adam, freeze_step
         self.exchange = ErrorFeedbackExchange(comm, "sign")
+        self.loaded: Dict[int, torch.Tensor] = {}  # a checkpoint's residual per bucket, not yet applied
+
+    def apply_loaded(self, b) -> None:
+        if b.index in self.loaded:
+            self.exchange.set_worker(b.index, self.loaded.pop(b.index), b.group_size)
 
     @torch.no_grad()
     def update_shard_(self, s, grad: torch.Tensor, lr_of, weight_decay: float, step: int) -> None:
@@ -66,6 +71,7 @@ class OneBitAdam:
             s.update(self.adam, grad, lr_of, weight_decay, step)
             return
         b, t = s.bucket, s.store.tensors
+        self.apply_loaded(b)
         m, v, main = t["exp_avg"], t["exp_avg_sq"], t["main"]
         beta1, beta2, eps = self.adam.hyper
         m.lerp_(grad * b.group_size, 1.0 - beta1)
@@ -88,27 +94,24 @@ class OneBitAdam:
     def _clear_dead_errors(self, b, dead: torch.Tensor) -> None:
         """No error where the momentum is masked, nor in the pieces' padding: a sign would grow one
         there step after step, which would weigh in the scales and is in no checkpoint."""
-        ex, ranks = self.exchange, b.group_size
-        n = ex.piece(b.numel, ranks)
-        everywhere = torch.ones(n * ranks, dtype=torch.bool, device=dead.device)
-        everywhere[:b.numel] = dead
-        ex.worker[b.index].masked_fill_(everywhere, 0.0)
-        ex.server[b.index].masked_fill_(everywhere.view(ranks, n)[b.group_rank], 0.0)
+        ex = self.exchange
+        dead_rows = ex.to_rows((~dead).float(), b.group_size) == 0  # (the padding too)
+        ex.worker[b.index].masked_fill_(dead_rows, 0.0)
+        ex.server[b.index].masked_fill_(dead_rows[b.group_rank], 0.0)
 
     # --- checkpoints ---------------------------------------------------------------------------
     def fold_for_checkpoint(self, b) -> torch.Tensor:
         """Collective: the mean over ranks of the errors (whole bucket), handed back to every rank
         as its worker error (the server errors zeroed): the state a load gives."""
+        self.apply_loaded(b)
         if b.index not in self.exchange.worker:
             return torch.zeros(b.numel, dtype=torch.float32, device=b.device)
-        residual = self.exchange.summed_errors(b.index, b.numel, b.group, b.group_size).div_(b.group_size)
-        self.exchange.worker[b.index][:b.numel].copy_(residual)
+        residual = self.exchange.summed_errors(b.index, b.numel, b.group, b.group_size, b.device).div_(b.group_size)
+        self.exchange.set_worker(b.index, residual, b.group_size)
         return residual
 
     def residual_for_loading(self, b) -> torch.Tensor:
-        """The tensor a load fills: this rank's worker error itself (every rank reads the whole)."""
-        n = self.exchange.piece(b.numel, b.group_size)
-        worker = self.exchange.error(self.exchange.worker, b.index, n * b.group_size, b.device)
-        self.exchange.error(self.exchange.server, b.index, n, b.device).zero_()
-        worker.zero_()
-        return worker[:b.numel]
+        """The tensor a load fills (every rank reads the whole): this rank's worker error from the
+        next update on."""
+        self.loaded[b.index] = torch.zeros(b.numel, dtype=torch.float32, device=b.device)
+        return self.loaded[b.index]

@@ -1,4 +1,5 @@
-"""Compressed gradient reduction with error feedback (--grad-comm-dtype bf16 | fp8-e4m3 | fp8-e5m2).
+"""Compressed gradient reduction with error feedback (--grad-comm-dtype bf16 | fp8-e4m3 | fp8-e5m2,
+--zeropp-quantized-gradients: int4 blocks), and ZeRO++'s quantized weight all-gather.
 
 A bucket reducer (data_parallel.PlainReducer's two calls) that sends each bucket's gradient in a
 low-precision format and sums in fp32 where it lands:
@@ -22,7 +23,7 @@ unchanged.
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -120,8 +121,41 @@ class Int8BlockCodec:
         return (q * scale).view(k, n)
 
 
+class Int4BlockCodec:
+    """ZeRO++'s quantized gradients: values rounded to -7..7 in blocks of `block` elements, each
+    block with its fp32 scale (amax / 7); two values to a byte (value + 8 in each half)."""
+    name = "int4-blocks"
+
+    def __init__(self, block: int = 256):
+        self.align = block
+
+    def row_bytes(self, n: int) -> int:
+        return n // 2 + n // self.align * _SCALE_BYTES
+
+    def encode(self, x: torch.Tensor):
+        k, n = x.shape
+        blocks = x.view(k, n // self.align, self.align)
+        amax = blocks.abs().amax(dim=2, keepdim=True)
+        scale = torch.where(amax > 0, amax / 7.0, torch.ones_like(amax))
+        q = torch.round(blocks / scale).clamp_(-7, 7)
+        nibbles = (q + 8).to(torch.uint8).view(k, n // 2, 2)
+        packed = nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)
+        payload = torch.cat([packed, scale.view(k, -1).contiguous().view(torch.uint8)], dim=1)
+        return payload, (q * scale).view(k, n)
+
+    def decode(self, payload: torch.Tensor, n: int) -> torch.Tensor:
+        k = payload.shape[0]
+        packed = payload[:, :n // 2]
+        q = torch.stack([packed & 15, packed >> 4], dim=2).view(k, n).float() - 8
+        scale = payload[:, n // 2:].contiguous().view(torch.float32).view(k, -1, 1)
+        return (q.view(k, n // self.align, self.align) * scale).view(k, n)
+
+
+_CODECS = {"sign": SignCodec, "int8-blocks": Int8BlockCodec, "int4-blocks": Int4BlockCodec}
+
+
 def codec(name: str):
-    return SignCodec() if name == "sign" else Int8BlockCodec() if name == "int8-blocks" else Codec(name)
+    return _CODECS[name]() if name in _CODECS else Codec(name)
 
 
 class _Pending:
@@ -148,70 +182,89 @@ class _Pending:
 
 class ErrorFeedbackExchange:
     """The two halves of a compressed all-reduce with error feedback, over tensors named by a key
-    (a bucket's index): `scatter` encodes x + the worker error in N pieces and all-to-alls them
-    (each rank gets every rank's copy of its piece, which `land` decodes and sums in fp32);
-    `gather` encodes a summed piece + the server error and all-gathers it to every rank."""
+    (a bucket's index). A flat tensor of `numel` is laid out as N rows, row r holding elements
+    [r * shard, (r + 1) * shard) (shard = ceil(numel / N): a ZeRO shard), each row padded to whole
+    blocks of the codec (n elements). `scatter` encodes the rows + the worker error and all-to-alls
+    them (each rank gets every rank's copy of its row, which `land` decodes and sums in fp32);
+    `gather` encodes a summed row + the server error and all-gathers it to every rank."""
 
     def __init__(self, comm: Communicator, fmt: str):
         self.comm, self.codec = comm, codec(fmt)
-        self.worker: Dict[int, torch.Tensor] = {}
-        self.server: Dict[int, torch.Tensor] = {}
+        self.worker: Dict[int, torch.Tensor] = {}  # [N, n] per key
+        self.server: Dict[int, torch.Tensor] = {}  # [n] per key
 
-    def piece(self, numel: int, ranks: int) -> int:
-        """Elements of each rank's piece of `numel` (padded: whole pieces, whole bytes of signs)."""
-        a = self.codec.align
-        return -(-numel // (ranks * a)) * a
+    def layout(self, numel: int, ranks: int) -> Tuple[int, int]:
+        """(shard, n): elements of each rank's row, and the row padded to whole codec blocks."""
+        shard = -(-numel // ranks)
+        return shard, -(-shard // self.codec.align) * self.codec.align
 
-    def error(self, store: Dict[int, torch.Tensor], key: int, n: int, device) -> torch.Tensor:
+    def to_rows(self, x: torch.Tensor, ranks: int) -> torch.Tensor:
+        shard, n = self.layout(x.numel(), ranks)
+        flat = torch.zeros(ranks * shard, dtype=torch.float32, device=x.device)
+        flat[:x.numel()] = x
+        rows = torch.zeros(ranks, n, dtype=torch.float32, device=x.device)
+        rows[:, :shard] = flat.view(ranks, shard)
+        return rows
+
+    def from_rows(self, rows: torch.Tensor, numel: int) -> torch.Tensor:
+        shard, _ = self.layout(numel, rows.shape[0])
+        return rows[:, :shard].reshape(-1)[:numel]
+
+    def error(self, store: Dict[int, torch.Tensor], key: int, shape, device) -> torch.Tensor:
         if key not in store:
-            store[key] = torch.zeros(n, dtype=torch.float32, device=device)
+            store[key] = torch.zeros(shape, dtype=torch.float32, device=device)
         return store[key]
 
     def scatter(self, key: int, x: torch.Tensor, group, ranks: int, async_op: bool = False):
-        """(what lands, its all-to-all's handle, piece size) of x (flat fp32) plus the worker error."""
-        n = self.piece(x.numel(), ranks)
-        error = self.error(self.worker, key, n * ranks, x.device)
-        y = error.clone()
-        y[:x.numel()].add_(x)
-        payload, sent = self.codec.encode(y.view(ranks, n))
-        error.view(ranks, n).copy_(y.view(ranks, n) - sent)
+        """(what lands, its all-to-all's handle, row length n) of x (flat fp32) plus the worker error."""
+        y = self.to_rows(x, ranks)
+        error = self.error(self.worker, key, y.shape, x.device)
+        y.add_(error)
+        payload, sent = self.codec.encode(y)
+        error.copy_(y - sent)
         received = torch.empty_like(payload)
-        return received, self.comm.all_to_all(received, payload, group, async_op=async_op), n
+        return received, self.comm.all_to_all(received, payload, group, async_op=async_op), y.shape[1]
 
-    def land(self, received: torch.Tensor, n: int) -> torch.Tensor:
-        return self.codec.decode(received, n).sum(dim=0)
+    def land(self, received: torch.Tensor, n: int, shard: int) -> torch.Tensor:
+        """This rank's row summed over ranks (its first `shard` elements)."""
+        return self.codec.decode(received, n).sum(dim=0)[:shard]
 
     def gather(self, key: int, piece: torch.Tensor, group, ranks: int, out: torch.Tensor) -> None:
-        """out (flat, its first elements) = every rank's piece (plus its server error), as sent."""
-        n = piece.numel()
-        error = self.error(self.server, key, n, piece.device)
-        y = piece + error
+        """out (flat) = every rank's summed row (plus its server error), as sent."""
+        shard, n = self.layout(out.numel(), ranks)
+        error = self.error(self.server, key, (n,), piece.device)
+        y = error.clone()
+        y[:shard].add_(piece)
         payload, sent = self.codec.encode(y.view(1, n))
         error.copy_(y - sent.view(-1))
         gathered = torch.empty((ranks, payload.shape[1]), dtype=torch.uint8, device=piece.device)
         self.comm.all_gather(gathered, payload, group)
-        out.copy_(self.codec.decode(gathered, n).view(-1)[:out.numel()])
+        out.copy_(self.from_rows(self.codec.decode(gathered, n), out.numel()))
 
     def all_reduce(self, key: int, x: torch.Tensor, group, ranks: int) -> None:
         """x = the sum over ranks of x, compressed both ways (in place, blocking)."""
         received, handle, n = self.scatter(key, x, group, ranks)
         if handle is not None:
             handle.wait()
-        self.gather(key, self.land(received, n), group, ranks, x)
+        self.gather(key, self.land(received, n, self.layout(x.numel(), ranks)[0]), group, ranks, x)
 
-    def summed_errors(self, key: int, numel: int, group, ranks: int) -> torch.Tensor:
-        """Collective: every rank's worker error plus every server error, summed over the whole
-        (first `numel` elements); the errors are left zero."""
-        n = self.piece(numel, ranks)
-        total = self.comm.reduced(self.error(self.worker, key, n * ranks, None), group)
-        servers = torch.empty(ranks * n, dtype=torch.float32, device=total.device)
-        self.comm.all_gather(servers, self.error(self.server, key, n, total.device), group)
-        self.worker[key].zero_()
+    def summed_errors(self, key: int, numel: int, group, ranks: int, device) -> torch.Tensor:
+        """Collective: every rank's worker error plus every server error, summed, over the flat
+        tensor's `numel` elements; the errors are left zero."""
+        shard, n = self.layout(numel, ranks)
+        worker = self.error(self.worker, key, (ranks, n), device)
+        total = self.comm.reduced(worker, group)
+        servers = torch.empty(ranks * n, dtype=torch.float32, device=device)
+        self.comm.all_gather(servers, self.error(self.server, key, (n,), device), group)
+        worker.zero_()
         self.server[key].zero_()
-        return (total + servers)[:numel]
+        return self.from_rows(total + servers.view(ranks, n), numel)
 
-    def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in (self.worker, self.server) for t in s.values())
+    def set_worker(self, key: int, values: torch.Tensor, ranks: int) -> None:
+        """This rank's worker error := `values` (flat, the tensor's layout); no server error."""
+        rows = self.to_rows(values, ranks)
+        self.error(self.worker, key, rows.shape, values.device).copy_(rows)
+        self.error(self.server, key, (rows.shape[1],), values.device).zero_()
 
 
 class CompressedReducer:
@@ -232,9 +285,10 @@ class CompressedReducer:
             return None
         received, handle, n = self.exchange.scatter(b.index, b.grad_data, b.group, b.group_size, async_op=True)
         out = b.reduce_out() if b.sharded else None
+        shard, _ = self.exchange.layout(b.numel, b.group_size)
 
         def land():
-            summed = self.exchange.land(received, n)
+            summed = self.exchange.land(received, n, shard)
             if b.sharded:
                 out.copy_(summed)
             else:  # ZeRO 0's second half: the summed pieces to every rank
@@ -256,15 +310,15 @@ class CompressedReducer:
         worker = self.exchange.worker.get(b.index)
         if worker is None:
             return residual
-        if b.sharded:
-            piece = torch.empty(b.shard_numel, dtype=torch.float32, device=b.device)
-            self.comm.reduce_scatter(piece, worker, b.group)
+        if b.sharded:  # (rows are the shards: a reduce-scatter of the rows gives this rank's)
+            piece = torch.empty(worker.shape[1], dtype=torch.float32, device=b.device)
+            self.comm.reduce_scatter(piece, worker.view(-1), b.group)
             if b.replica_group is not None:
                 self.comm.all_reduce(piece, b.replica_group)
-            residual.add_(piece)
+            residual.add_(piece[:b.shard_numel])
             worker.zero_()
         else:
-            residual.add_(self.exchange.summed_errors(b.index, b.numel, b.group, b.group_size))
+            residual.add_(self.exchange.summed_errors(b.index, b.numel, b.group, b.group_size, b.device))
         return residual
 
     def residual_for_loading(self, b) -> torch.Tensor:
@@ -276,8 +330,11 @@ class CompressedReducer:
         return self.residual[b.index]
 
 
-def build_reducer(comm: Communicator, fmt: Optional[str]):
-    """--grad-comm-dtype's reducer; None: GradientSync's default PlainReducer."""
+def build_reducer(comm: Communicator, fmt: Optional[str], quantized_gradients: bool = False):
+    """--grad-comm-dtype's reducer, or --zeropp-quantized-gradients' (int4 blocks); None:
+    GradientSync's default PlainReducer."""
+    if quantized_gradients:
+        return CompressedReducer(comm, "int4-blocks")
     return None if fmt is None else CompressedReducer(comm, fmt)
 
 
