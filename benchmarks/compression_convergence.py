@@ -1,6 +1,8 @@
 """Convergence of compressed communication on the built-in corpus: llama-tiny at DP2 for --iters
 iterations, uncompressed (the baseline, ZeRO-1), with each --grad-comm-dtype (ZeRO-1, error
-feedback on) and with 1-bit Adam (ZeRO 0, --freeze-step warm-up), same seed and data.
+feedback on), with 1-bit Adam (ZeRO 0, --freeze-step warm-up) and with ZeRO++'s quantized
+weights / gradients (ZeRO-3; hpZ changes no value), same seed and data. DP bytes: the
+reduction's and the parameter all-gather's (counted buffers).
 
 Writes OUT/<scheme>.jsonl, OUT/summary.json, a Markdown table on stdout (final loss = mean of
 the last --tail iterations, and its difference from the baseline; gradient bytes per step from
@@ -23,7 +25,9 @@ SHAPE = ["--model", "llama-tiny", "--seq-length", "64", "--micro-batch-size", "2
 ZERO1 = ["--zero-stage", "1"]
 SCHEMES = {"fp32": ZERO1, "bf16": ZERO1 + ["--grad-comm-dtype", "bf16"],
            "fp8-e4m3": ZERO1 + ["--grad-comm-dtype", "fp8-e4m3"], "fp8-e5m2": ZERO1 + ["--grad-comm-dtype", "fp8-e5m2"],
-           "adam-1bit": ["--optimizer", "adam-1bit"]}  # (ZeRO 0, as DeepSpeed's; --freeze-step from the flag)
+           "adam-1bit": ["--optimizer", "adam-1bit"],  # (ZeRO 0, as DeepSpeed's; --freeze-step from the flag)
+           "qwZ ZeRO-3": ["--zero-stage", "3", "--zeropp-quantized-weights"],
+           "qwZ+qgZ ZeRO-3": ["--zero-stage", "3", "--zeropp-quantized-weights", "--zeropp-quantized-gradients"]}
 
 
 def run(scheme, args):
@@ -56,7 +60,7 @@ def main():
     summary, base = {}, None
     print(f"llama-tiny, DP{args.dp}, {args.iters} iterations (1-bit Adam: freeze step {args.freeze_step}), final "
           f"loss = mean of the last {args.tail}; bytes of the last step\n")
-    print("| gradients sent as | first loss | final loss | vs fp32 | gradient bytes / step (counted) | median step s |")
+    print("| scheme | first loss | final loss | vs fp32 | DP bytes / step (counted) | median step s |")
     print("|---|---|---|---|---|---|")
     for scheme, path in done:
         recs = _records(path)
@@ -64,9 +68,9 @@ def main():
         final = sum(losses[-args.tail:]) / len(losses[-args.tail:])
         base = final if base is None else base
         comm = recs[-1].get("comm_bytes", {})
-        grad_bytes = sum(comm.get(k, 0) for k in ("reduce_scatter", "all_to_all"))
+        grad_bytes = sum(comm.get(k, 0) for k in ("reduce_scatter", "all_to_all", "all_gather"))
         if scheme == "adam-1bit":  # (ZeRO 0: the compressed all-reduce's two halves, or the plain all-reduce)
-            grad_bytes = comm.get("all_to_all", 0) + comm.get("all_gather", 0) or comm.get("all_reduce", 0)
+            grad_bytes = grad_bytes or comm.get("all_reduce", 0)
         step = sorted(r["step_time_s"] for r in recs)[len(recs) // 2]
         summary[scheme] = dict(first=losses[0], final=final, rel=(final - base) / base, grad_bytes=grad_bytes,
                                median_step_s=step, metrics=path)
@@ -75,7 +79,7 @@ def main():
     with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     if args.plot:
-        plot_curves(args.plot, [(path, f"grads {scheme}") for scheme, path in done])
+        plot_curves(args.plot, [(path, scheme) for scheme, path in done])
 
 
 if __name__ == "__main__":
