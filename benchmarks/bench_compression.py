@@ -3,12 +3,12 @@
 One torchrun per scheme (pretrain_gpt.py, --log-comm-volume, --metrics-file): plain fp32
 reduction (ZeRO-1 and ZeRO 0), --grad-comm-dtype bf16 / fp8-e4m3 / fp8-e5m2 (ZeRO-1), 1-bit
 Adam (ZeRO 0) after its --freeze-step warm-up, and ZeRO-3 plain and with ZeRO++'s qwZ, qwZ+qgZ
-and hpZ (its intra-group gathers counted apart: what stays inside a node). Prints a Markdown table: the bytes of the last
-iteration by collective kind (the counter's convention: the full logical buffer per rank), the
-data-parallel gradient / momentum bytes against the fp32 reduction of the same ZeRO stage, and
-the median step time over the iterations after --skip (1-bit Adam: after its freeze). The
-ratios compare bytes on the wire per rank (a ring all-reduce moves twice what a reduce-scatter
-does, which the counter, counting buffers, does not show).
+and hpZ (its intra-group gathers counted apart: what stays inside a node). Prints a Markdown
+table: the bytes of the last iteration by collective kind (the counter's convention: the full
+logical buffer per rank), the data-parallel gradient / momentum bytes against the fp32 reduction
+of the same ZeRO stage, and the median step time over the iterations after --skip (1-bit Adam:
+after its freeze). The ratios compare bytes on the wire per rank (a ring all-reduce moves twice
+what a reduce-scatter does, which the counter, counting buffers, does not show).
 
     python benchmarks/bench_compression.py --out-dir /tmp/bench_compression
 """
@@ -74,8 +74,8 @@ def main():
     results = {name: run(name, args) for name in args.schemes.split(",")}
     print(f"{args.model}, seq {args.seq_length}, DP{args.dp} on the CPU (gloo), {args.iters} iterations; bytes of the "
           f"last one; median step over iterations {args.skip + 1}-{args.iters}\n")
-    print("| scheme | DP reduction bytes / step (counted) | on the wire per rank | vs fp32 | all bytes by kind (counted) "
-          "| median step s | vs fp32 |")
+    print("| scheme | DP reduction bytes / step (counted) | on the wire per rank | vs fp32 "
+          "| all bytes by kind (counted) | median step s | vs fp32 |")
     print("|---|---|---|---|---|---|---|")
     summary = {}
     for name, recs in results.items():

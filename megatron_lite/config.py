@@ -193,7 +193,8 @@ class ParallelConfig:
                                                     f"data-parallel x context-parallel ranks ({dp_cp})")
             _require(self.zero_stage == 3 and self.reshard_after_forward and self.num_distributed_optimizer_instances
                      == 1, "--zeropp-hpz-partition-size re-gathers ZeRO-3's parameters for backward: it needs "
-                           "--zero-stage 3, without --no-reshard-after-forward or --num-distributed-optimizer-instances")
+                           "--zero-stage 3, without --no-reshard-after-forward or "
+                           "--num-distributed-optimizer-instances")
         _require(self.grad_comm_dtype is None or not self.grad_reduce_in_bf16,
                  f"--grad-comm-dtype {self.grad_comm_dtype} compresses fp32 gradient buffers: drop "
                  f"--grad-reduce-in-bf16 (or --grad-comm-dtype)")

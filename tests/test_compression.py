@@ -214,7 +214,8 @@ def _train_with_params(rank, world, argv):
         for b in sync.buckets:
             mine = torch.cat([p.detach().reshape(-1) for p in b.params])[b.shard_lo:b.shard_lo + b.shard_numel]
             exact = exact and torch.equal(mine, b.param_shard_view()[:mine.numel()])
-    return history, params, [b.numel for b in sync.buckets], [(b.shard_numel, b.group_size) for b in sync.buckets], exact
+    shards = [(b.shard_numel, b.group_size) for b in sync.buckets]
+    return history, params, [b.numel for b in sync.buckets], shards, exact
 
 
 def test_one_bit_adam_warms_up_as_adam_exactly_then_sends_signs():
@@ -340,18 +341,24 @@ def test_zeropp_hpz_regathers_backward_within_groups_and_changes_no_value():
         assert rec_both["comm_bytes"]["all_gather_hpz"] == full
 
 
-def test_compressed_gradients_under_pipeline_parallelism():
-    """PP2 x DP2 ZeRO-1 with fp8 gradients: every bucket of each stage (the tied embedding's too,
-    reduced at the step's end after its cross-stage sum) goes through the all-to-all, so the last
-    stage moves N rows of (shard + a 4-byte scale) per bucket and no reduce-scatter; the losses
-    stay within 1 % of the uncompressed run's."""
-    argv = TINY + ["--train-iters", "4", "--zero-stage", "1", "--pipeline-model-parallel-size", "2",
-                   "--log-comm-volume"]
+MOE_EP2 = LLAMA_SWITCHES + ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+                            "--global-batch-size", "8"]
+
+
+@pytest.mark.parametrize("layout", [["--pipeline-model-parallel-size", "2"], MOE_EP2], ids=["pp2-dp2", "ep2-dp4"])
+def test_compressed_gradients_with_pipelines_and_experts(layout):
+    """ZeRO-1 with fp8 gradients, 4 ranks: PP2 x DP2 (the tied embedding's bucket too, reduced at
+    the step's end after its cross-stage sum) and MoE at EP2 x DP4 (expert buckets over their
+    expert-data-parallel pairs): every bucket goes through the all-to-all of its own group, so the
+    logging rank moves, per bucket, its group's N rows of (shard + a 4-byte scale) instead of the
+    fp32 reduce-scatter; the losses stay within 1 % of the uncompressed run's."""
+    argv = TINY + ["--train-iters", "4", "--zero-stage", "1", "--log-comm-volume"] + layout
     plain = run_distributed(_train_with_params, 4, argv, timeout=240)
     fp8 = run_distributed(_train_with_params, 4, argv + ["--grad-comm-dtype", "fp8-e4m3"], timeout=240)
-    logging = next(r for r in fp8 if r[0] and r[0][0]["lm_loss"] is not None)
-    wanted = sum(n * (shard + 4) for shard, n in logging[3])
-    assert all(rec["comm_bytes"]["all_to_all"] == wanted and "reduce_scatter" not in rec["comm_bytes"]
-               for rec in logging[0])
+    logging, plain_logging = (next(r for r in run if r[0] and r[0][0]["lm_loss"] is not None) for run in (fp8, plain))
+    # (the MoE dispatcher's own collectives are the same in both runs at iteration 1, same weights)
+    got, was = logging[0][0]["comm_bytes"], plain_logging[0][0]["comm_bytes"]
+    assert got["all_to_all"] - was.get("all_to_all", 0) == sum(n * (shard + 4) for shard, n in logging[3])
+    assert was["reduce_scatter"] - got.get("reduce_scatter", 0) == sum(4 * n * shard for shard, n in logging[3])
     base, losses = losses_of([r[0] for r in plain]), losses_of([r[0] for r in fp8])
     assert losses == pytest.approx(base, rel=0.01) and losses[1:] != base[1:]
