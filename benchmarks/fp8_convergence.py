@@ -45,9 +45,7 @@ def main():
     ap.add_argument("--recipes", default="tensorwise,rowwise,delayed,blockwise", help="FP8 recipes, comma-separated")
     ap.add_argument("--tail", type=int, default=20, help="final loss: the mean over this many last iterations")
     ap.add_argument("--jobs", type=int, default=2, help="runs at the same time")
-    ap.add_argument("--out-dir", required=True)
-    ap.add_argument("--reuse", action="store_true", help="keep a run whose metrics file is complete")
-    ap.add_argument("--plot", default=None, help="PNG of the curves (tools/plot.py)")
+    add_study_args(ap)
     args = ap.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
     models, precisions = args.models.split(","), ["fp32"] + args.recipes.split(",")
@@ -68,10 +66,23 @@ def main():
     with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
         json.dump({f"{m}-{p}": v for (m, p), v in summary.items()}, f, indent=1)
     if args.plot:
-        cmd = [sys.executable, os.path.join(ROOT, "tools", "plot.py"), "--out", args.plot]
-        for model, precision, path in done:
-            cmd += ["--metrics-file", path, "--label", f"{MODELS[model]} {precision}"]
-        subprocess.run(cmd, check=True)
+        plot_curves(args.plot, [(path, f"{MODELS[model]} {precision}") for model, precision, path in done])
+
+
+def add_study_args(ap) -> None:
+    """The flags every convergence study here takes (compression_convergence.py too)."""
+    ap.add_argument("--tail", type=int, default=20, help="final loss: the mean over this many last iterations")
+    ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--reuse", action="store_true", help="keep a run whose metrics file is complete")
+    ap.add_argument("--plot", default=None, help="PNG of the curves (tools/plot.py)")
+
+
+def plot_curves(out, runs) -> None:
+    """tools/plot.py of (metrics file, label) pairs into the PNG `out`."""
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "plot.py"), "--out", out]
+    for path, label in runs:
+        cmd += ["--metrics-file", path, "--label", label]
+    subprocess.run(cmd, check=True)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,19 @@ class ParallelConfig:
               "step), instead of freeing them after each forward and backward", flag="--no-reshard-after-forward",
         store="false")
     grad_reduce_in_bf16: bool = arg(False, "reduce gradients in bf16", store="true")
+    grad_comm_dtype: Optional[str] = arg(
+        None, "send DP gradient reductions in this format (fp8: one scale per shard), summed in fp32 where they "
+              "land, with error feedback (each rank's compression error joins its next gradient); None: as the "
+              "buffers are", choices=["bf16", "fp8-e4m3", "fp8-e5m2"])
+    zeropp_quantized_weights: bool = arg(
+        False, "ZeRO-3: all-gather parameters as int8 blocks of 256 with fp32 scales (ZeRO++'s qwZ); forward and "
+               "backward compute with the dequantized weights, the shards stay exact", store="true")
+    zeropp_quantized_gradients: bool = arg(
+        False, "ZeRO-3: reduce-scatter gradients as int4 blocks of 256 with fp32 scales over one all-to-all, summed "
+               "in fp32 (ZeRO++'s qgZ), with error feedback as --grad-comm-dtype", store="true")
+    zeropp_hpz_partition_size: int = arg(
+        1, "ZeRO-3: after each forward keep a secondary partition of the parameters within groups of this many "
+           "consecutive DP ranks (a node), from which backward re-gathers them (ZeRO++'s hpZ); 1: off")
     num_distributed_optimizer_instances: int = arg(1, "shard the distributed optimizer inside this many groups of "
                                                       "DP ranks (gradients summed across them)")
     cp_comm_type: List[str] = arg(help="context-parallel attention, one value or one per layer: p2p (ring), a2a "
@@ -171,6 +184,25 @@ class ParallelConfig:
         _require(not (self.overlap_param_gather and self.zero_stage == 0),
                  "--overlap-param-gather needs the distributed optimizer: --zero-stage 1, 2 or 3 "
                  "(or --use-distributed-optimizer)")
+        _require(not self.zeropp_quantized_weights or self.zero_stage == 3,
+                 "--zeropp-quantized-weights quantizes ZeRO-3's parameter all-gather: add --zero-stage 3")
+        _require(not self.zeropp_quantized_gradients or self.zero_stage == 3,
+                 "--zeropp-quantized-gradients quantizes ZeRO-3's gradient reduce-scatter: add --zero-stage 3")
+        _require(not (self.zeropp_quantized_gradients and (self.grad_comm_dtype or self.grad_reduce_in_bf16)),
+                 "--zeropp-quantized-gradients sends fp32 gradient buffers as int4: drop --grad-comm-dtype and "
+                 "--grad-reduce-in-bf16")
+        hpz = self.zeropp_hpz_partition_size
+        if hpz != 1:
+            dp_cp = world_size // (tp * pp)
+            _require(hpz >= 1 and dp_cp % hpz == 0, f"--zeropp-hpz-partition-size ({hpz}) must divide the "
+                                                    f"data-parallel x context-parallel ranks ({dp_cp})")
+            _require(self.zero_stage == 3 and self.reshard_after_forward and self.num_distributed_optimizer_instances
+                     == 1, "--zeropp-hpz-partition-size re-gathers ZeRO-3's parameters for backward: it needs "
+                           "--zero-stage 3, without --no-reshard-after-forward or "
+                           "--num-distributed-optimizer-instances")
+        _require(self.grad_comm_dtype is None or not self.grad_reduce_in_bf16,
+                 f"--grad-comm-dtype {self.grad_comm_dtype} compresses fp32 gradient buffers: drop "
+                 f"--grad-reduce-in-bf16 (or --grad-comm-dtype)")
         n = self.num_distributed_optimizer_instances
         if n != 1:
             dp_cp = world_size // (tp * pp)
@@ -287,7 +319,11 @@ class TrainingConfig:
     adam_beta2: float = arg(0.999, "Adam beta2")
     adam_eps: float = arg(1e-8, "Adam epsilon")
     optimizer: str = arg("adam", "adam: AdamW (decoupled weight decay); muon: Muon for the hidden weight matrices, "
-                                 "AdamW for embeddings, output layer, router, norms and biases", choices=["adam", "muon"])
+                                 "AdamW for embeddings, output layer, router, norms and biases; adam-1bit: "
+                                 "DeepSpeed's 1-bit Adam (AdamW for --freeze-step steps, then frozen variance and "
+                                 "sign-compressed momentum)", choices=["adam", "muon", "adam-1bit"])
+    freeze_step: int = arg(100000, "1-bit Adam: warm-up steps of exact AdamW before the variance is frozen and the "
+                                   "momentum is sent compressed (DeepSpeed's freeze_step and default)")
     muon_momentum: float = arg(0.9, "Muon: momentum of its internal SGD")
     muon_use_nesterov: bool = arg(False, "Muon: Nesterov-style momentum", store="true")
     muon_num_ns_steps: int = arg(5, "Muon: Newton-Schulz iterations")
@@ -594,8 +630,20 @@ class TrainingConfig:
                  "--optimizer muon keeps fp32 state on the device: drop --use-precision-aware-optimizer and "
                  "--optimizer-cpu-offload")
 
+    def _validate_onebit(self, zero_stage: int) -> None:
+        if self.optimizer != "adam-1bit":
+            return
+        _require(self.freeze_step >= 1, f"--freeze-step ({self.freeze_step}) must be >= 1: 1-bit Adam freezes the "
+                                        f"variance of its warm-up steps")
+        _require(zero_stage == 0, "--optimizer adam-1bit averages whole momenta over DP (as DeepSpeed's): use "
+                                  "--zero-stage 0 (no --use-distributed-optimizer)")
+        _require(not (self.fp16 or self.use_precision_aware_optimizer or self.optimizer_cpu_offload),
+                 "--optimizer adam-1bit keeps fp32 state on the device and skips no steps: drop --fp16, "
+                 "--use-precision-aware-optimizer and --optimizer-cpu-offload")
+
     def _validate_optimizer(self, zero_stage: int) -> None:
         self._validate_muon(zero_stage)
+        self._validate_onebit(zero_stage)
         for flag, v in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):
             _require(0.0 <= v < 1.0, f"{flag} ({v}) must lie in [0, 1)")
         _require(self.adam_eps > 0, f"--adam-eps ({self.adam_eps}) must be positive")
@@ -696,6 +744,13 @@ class Config:
             _require(self.training.fp8_recipe in (None, "tensorwise", "delayed", "blockwise"),
                      f"--fp8-recipe {self.training.fp8_recipe} has no Transformer Engine recipe: use tensorwise, "
                      f"delayed or blockwise, or --transformer-impl local")
+        _require(self.parallel.grad_comm_dtype is None or t.optimizer != "adam-1bit",
+                 f"--optimizer adam-1bit sends the momentum compressed, not the gradients: drop --grad-comm-dtype "
+                 f"{self.parallel.grad_comm_dtype}")
+        _require((self.parallel.grad_comm_dtype is None and not self.parallel.zeropp_quantized_gradients)
+                 or not t.use_precision_aware_optimizer or t.main_grads_dtype == "fp32",
+                 f"--grad-comm-dtype {self.parallel.grad_comm_dtype} compresses fp32 gradient buffers: drop "
+                 f"--main-grads-dtype {t.main_grads_dtype} (or --grad-comm-dtype)")
         self._validate_activation_memory()
 
     def _validate_activation_memory(self) -> None:
@@ -752,6 +807,8 @@ class Config:
         if t.fp8_param_gather:  # fp8_param_gather.py
             _require(p.zero_stage > 0, "--fp8-param-gather needs --use-distributed-optimizer or --zero-stage 1|2|3 "
                                        "(at --zero-stage 0 nothing is gathered)")
+            _require(not p.zeropp_quantized_weights, "--fp8-param-gather and --zeropp-quantized-weights both "
+                                                     "quantize the parameter all-gather: choose one")
 
     def _validate_pipeline(self, num_microbatches: int) -> None:
         from .parallel.pipeline.partition import LayerSplit, layout_mtp_layers, stage_layer_ranges

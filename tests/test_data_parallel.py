@@ -17,7 +17,8 @@ from megatron_lite.training.step import LossTotals
 from models.gpt import build_model, gpt_forward_step
 from models.zoo import zoo
 from test_zero import LR, MODEL, SEQ, make_batches, run_step, setup
-from training_utils import merged_params, read_metrics, records_of, torchrun, train_and_gather, train_in_process
+from training_utils import (merged_params, read_metrics, records_of, reduce_step, torchrun, train_and_gather,
+                            train_in_process)
 
 
 def _layout(rank, world):
@@ -167,11 +168,7 @@ def _reduced_grads(rank, world, stage, overlap, instances):
         shards, calls = [], []
         for step in range(2):
             batches = make_batches(step, dims, 1, cfg.vocab_size)
-            sync.start_step(len(batches))
-            for batch in batches:
-                output, loss_func = gpt_forward_step(batch, chunks[0])
-                loss_func(output)[0].backward()
-            sync.finish()
+            reduce_step(sync, chunks, batches)
             shards.append([b.grad_shard_view().clone() for b in sync.buckets])
             sync.zero_grad()
             if reducer is not None:

@@ -149,6 +149,21 @@ CASES = [
     (4, DUALPIPE_MOE + ["--pipeline-schedule", "dualpipe-v", "--moe-token-dispatcher-type", "allgather"],
      ["--moe-token-dispatcher-type allgather", "add --moe-token-dispatcher-type alltoall"]),
     (4, DUALPIPE_MOE + ["--pipeline-schedule", "dualpipe-v", "--zero-stage", "3"], ["--no-reshard-after-forward"]),
+    (2, ["--grad-comm-dtype", "fp8-e4m3", "--grad-reduce-in-bf16"],
+     ["--grad-comm-dtype fp8-e4m3 compresses fp32 gradient buffers", "--grad-reduce-in-bf16"]),
+    (2, ["--grad-comm-dtype", "bf16", "--use-distributed-optimizer", "--use-precision-aware-optimizer",
+         "--main-grads-dtype", "bf16"], ["--grad-comm-dtype bf16", "--main-grads-dtype bf16"]),
+    (1, ["--grad-comm-dtype", "int4"], ["--grad-comm-dtype", "invalid choice: 'int4'"]),
+    (2, ["--optimizer", "adam-1bit", "--use-distributed-optimizer"], ["--optimizer adam-1bit", "--zero-stage 0"]),
+    (1, ["--optimizer", "adam-1bit", "--freeze-step", "0"], ["--freeze-step (0) must be >= 1"]),
+    (1, ["--optimizer", "adam-1bit", "--fp16"], ["--optimizer adam-1bit", "drop --fp16"]),
+    (2, ["--optimizer", "adam-1bit", "--grad-comm-dtype", "bf16"], ["drop --grad-comm-dtype bf16"]),
+    (2, ["--zeropp-quantized-weights", "--zero-stage", "2"], ["--zeropp-quantized-weights", "--zero-stage 3"]),
+    (4, ["--zeropp-hpz-partition-size", "3", "--zero-stage", "3"], ["--zeropp-hpz-partition-size (3)", "(4)"]),
+    (4, ["--zeropp-hpz-partition-size", "2", "--zero-stage", "1"], ["--zeropp-hpz-partition-size", "--zero-stage 3"]),
+    (2, ["--zeropp-quantized-gradients", "--zero-stage", "2"], ["--zeropp-quantized-gradients", "--zero-stage 3"]),
+    (2, ["--zeropp-quantized-gradients", "--zero-stage", "3", "--grad-comm-dtype", "bf16"],
+     ["--zeropp-quantized-gradients", "drop --grad-comm-dtype"]),
 ]
 
 

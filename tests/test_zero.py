@@ -123,8 +123,8 @@ def _live_units(rank, world):
             live.add(u)
         peak[0] = max(peak[0], len(live))
 
-    def tracked_release(u):
-        release(u)
+    def tracked_release(u, **kwargs):
+        release(u, **kwargs)
         live.discard(u)
 
     z3._gather, z3._release = tracked_gather, tracked_release

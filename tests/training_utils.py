@@ -87,6 +87,17 @@ def train_and_gather(rank, world, argv, trace=False):
     return history, params, (executor.trace if trace and executor is not None else None), trainer.dims.pp_rank
 
 
+def reduce_step(sync, chunks, batches):
+    """Forward and backward of GPT's forward step on each micro-batch of one step, and the
+    GradientSync's reduction of the gradients (no update)."""
+    from models.gpt import gpt_forward_step
+    sync.start_step(len(batches))
+    for batch in batches:
+        output, loss_func = gpt_forward_step(batch, chunks[0])
+        loss_func(output)[0].backward()
+    sync.finish()
+
+
 _SINGLE = {}
 
 

@@ -23,6 +23,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import agree_on_errors
+from ..parallel.compression import OPTIONAL_STATES
 from . import directory, rng
 from .files import CheckpointError
 from .plan import MODEL, buffer_key, bucket_sources, fill_range, model_key, optim_key, persistent_buffers, regions
@@ -92,8 +93,8 @@ def fill_tensors(state: TrainState, reader: CheckpointReader, load_optim: bool) 
             runs = region.runs()
             for kind, (flat, base) in sources.items():
                 keys = _source_keys(kind, region.name, load_optim, flat.dtype)
-                if keys is None:
-                    continue
+                if keys is None or (kind in OPTIONAL_STATES and not reader.has(keys[0])):
+                    continue  # (written without compression: no residual, zeros)
                 key = reader.pick(keys, region.spec.stored_shape)
                 for run in runs:
                     reader.read_into(key, run.full, run.view(flat, region.start - base))

@@ -413,15 +413,20 @@ class DistributedOptimizer:
         """Per bucket, this rank's optimizer tensors over its shard (positions shard_lo onwards of
         the bucket), in fp32, named as checkpoints store them: the update rule's states, and 'main'
         when the main params are a separate copy of low-precision params (else they are the params;
-        an offloaded shard's host copy of fp32 params is stored too). Read them, or fill them
+        an offloaded shard's host copy of fp32 params is stored too), and with --grad-comm-dtype or
+        --optimizer adam-1bit the compression residual (compression.py, onebit_adam.py; saving
+        folds every rank's errors into it, a collective). Read them, or fill them
         in place: states kept in low precision come as fp32 copies, which `for_loading` keeps
         until `commit_loaded_state()` stores them."""
         out = []
+        feedback = [h for h in (self.sync.reducer, self.rule) if hasattr(h, "fold_for_checkpoint")]
         for s in self.shards:
             tensors = {k: v for k, v in s.tensors().items() if k != "main" or s.owns_main}
             if for_loading and self.spill is not None:  # NVMe: fp32 copies, written to the file on commit
                 tensors = {k: v.clone() for k, v in tensors.items()}  # (what the load leaves keeps its value)
             s.staged = tensors if for_loading and (not s.plain or self.spill is not None) else None
+            for h in feedback:  # compression's error feedback (collective when saving)
+                tensors[h.residual_name] = (h.residual_for_loading if for_loading else h.fold_for_checkpoint)(s.bucket)
             out.append((s.bucket, tensors))
         return out
 

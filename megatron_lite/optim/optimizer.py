@@ -9,12 +9,14 @@ import torch.nn as nn
 
 from ..config import ParallelConfig, TrainingConfig
 from ..errors import ConfigError
+from ..parallel.compression import QuantizedWeightGather, build_reducer
 from ..parallel.data_parallel import GradientSync
 from ..parallel.fp8_param_gather import Fp8ParamGather
-from ..parallel.state import ParallelDims, partial_dp_groups
+from ..parallel.state import ParallelDims, group_size, partial_dp_groups
 from .adam import AdamW
 from .distributed_optimizer import DistributedOptimizer, lr_group, no_weight_decay
 from .muon import Muon
+from .onebit_adam import OneBitAdam, OneBitReducer
 from .precision import OptimizerPrecision
 
 __all__ = ["build_optimizer", "DistributedOptimizer", "OptimizerPrecision", "lr_group", "no_weight_decay"]
@@ -42,19 +44,37 @@ def build_optimizer(chunks: List[nn.Module], dims: ParallelDims, tcfg: TrainingC
     if precision.main_grads != torch.float32:
         grad_dtype = precision.main_grads
     units = [c.sharding_units() if hasattr(c, "sharding_units") else [] for c in chunks]
+    hpz = pcfg.zeropp_hpz_partition_size
+    hpz_group = partial_dp_groups(dims, group_size(dims.dp_cp_group) // hpz)[0] if hpz > 1 else None
+    onebit = tcfg.optimizer == "adam-1bit"
+    reducer = OneBitReducer(dims.comm) if onebit else build_reducer(dims.comm, pcfg.grad_comm_dtype,
+                                                                        pcfg.zeropp_quantized_gradients)
     grad_sync = GradientSync(chunks, dims, zero_stage=pcfg.zero_stage, bucket_size=pcfg.ddp_bucket_size,
                              overlap_grad_reduce=pcfg.overlap_grad_reduce,
                              grad_reduce_once_per_step=pcfg.grad_reduce_once_per_step,
                              reshard_after_forward=pcfg.reshard_after_forward,
                              overlap_param_gather=pcfg.overlap_param_gather, grad_dtype=grad_dtype, units=units,
-                             dp_groups=dp_groups, param_gather=Fp8ParamGather(dims, tcfg.fp8_margin, tcfg.fp8_recipe)
-                             if tcfg.fp8_param_gather else None)
-    return DistributedOptimizer(grad_sync, tcfg, precision, rule=update_rule(tcfg, dims)), grad_sync
+                             dp_groups=dp_groups, reducer=reducer, hpz_group=hpz_group,
+                             param_gather=param_gather(dims, tcfg, pcfg))
+    optimizer = DistributedOptimizer(grad_sync, tcfg, precision, rule=update_rule(tcfg, dims))
+    if onebit:  # after the warm-up the momentum, not the gradient, is communicated
+        reducer.frozen = lambda: optimizer.num_updates >= tcfg.freeze_step
+    return optimizer, grad_sync
+
+
+def param_gather(dims: ParallelDims, tcfg: TrainingConfig, pcfg: ParallelConfig):
+    """What gathers updated parameters instead of the plain all-gather: --fp8-param-gather's FP8
+    weights, or --zeropp-quantized-weights' int8 blocks (ZeRO-3); None: the plain all-gather."""
+    if tcfg.fp8_param_gather:
+        return Fp8ParamGather(dims, tcfg.fp8_margin, tcfg.fp8_recipe)
+    return QuantizedWeightGather(dims.comm) if pcfg.zeropp_quantized_weights else None
 
 
 def update_rule(tcfg: TrainingConfig, dims: ParallelDims):
-    """--optimizer's update rule: AdamW, or Muon with AdamW beside it (muon.py)."""
+    """--optimizer's update rule: AdamW, 1-bit Adam (onebit_adam.py), or Muon with AdamW beside it (muon.py)."""
     adam = AdamW(tcfg.adam_beta1, tcfg.adam_beta2, tcfg.adam_eps)
+    if tcfg.optimizer == "adam-1bit":
+        return OneBitAdam(adam, tcfg.freeze_step, dims.comm)
     if tcfg.optimizer != "muon":
         return adam
     return Muon(dims, tcfg.muon_momentum, tcfg.muon_use_nesterov, tcfg.muon_num_ns_steps, tcfg.muon_scale_mode,

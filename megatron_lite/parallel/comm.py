@@ -157,12 +157,14 @@ class Communicator:
         return self._run("all_reduce", group, lambda: dist.all_reduce(t, op=op, group=group, async_op=async_op),
                          async_op)
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
-        """Gather `inp` from every rank into `out` along dim 0 (out has group_size x inp rows)."""
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False,
+                   kind: str = "all_gather"):
+        """Gather `inp` from every rank into `out` along dim 0 (out has group_size x inp rows).
+        `kind`: the counter's name for it (ZeRO++'s intra-node gathers count apart)."""
         if group_size(group) == 1:
             out.copy_(inp)
             return None
-        self._count("all_gather", out)
+        self._count(kind, out)
         return self._run("all_gather", group, lambda: _ALL_GATHER(out, inp.contiguous(), group=group,
                                                                   async_op=async_op), async_op)
 

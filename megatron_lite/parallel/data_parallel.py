@@ -239,7 +239,7 @@ class GradientSync:
                  overlap_param_gather: bool = False, grad_dtype: torch.dtype = torch.float32,
                  units: Optional[List[List[nn.Module]]] = None, dp_groups: Optional[Tuple[object, object]] = None,
                  reducer=None, grad_reduce_once_per_step: bool = False, reshard_after_forward: bool = True,
-                 param_gather=None):
+                 param_gather=None, hpz_group=None):
         """`units` (ZeRO-3): per chunk, the modules whose parameters are gathered and freed
         together (a model's transformer layers); the rest of a chunk is one more unit.
         `dp_groups` (distributed-optimizer instances): (shard group, replica group) of the dense
@@ -250,7 +250,8 @@ class GradientSync:
         step) instead of once per micro-batch; stages 0-1 always reduce once per step.
         `reshard_after_forward` (ZeRO-3): False keeps each unit gathered from its first use to the
         end of the step (zero3.py). `param_gather` (--fp8-param-gather, stages 1-2): its start(bucket) gathers a bucket's updated params
-        instead of the plain all-gather (None where it does not apply)."""
+        instead of the plain all-gather (None where it does not apply). `hpz_group` (ZeRO-3,
+        --zeropp-hpz-partition-size): where backward re-gathers the dense units (zero3.py)."""
         from .zero3 import ShardedParams, unit_params  # zero3 builds on Bucket: import late
 
         self.dims, self.stage, self.param_gather = dims, zero_stage, param_gather
@@ -295,7 +296,7 @@ class GradientSync:
         self._allocate()
         for chunk in chunks:  # parameters in no bucket (frozen) that were left on meta
             materialize_(chunk)
-        self.zero3 = ShardedParams(self, units, reshard_after_forward) if self.stage == 3 else None
+        self.zero3 = ShardedParams(self, units, reshard_after_forward, hpz_group) if self.stage == 3 else None
         self._register_hooks(chunks)
 
     # --- storage -----------------------------------------------------------------------------

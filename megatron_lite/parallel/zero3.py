@@ -41,6 +41,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from .state import group_rank, group_size
 
 
 def unit_params(chunk: nn.Module, layers: List[nn.Module]) -> List[Tuple[nn.Module, List[nn.Parameter]]]:
@@ -69,6 +70,9 @@ class _Part:
         self.full: Optional[torch.Tensor] = None  # gathered flat params while not freed
         self.handle = None  # in-flight all-gather
         self.bound = False  # params are views of `full`
+        # --zeropp-hpz-partition-size: this rank's slice of `full` within its hpZ group, kept from
+        # the forward's release to the backward, which gathers from it inside the group.
+        self.secondary: Optional[torch.Tensor] = None
 
 
 class _Unit:
@@ -82,8 +86,11 @@ class ShardedParams:
     """Gathers and frees the units of a GradientSync's ZeRO-3 buckets (each unit's own buckets)."""
 
     def __init__(self, sync, chunk_units: List[List[Tuple[nn.Module, List[nn.Parameter]]]],
-                 reshard_after_forward: bool = True):
+                 reshard_after_forward: bool = True, hpz_group=None):
+        """`hpz_group` (ZeRO++'s hpZ): the consecutive data-parallel ranks (a node's) among which the
+        dense units' parameters are re-gathered for backward from a secondary partition."""
         self.sync, self.reshard = sync, reshard_after_forward
+        self.hpz_group, self.hpz, self.hpz_rank = hpz_group, group_size(hpz_group), group_rank(hpz_group)
         self.in_backward = False
         self.exact = False  # gather the owners' exact params even under --fp8-param-gather
         self.units: List[_Unit] = []
@@ -115,6 +122,10 @@ class ShardedParams:
                 continue
             b = part.bucket
             part.full = torch.empty(b.numel, dtype=b.dtype, device=b.device)
+            if part.secondary is not None and not self.exact:  # backward, inside the hpZ group
+                part.handle = self.sync.dims.comm.all_gather(part.full, part.secondary, self.hpz_group, async_op=True,
+                                                             kind="all_gather_hpz")
+                continue
             pending = fp8.start(b, part.full, b.param_shard) if fp8 is not None else None
             part.handle = pending or self.sync.dims.comm.all_gather(part.full, b.param_shard, b.group, async_op=True)
 
@@ -128,11 +139,19 @@ class ShardedParams:
                 part.bucket.bind_params(part.full)
                 part.bound = True
 
-    def _release(self, u: _Unit) -> None:
+    def _release(self, u: _Unit, keep_secondary: bool = False) -> None:
+        """Free the unit's full params; after a forward (`keep_secondary`) with hpZ, keep this
+        rank's slice of the dense ones for the backward."""
         for part in u.parts:
             if part.handle is not None:  # never drop a buffer a collective is still writing
                 part.handle.wait()
                 part.handle = None
+            b = part.bucket
+            if not keep_secondary:
+                part.secondary = None
+            elif self.hpz > 1 and part.full is not None and b.group is self.sync.group:
+                n = b.numel // self.hpz
+                part.secondary = part.full[self.hpz_rank * n:(self.hpz_rank + 1) * n].clone()
             for p in part.bucket.params:
                 p.data = torch.empty(0, dtype=part.bucket.dtype, device=part.bucket.device)
             part.full, part.bound = None, False
@@ -164,7 +183,7 @@ class ShardedParams:
                 if t.requires_grad:
                     t.register_hook(lambda g, u=u, prev=prev: self._pre_backward(u, prev))
         if self.reshard:
-            self._release(u)
+            self._release(u, keep_secondary=True)
 
     def _pre_backward(self, u: _Unit, prev: Optional[_Unit]) -> None:
         if not self.in_backward:

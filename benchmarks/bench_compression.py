@@ -1,0 +1,97 @@
+"""Bytes and step time of each compressed-communication scheme at DP4 on the CPU (gloo).
+
+One torchrun per scheme (pretrain_gpt.py, --log-comm-volume, --metrics-file): plain fp32
+reduction (ZeRO-1 and ZeRO 0), --grad-comm-dtype bf16 / fp8-e4m3 / fp8-e5m2 (ZeRO-1), 1-bit
+Adam (ZeRO 0) after its --freeze-step warm-up, and ZeRO-3 plain and with ZeRO++'s qwZ, qwZ+qgZ
+and hpZ (its intra-group gathers counted apart: what stays inside a node). Prints a Markdown
+table: the bytes of the last iteration by collective kind (the counter's convention: the full
+logical buffer per rank), the data-parallel gradient / momentum bytes against the fp32 reduction
+of the same ZeRO stage, and the median step time over the iterations after --skip (1-bit Adam:
+after its freeze). The ratios compare bytes on the wire per rank (a ring all-reduce moves twice
+what a reduce-scatter does, which the counter, counting buffers, does not show).
+
+    python benchmarks/bench_compression.py --out-dir /tmp/bench_compression
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+# ZeRO-3: parameter gathers and gradient reduction (hpZ's intra-group gathers last: left out of its cross-group bytes)
+ZERO3 = ("all_gather", "reduce_scatter", "all_to_all", "all_gather_hpz")
+SCHEMES = {  # name: (flags, ZeRO stage of the fp32 reference, the collectives that carry the DP reduction)
+    "fp32 ZeRO-1": (["--zero-stage", "1"], "fp32 ZeRO-1", ("reduce_scatter",)),
+    "bf16 ZeRO-1": (["--zero-stage", "1", "--grad-comm-dtype", "bf16"], "fp32 ZeRO-1", ("all_to_all",)),
+    "fp8-e4m3 ZeRO-1": (["--zero-stage", "1", "--grad-comm-dtype", "fp8-e4m3"], "fp32 ZeRO-1", ("all_to_all",)),
+    "fp8-e5m2 ZeRO-1": (["--zero-stage", "1", "--grad-comm-dtype", "fp8-e5m2"], "fp32 ZeRO-1", ("all_to_all",)),
+    "fp32 ZeRO-0": ([], "fp32 ZeRO-0", ("all_reduce",)),
+    "fp8-e4m3 ZeRO-0": (["--grad-comm-dtype", "fp8-e4m3"], "fp32 ZeRO-0", ("all_to_all", "all_gather")),
+    "adam-1bit ZeRO-0": (["--optimizer", "adam-1bit"], "fp32 ZeRO-0", ("all_to_all", "all_gather")),
+    "fp32 ZeRO-3": (["--zero-stage", "3"], "fp32 ZeRO-3", ZERO3),
+    "qwZ ZeRO-3": (["--zero-stage", "3", "--zeropp-quantized-weights"], "fp32 ZeRO-3", ZERO3),
+    "qwZ+qgZ ZeRO-3": (["--zero-stage", "3", "--zeropp-quantized-weights", "--zeropp-quantized-gradients"],
+                       "fp32 ZeRO-3", ZERO3),
+    "hpZ 2 ZeRO-3": (["--zero-stage", "3", "--zeropp-hpz-partition-size", "2"], "fp32 ZeRO-3", ZERO3[:-1]),
+}
+
+
+def run(name, args):
+    metrics = os.path.join(args.out_dir, name.replace(" ", "_") + ".jsonl")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.dp}",
+           os.path.join(ROOT, "pretrain_gpt.py"), "--model", args.model, "--seq-length", str(args.seq_length),
+           "--micro-batch-size", "1", "--global-batch-size", str(args.dp), "--train-iters", str(args.iters),
+           "--freeze-step", str(args.skip), "--eval-iters", "0", "--device", "cpu", "--log-comm-volume",
+           "--log-interval", str(args.iters), "--metrics-file", metrics, *SCHEMES[name][0]]
+    if not (args.reuse and os.path.exists(metrics)):
+        if os.path.exists(metrics):
+            os.remove(metrics)
+        subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=args.out_dir,
+                       stdout=subprocess.DEVNULL)
+    with open(metrics) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def wire_bytes(comm, kinds, ranks) -> float:
+    """What the counted collectives move per rank on a ring: (N-1)/N of each buffer, twice for an
+    all-reduce (a reduce-scatter, then an all-gather)."""
+    return (ranks - 1) / ranks * sum(comm.get(k, 0) * (2 if k == "all_reduce" else 1) for k in kinds)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="llama-20m")
+    ap.add_argument("--seq-length", type=int, default=64)
+    ap.add_argument("--dp", type=int, default=4)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--skip", type=int, default=4, help="iterations left out of the step time (1-bit Adam's freeze)")
+    ap.add_argument("--schemes", default=",".join(SCHEMES))
+    ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--reuse", action="store_true", help="keep the metrics files already in --out-dir")
+    args = ap.parse_args()
+    os.makedirs(args.out_dir, exist_ok=True)
+    results = {name: run(name, args) for name in args.schemes.split(",")}
+    print(f"{args.model}, seq {args.seq_length}, DP{args.dp} on the CPU (gloo), {args.iters} iterations; bytes of the "
+          f"last one; median step over iterations {args.skip + 1}-{args.iters}\n")
+    print("| scheme | DP reduction bytes / step (counted) | on the wire per rank | vs fp32 "
+          "| all bytes by kind (counted) | median step s | vs fp32 |")
+    print("|---|---|---|---|---|---|---|")
+    summary = {}
+    for name, recs in results.items():
+        _, ref, kinds = SCHEMES[name]
+        comm = recs[-1]["comm_bytes"]
+        steps = sorted(r["step_time_s"] for r in recs[args.skip:])
+        summary[name] = dict(dp_bytes=sum(comm.get(k, 0) for k in kinds), wire=wire_bytes(comm, kinds, args.dp),
+                             comm=comm, step=steps[len(steps) // 2])
+    for name, row in summary.items():
+        base = summary.get(SCHEMES[name][1], row)
+        kinds = ", ".join(f"{k} {v:,}" for k, v in sorted(row["comm"].items()))
+        print(f"| {name} | {row['dp_bytes']:,} | {row['wire']:,.0f} | {row['wire'] / base['wire']:.3f} | {kinds} | "
+              f"{row['step']:.3f} | {row['step'] / base['step']:.2f}x |")
+    with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
