@@ -100,15 +100,17 @@ RUNS = [
 # Kimi-K2 (its report: PP16 with virtual stages, EP16, ZeRO-1; 67M-token batches of 4096): the
 # same placement on 2048 H800s, interleaved, global batch 16384 sequences.
 _MOE = ["--bf16", "--seq-length", "4096", "--micro-batch-size", "1", "--pipeline-model-parallel-size", "16",
-        "--pipeline-model-parallel-layout", "Et|(tt|)*30,L", "--use-distributed-optimizer", "--overlap-grad-reduce",
+        "--use-distributed-optimizer", "--overlap-grad-reduce",
         "--overlap-param-gather", "--recompute-granularity", "full", "--recompute-method", "uniform",
         "--recompute-num-layers", "1", "--world-size", "2048", "--gpu", "H800"]
 LAYOUTS = [
     PublishedRun("DeepSeek-V3, PP16 x VPP2 (dualpipe-v) x EP64, 2048 x H800",
                  ["--model", "deepseek-v3", "--mtp-num-layers", "1", "--global-batch-size", "15360",
-                  "--pipeline-schedule", "dualpipe-v", "--expert-model-parallel-size", "64"] + _MOE,
+                  "--pipeline-schedule", "dualpipe-v", "--expert-model-parallel-size", "64",
+                  "--pipeline-model-parallel-layout", "Et|(tt|)*30,mL"] + _MOE,
                  source="DeepSeek-V3 technical report"),
     PublishedRun("Kimi-K2, PP16 x VPP2 x EP16, 2048 x H800",
-                 ["--model", "kimi-k2", "--global-batch-size", "16384", "--expert-model-parallel-size", "16"] + _MOE,
+                 ["--model", "kimi-k2", "--global-batch-size", "16384", "--expert-model-parallel-size", "16",
+                  "--pipeline-model-parallel-layout", "Et|(tt|)*30,L"] + _MOE,
                  source="Kimi-K2 technical report (layout), our choice of world and batch"),
 ]

@@ -171,6 +171,23 @@ def work_of(c: Counts, operands: float, hw: Hardware, fp8: bool, moe: bool = Fal
     return Work(gemm, core, memory, gemm / 3 + core * CORE_FORWARD_SHARE / CORE_TRAINING_SHARE + memory / 3, moe)
 
 
+def unkept_bytes(cfg: ModelConfig, moe: bool, a: int) -> int:
+    """Bytes per token (full width) that one layer's memory-bound ops write without keeping them for
+    backward, which ELEMENTWISE_PASSES covers beside the kept ones: RMSNorm's fp32 work, (8 - a) h
+    per norm (it keeps its input and 1/rms only), and SwiGLU's silu(gate), a f (made again in
+    backward). Recomputation never lowers this work, so the planner's memory-bound time does not
+    depend on what the layers keep."""
+    norms = 2 * (8 - a) * cfg.hidden_size if cfg.normalization == "RMSNorm" else 0
+    if not cfg.swiglu:
+        return norms
+    if moe:
+        e = cfg.moe
+        ffn = e.moe_router_topk * e.moe_ffn_hidden_size + (e.moe_shared_expert_intermediate_size or 0)
+    else:
+        ffn = cfg.ffn_hidden_size
+    return norms + a * ffn
+
+
 def model_work(cfg: ModelConfig, lay: Layout, hw: Hardware) -> Tuple[List[Work], Work]:
     """Each layer's Work, and the last stage's extra (output layer, loss, multi-token prediction)."""
     a = element_size(lay.params_dtype)
@@ -179,7 +196,8 @@ def model_work(cfg: ModelConfig, lay: Layout, hw: Hardware) -> Tuple[List[Work],
     kinds = {}
     for moe, layer in zip(cfg.moe_layers(), counts.layers):
         if (moe, layer) not in kinds:
-            kinds[(moe, layer)] = work_of(layer, operand_share(gemm_shapes(cfg, lay, moe), a, hw), hw, fp8, moe)
+            touched = layer._replace(act_bytes=layer.act_bytes + unkept_bytes(cfg, moe, a))
+            kinds[(moe, layer)] = work_of(touched, operand_share(gemm_shapes(cfg, lay, moe), a, hw), hw, fp8, moe)
     layers = [kinds[(moe, layer)] for moe, layer in zip(cfg.moe_layers(), counts.layers)]
     tokens = lay.seq_length // lay.cp * lay.micro_batch_size
     head = operand_share([(tokens, cfg.hidden_size, cfg.padded_vocab_size(lay.tp) // lay.tp, 1)], a, hw)
