@@ -18,7 +18,6 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 
 from .config import Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig
 from .errors import ConfigError
-from .transformer import te_backend
 from .transformer.moe.config import MoEConfig
 
 SECTIONS = (("model", ModelConfig), ("moe", MoEConfig), ("parallel", ParallelConfig), ("training", TrainingConfig),
@@ -276,8 +275,10 @@ def refused(args: argparse.Namespace, unknown: List[str] = ()) -> List[str]:
         if value is not None and value != ["none"]:
             out.append(f"{flag}: {what}, which megatron-lite does not use; remove the flag" + (
                 " (bf16 is the fastest precision here)" if flag.startswith(("--fp8", "--fp4")) else ""))
-    if getattr(args, "transformer_impl", None) == "transformer_engine" and not te_backend.available():
-        out.append(te_backend.MISSING)
+    if getattr(args, "transformer_impl", None) == "transformer_engine":
+        from .transformer import te_backend  # imports torch: only when asked for
+        if not te_backend.available():
+            out.append(te_backend.MISSING)
     if args.ckpt_format in ("torch_dist", "fsdp_dtensor"):  # Megatron-LM's distributed formats
         out.append(f"--ckpt-format {args.ckpt_format}: megatron-lite writes its own format (per-rank safetensors pieces + "
                    "metadata.json), not Megatron-LM's; drop the flag; tools/convert_checkpoint.py reads torch_dist "

@@ -153,7 +153,7 @@ class Trainer:
             from .qk_clip import QKClip
             self.hooks.add(QKClip(self.chunks, dims, self.optimizer, t.qk_clip_threshold, t.qk_clip_alpha, t.qk_clip))
 
-        if self.grad_sync.param_gather is not None:  # --fp8-param-gather: delayed scaling's weight scales
+        if hasattr(self.grad_sync.param_gather, "bind_recipe"):  # --fp8-param-gather: delayed scaling's weight scales
             self.grad_sync.param_gather.bind_recipe(getattr(gemm, "delayed", None))
         clock = _phase_done("model build", clock)
         self.lr_schedule = t.param_scheduler()  # counts samples, as Megatron-LM's

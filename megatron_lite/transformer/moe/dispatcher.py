@@ -250,8 +250,9 @@ class AllGatherDispatcher:
         if keys is not None:
             state.orders = (_pair_rows(per_pair[:, local], routing_map[:, local]), keys[1])
         # the data-parallel rank of group rank i, whose tokens are rows [i n, (i + 1) n)
-        replicas = [self.dims.coords(r)[2] for r in self.dims.group_ranks["etp_ep"]]
-        if group_size(self.group) > 1 and _needs_batches(replicas, self.dims):
+        replicas = ([self.dims.coords(r)[2] for r in self.dims.group_ranks["etp_ep"]]
+                    if group_size(self.group) > 1 else [self.dims.dp_rank])
+        if len(replicas) > 1 and _needs_batches(replicas, self.dims):
             state.batches = (torch.tensor(replicas, device=rows.device)[token_idx // per_source], self.dims.dp)
         else:
             state.batches = _own_batch(rows, self.dims)
