@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_lite.parallel.fp8 import Float8GemmPath, quantize, scaled_mm
-from megatron_lite.testing import assert_same_run, run_distributed
+from megatron_lite.testing import assert_same_run, assert_state_close, run_distributed
 from training_utils import LLAMA_SWITCHES, ROOT, TINY, merged_params, records_of, train_and_gather
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -119,10 +119,11 @@ def test_tp2_sp_equals_the_single_process_fp8_run(recipe):
     plain, _ = _run(1, _argv(recipe)[:-4])
     assert plain[0]["lm_loss"] != ref[0]["lm_loss"]  # FP8 changes the numerics ...
     got, params = _run(2, _argv(recipe, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]))
-    # ... the layout does not: the first step's loss and gradient norm to fp32 rounding. Later steps to
-    # 1e-4: TP's different fp32 summation order can put an element on the other side of an fp8
-    # rounding boundary (a 2^-4 relative step in that element), which Adam then carries.
-    assert_same_run(ref, got, rtol=1e-4, grad_norm_rtol=1e-6, params=params, ref_params=ref_params)
+    # ... the layout does not: the first step's loss to fp32 rounding, its gradient norm to 1e-5 and later
+    # steps to 1e-4: TP's different fp32 summation order can put an element on the other side of an
+    # fp8 rounding boundary (a 2^-4 relative step in that element, which elements depends on the CPU's
+    # fp32 kernels), which Adam then carries.
+    assert_same_run(ref, got, rtol=1e-4, grad_norm_rtol=1e-5, params=params, ref_params=ref_params)
 
 
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2"]
@@ -157,7 +158,9 @@ def test_each_layout_equals_the_single_process_fp8_run(layout, recipe):
     got, params = _run(world, _argv(recipe, model + extra))
     if "--expert-model-parallel-size" in extra:  # the gathered parameters hold this rank's experts only:
         params = ref_params = None  # the losses and the gradient norm (all experts' gradients) say it
-    assert_same_run(ref, got, rtol=1e-4, grad_norm_rtol=1e-5, params=params, ref_params=ref_params)
+    assert_same_run(ref, got, rtol=1e-4, grad_norm_rtol=1e-5)
+    if params is not None:  # an element flipped across an FP8 rounding boundary moves by Adam's step (lr):
+        assert_state_close(params, ref_params, rtol=1e-3, what="parameters")  # which ones is CPU-dependent
 
 
 @pytest.mark.parametrize("stage,extra,world", [(1, [], 2), (2, ["--overlap-param-gather"], 2), (1, MOE, 2), (3, [], 2),

@@ -206,7 +206,7 @@ def test_delayed_layouts_equal_the_single_process(micro, layout):
     # micro-batches; the DP all-reduce averages): scales 1 / dp, the same FP8 values.
     assert_same_run(ref, got, rtol=1e-4, grad_norm_rtol=1e-6)
     _assert_same_state(state, ref_state, rtol=1e-5, grad_factor=dp, steps=slice(2, 3))  # the first step's amaxes
-    _assert_same_state(state, ref_state, rtol=1e-4 if dp == 1 else LATER_AMAX_RTOL, grad_factor=dp)
+    _assert_same_state(state, ref_state, rtol=LATER_AMAX_RTOL, grad_factor=dp)  # TP's summation order flips too
 
 
 def test_delayed_resume_is_bit_exact_and_reshards_tp2_to_tp1(tmp_path):
@@ -221,7 +221,9 @@ def test_delayed_resume_is_bit_exact_and_reshards_tp2_to_tp1(tmp_path):
     _, saved2, _ = _run(2, _argv(tp + ["--save", str(tp2), "--exit-interval", "2"], iters=4))
     rest, resumed1, loaded1 = _run(1, _argv(["--load", str(tp2)], iters=4))
     assert loaded1 == saved2  # by layer name: TP1 takes TP2's replicated state
-    assert_same_run(straight[2:], rest, rtol=1e-4)  # TP's summation order only
+    # TP's summation order only: it puts a few elements on the other side of an FP8 rounding boundary
+    # (which ones depends on the CPU's fp32 kernels), and Adam carries them into the next gradients
+    assert_same_run(straight[2:], rest, rtol=1e-4, grad_norm_rtol=1e-3)
     _assert_same_state(resumed1, state, rtol=LATER_AMAX_RTOL)
 
 
