@@ -1,0 +1,69 @@
+"""Checks of the newer feature flags that span several config sections (FP8 recipes and layouts,
+activation recomputation modules and CPU offloading), kept apart from config.py so that each
+stays readable; `Config.validate` calls them. One `_require` failure is one `error:` line."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .model_config import _require
+
+if TYPE_CHECKING:
+    from .config import Config
+
+
+def validate_activation_memory(cfg: "Config") -> None:
+    t, m = cfg.training, cfg.model
+    moe = m.moe is not None and bool(m.moe.num_experts)
+    for module, present, what in (("moe", moe, "MoE layers (--num-experts)"),
+                                  ("moe_act", moe, "MoE layers (--num-experts)"),
+                                  ("shared_experts", moe and bool(m.moe.moe_shared_expert_intermediate_size),
+                                   "a shared expert (--moe-shared-expert-intermediate-size)"),
+                                  ("mla_up_proj", m.multi_latent_attention, "--multi-latent-attention")):
+        _require(module not in (t.recompute_modules or ()) or present,
+                 f"--recompute-modules {module} needs {what}: drop it from the list")
+    if not t.cpu_offloading:
+        _require(t.cpu_offloading_num_layers == 0 and not t.cpu_offloading_weights,
+                 "--cpu-offloading-num-layers and --cpu-offloading-weights need --cpu-offloading")
+        return
+    _require(not t.cpu_offloading_weights, "--cpu-offloading-weights is not implemented (weights stay on the "
+                                           "device; --optimizer-cpu-offload moves optimizer state): drop it")
+    _require(0 <= t.cpu_offloading_num_layers < m.num_layers,
+             f"--cpu-offloading-num-layers ({t.cpu_offloading_num_layers}) must lie in [0, {m.num_layers - 1}] "
+             f"(fewer than --num-layers, as in Megatron-LM)")
+    _require(t.recompute_granularity is None, "--cpu-offloading with --recompute-granularity: activation "
+                                              "offloading does not work with recomputation (nor in "
+                                              "Megatron-LM): use one of them")
+
+def validate_fp8(cfg: "Config") -> None:
+    t, p, moe = cfg.training, cfg.parallel, cfg.model.moe
+    given = {flag: f"{flag}" + ("" if value is True else f" {value}") for flag, value, default in (
+        ("--fp8-recipe", t.fp8_recipe, None), ("--fp8-margin", t.fp8_margin, 0),
+        ("--fp8-amax-history-len", t.fp8_amax_history_len, 1),
+        ("--fp8-amax-compute-algo", t.fp8_amax_compute_algo, "most_recent"),
+        ("--first-last-layers-bf16", t.first_last_layers_bf16, False)) if value != default}
+    if t.fp8_format is None:
+        _require(not given, f"{next(iter(given.values()), '')} needs --fp8-format e4m3|hybrid")
+        return
+    _require(t.fp8_margin >= 0, f"--fp8-margin ({t.fp8_margin}) must be >= 0: the scale is fp8 max / amax / "
+                                f"2^margin, and a negative margin saturates the largest values")
+    t.fp8_recipe = t.fp8_recipe or "delayed"  # Megatron-LM's default recipe
+    _require(t.fp8_recipe != "mxfp8", "--fp8-recipe mxfp8 needs Blackwell (sm100) GPUs and Transformer Engine's "
+                                      "MXFP8 kernels: use tensorwise, rowwise, delayed or blockwise")
+    _require(t.fp8_amax_history_len >= 1, f"--fp8-amax-history-len ({t.fp8_amax_history_len}) must be >= 1")
+    for flag in ("--fp8-amax-history-len", "--fp8-amax-compute-algo"):
+        _require(t.fp8_recipe == "delayed" or flag not in given,
+                 f"{flag} is delayed scaling's and does nothing with --fp8-recipe {t.fp8_recipe}: drop it")
+    most = cfg.model.num_layers // p.pp  # Megatron-LM's bound: the layers of one pipeline stage
+    for flag, n in (("--num-layers-at-start-in-bf16", t.num_layers_at_start_in_bf16),
+                    ("--num-layers-at-end-in-bf16", t.num_layers_at_end_in_bf16)):
+        _require(t.first_last_layers_bf16 or n == 1, f"{flag} needs --first-last-layers-bf16")
+        _require(0 <= n <= most, f"{flag} ({n}) must be between 0 and the layers per pipeline stage ({most})")
+    if t.fp8_param_gather and t.fp8_recipe == "rowwise":
+        # (rowwise scales the weight per GEMM along the contracted dimension, which its two GEMMs
+        # cut differently; the start-up note says the flag does nothing then)
+        t.fp8_param_gather = False
+    if t.fp8_param_gather:  # fp8_param_gather.py
+        _require(p.zero_stage > 0, "--fp8-param-gather needs --use-distributed-optimizer or --zero-stage 1|2|3 "
+                                   "(at --zero-stage 0 nothing is gathered)")
+        _require(not p.zeropp_quantized_weights, "--fp8-param-gather and --zeropp-quantized-weights both "
+                                                 "quantize the parameter all-gather: choose one")
