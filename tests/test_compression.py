@@ -43,6 +43,26 @@ def test_codec_sends_what_it_says_it_sends(fmt):
     assert torch.all((sent - x).view(3, -1, block).abs() <= tolerance * amax * (1 + 1e-6))
 
 
+@pytest.mark.parametrize("fmt", ["fp8-e4m3", "int8-blocks", "int4-blocks"])
+def test_error_feedback_on_an_idle_block_stays_finite_and_drains(fmt):
+    """A block whose gradient stops (an embedding row no batch uses) keeps sending its error: each
+    round leaves a smaller one, down to denormals, where amax / the format's largest value
+    underflows to 0. That scale must not turn the error NaN (0 / 0), which then decoded as a
+    constant -8 per int4 element every step: qgZ's gradient norm jumped to ~64 x sqrt(blocks)
+    and stayed. The worker-error invariant holds each round: sent + new error = old error."""
+    codec = make_codec(fmt)
+    width = 256 if fmt.endswith("blocks") else 40
+    error = torch.randn(2, width) * 1e-3
+    error[1] = torch.tensor([3e-45, -1.4e-45] * (width // 2))  # already denormal (a few ulps)
+    for _ in range(200):  # no new gradient: only the error is sent
+        payload, sent = codec.encode(error)
+        assert torch.isfinite(sent).all() and torch.equal(codec.decode(payload, width), sent)
+        left = error - sent
+        assert torch.equal(sent + left, error) and torch.all(left.abs() <= error.abs().amax(dim=1, keepdim=True))
+        error = left
+    assert torch.isfinite(error).all() and error.abs().max() < 1e-37  # drained to (below) the smallest normal
+
+
 def _reduce_steps(rank, world, stage, fmt, tp=1):
     """Per reducer (PlainReducer, then fmt's): every step's reduced shards and bytes moved; for the
     compressed one also the residual its errors fold into (a checkpoint's), per bucket."""

@@ -36,6 +36,14 @@ OPTIONAL_STATES = (RESIDUAL, "exp_avg_residual")
 _SCALE_BYTES = 4  # one fp32 scale per encoded piece (fp8 formats)
 
 
+def _scale_of(amax: torch.Tensor, largest: float) -> torch.Tensor:
+    """amax / the format's largest value, or 1 where that is 0: an all-zero block, and one whose
+    values are so small (denormals: error feedback shrinks an idle block's errors down to them)
+    that the quotient underflows, whose 0 / 0 would make its error NaN for good."""
+    scale = amax / largest
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
 class Codec:
     """Rows of fp32 values <-> rows of bytes in a wire format (fp8: the row's scale appended)."""
     align = 1  # a row's length must be a multiple of this
@@ -54,7 +62,7 @@ class Codec:
             q = x.to(self.dtype)
             return q.view(torch.uint8), q.float()
         amax = x.abs().amax(dim=1, keepdim=True)
-        scale = torch.where(amax > 0, amax / self.max, torch.ones_like(amax))
+        scale = _scale_of(amax, self.max)
         q = (x / scale).clamp_(-self.max, self.max).to(self.dtype)
         payload = torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=1)
         return payload, q.float() * scale
@@ -109,7 +117,7 @@ class Int8BlockCodec:
         k, n = x.shape
         blocks = x.view(k, n // self.align, self.align)
         amax = blocks.abs().amax(dim=2, keepdim=True)
-        scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+        scale = _scale_of(amax, 127.0)
         q = torch.round(blocks / scale).clamp_(-127, 127).to(torch.int8)
         payload = torch.cat([q.view(k, n).view(torch.uint8), scale.view(k, -1).contiguous().view(torch.uint8)], dim=1)
         return payload, (q.float() * scale).view(k, n)
@@ -136,7 +144,7 @@ class Int4BlockCodec:
         k, n = x.shape
         blocks = x.view(k, n // self.align, self.align)
         amax = blocks.abs().amax(dim=2, keepdim=True)
-        scale = torch.where(amax > 0, amax / 7.0, torch.ones_like(amax))
+        scale = _scale_of(amax, 7.0)
         q = torch.round(blocks / scale).clamp_(-7, 7)
         nibbles = (q + 8).to(torch.uint8).view(k, n // 2, 2)
         packed = nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)
