@@ -257,9 +257,6 @@ class Trainer:
             self.logger.info(f"> optimizer state on NVMe: {spill.path} ({spill.file_bytes / 2**20:.1f} MiB, "
                              f"{'O_DIRECT' if spill.direct else 'buffered + fdatasync'}); held in memory: two "
                              f"staging buffers of {spill.staging_bytes / 2 / 2**20:.1f} MiB")
-        if self.cfg.parallel.zeropp_quantized_gradients:  # benchmarks/compression_convergence.py
-            self.logger.info("> warning: --zeropp-quantized-gradients (int4 gradients) is experimental: in our "
-                             "300-iteration study its loss diverged (+17 % final loss; benchmarks/RESULTS.md)")
         printed = len(self.profiler.notes)
         for note in self.profiler.notes:
             self.logger.info(f"> {note}")
