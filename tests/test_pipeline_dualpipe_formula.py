@@ -73,3 +73,15 @@ def test_cli_prints_the_table_beside_the_simulated_figures(capsys):
     assert main(["--pp", "4", "--microbatches", "10", "--schedule", "zb-v", "--pair-cost", "2.5"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --pair-cost (2.5)") and "--schedule dualpipe-v" in err and err.count("\n") == 1
+
+
+def test_pairs_replay_with_comm_and_scale_with_stage_weights():
+    """Overlapped pairs under both executor models with transfer time (no deadlock, no faster than
+    comm-free), and a pair's cost scales with its stages' weights like any action's."""
+    for p in (2, 3, 4):
+        lists, v = build_schedule("dualpipe-v", p, 2 * p + 1, overlap=True), StagePlacement(p, 2, "V")
+        free = simulate(lists, costs=(1, 1, 1), comm="ideal", placement=v, pair_cost=2.5).makespan
+        for comm in ("lazy", "blocking"):
+            assert simulate(lists, costs=(1, 1, 1), comm_cost=0.5, comm=comm, placement=v, pair_cost=2.5).makespan > free
+        doubled = simulate(lists, costs=(1, 1, 1), comm="ideal", placement=v, pair_cost=2.5, stage_weights=[2.0] * 2 * p)
+        assert doubled.makespan == pytest.approx(2 * free) and max(doubled.peak_in_flight) == 2 * p + 1
