@@ -4,6 +4,7 @@
     python -m tools.pipeline_schedule --pp 4 --microbatches 8 --schedule zb-h1 --costs 1,1,1 --png zb.png
     python tools/pipeline_schedule.py --pp 2 --microbatches 8 --pipeline-model-parallel-layout "E|(tt|)*2,L"
     python tools/pipeline_schedule.py --pp 4 --microbatches 8 --schedule all --png t.png   # t-zb-v.png, ...
+    python tools/pipeline_schedule.py --pp 4 --microbatches 10 --schedule dualpipe-v --pair-cost 2.5
 
 With --schedule all every schedule that accepts the sizes runs on the same model, each chunk's
 costs being --costs / (chunks per rank), so makespans compare: a table, then the timelines.
@@ -39,6 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--pipeline-model-parallel-layout", default=None,
                     help="Megatron-LM's layout string, e.g. 'E|(tt|)*2,L': sets --vpp and weighs each virtual "
                          "stage's costs by its transformer layers over their mean")
+    ap.add_argument("--pair-cost", type=float, default=None,
+                    help="dualpipe-v: run each backward/forward pair overlapped, costing this (DeepSeek's F&B); "
+                         "prints the DualPipeV table's bubble and activations beside the simulated ones")
     ap.add_argument("--comm-cost", type=float, default=0.0, help="time of one p2p transfer")
     ap.add_argument("--comm", default="lazy", choices=COMM_MODES,
                     help="executor model: lazy waits (default), blocking batches, or ideal (no comm)")
@@ -73,10 +77,22 @@ def _run(name: str, args, costs, weights=None):
     `weights`: its share of the layers under a --pipeline-model-parallel-layout)."""
     vpp = schedule_vpp(name, args.vpp)
     placement = StagePlacement(args.pp, vpp, schedule_placement(name))
-    sched = build_schedule(name, args.pp, args.microbatches, vpp)
+    pair_cost = getattr(args, "pair_cost", None) if name == "dualpipe-v" else None
+    sched = build_schedule(name, args.pp, args.microbatches, vpp, overlap=pair_cost is not None)
     check_schedule(sched, placement)
     return vpp, simulate(sched, costs=costs, comm_cost=args.comm_cost, comm=args.comm, placement=placement,
-                         stage_weights=weights)
+                         stage_weights=weights, pair_cost=pair_cost)
+
+
+def _dualpipe_v_table(args, costs, res) -> str:
+    """The DualPipeV row of deepseek-ai/DualPipe's table beside our simulated figures: PP = 2p
+    stages, B there = our B + W; bubble = the largest idle time of a rank (makespan - busy)."""
+    f, b, w = costs
+    table = (args.pp - 1) * (args.pair_cost + b + w - 3 * w)
+    idle = max(res.makespan - busy for busy in res.busy)
+    note = "" if f <= b and w <= b else "; the table assumes F <= B and W <= B"
+    return (f"DualPipeV table (PP = {2 * args.pp} stages): bubble (PP/2-1)(F&B+B-3W) = {table:g} (simulated "
+            f"{idle:g}), activations PP+1 = {2 * args.pp + 1} chunks (simulated {max(res.peak_in_flight)}){note}")
 
 
 def _report(name: str, args, vpp: int, res) -> None:
@@ -143,6 +159,9 @@ def main(argv=None) -> int:
         if name != "all":
             validate_schedule_args(name, args.pp, args.microbatches, args.vpp)
         costs = _parse_costs(args.costs)
+        if args.pair_cost is not None and (name != "dualpipe-v" or not args.pair_cost > 0):
+            raise ConfigError(f"--pair-cost ({args.pair_cost:g}) is the time of an overlapped dualpipe-v pair: "
+                              f"use it with --schedule dualpipe-v and a value > 0")
         if args.width is not None and args.width < 1:
             raise ConfigError(f"--width ({args.width}) must be >= 1")
     except ConfigError as e:
@@ -152,6 +171,8 @@ def main(argv=None) -> int:
         return _compare(args, costs)
     vpp, res = _run(name, args, costs, weights)
     _report(name, args, vpp, res)
+    if args.pair_cost is not None:
+        print(_dualpipe_v_table(args, costs, res))
     if args.png and not _png(res, args.png, f"{name} p={args.pp} v={vpp} m={args.microbatches}"):
         return 1
     return 0

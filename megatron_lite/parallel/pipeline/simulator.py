@@ -17,6 +17,12 @@ Costs are per action of one model chunk: F, B, W; BW costs B + W. Bubble fractio
 idle / busy within the makespan (comm waits count as idle). In-flight micro-batches per rank =
 (microbatch, chunk) pairs whose F has started and whose B/BW has not finished: the activations
 the rank holds (zb-h1 and zb-v keep part of them until W; that tail is not counted).
+
+Overlapped pairs (`pair_cost`): each BW followed at once by an F in a list (DualPipe-V's pairs,
+`build_schedule(..., overlap=True)`) runs as one unit: it starts when both its actions could
+start and costs `pair_cost` (DeepSeek's F&B) times the mean weight of their two stages; both end
+with it. Busy time counts the pair once; its F holds activations from the start, its BW frees at
+the end, so a pair holds both micro-batches at once.
 """
 from __future__ import annotations
 
@@ -97,7 +103,7 @@ class _Replay:
     Any rank's progress only ever unblocks others, so one completed run proves every run completes."""
 
     def __init__(self, schedules, costs: Dict[str, float], comm_cost: float, mode: str, placement=None,
-                 stage_weights: Optional[Sequence[float]] = None):
+                 stage_weights: Optional[Sequence[float]] = None, pair_cost: Optional[float] = None):
         if mode not in COMM_MODES:
             raise ValueError(f"comm mode {mode!r} is not one of {COMM_MODES}")
         self.placement, _ = _shape(schedules, placement)
@@ -119,6 +125,10 @@ class _Replay:
         self.posted: Dict[Tuple[int, int], float] = {}
         self.done: Dict[Tuple[str, int, int], Tuple[float, int]] = {}  # event -> (end, rank)
         self.timelines: List[List[Tuple[float, float, Action]]] = [[] for _ in range(self.p)]
+        self.pair_cost = pair_cost
+        self.pair_starts = set() if pair_cost is None else {
+            (r, j) for r, rank_steps in enumerate(self.steps) for j, (a, b) in enumerate(zip(rank_steps, rank_steps[1:]))
+            if isinstance(a, Action) and isinstance(b, Action) and a.kind == "BW" and b.kind == "F"}
 
     def _completion(self, r: int, j: int) -> Optional[float]:
         """When batch j of rank r completes, or None while a partner has not posted yet."""
@@ -131,25 +141,45 @@ class _Replay:
             finish = max(finish, max(mine, self.posted[peer]) + self.comm_cost)
         return finish
 
-    def _compute(self, r: int, a: Action) -> bool:
+    def _ready(self, r: int, a: Action) -> Optional[float]:
+        """Earliest start of `a` on rank r by its data (and, lazily, its receive), or None if not yet known."""
         deps = needs(a, r, self.placement)
         if any(d not in self.done for d in deps):
-            return False
+            return None
         ready = [self.clock[r]] + [t + (self.comm_cost if pr != r else 0.0) for t, pr in (self.done[d] for d in deps)]
         if self.mode == "lazy":
             j = self.recv_step.get((r, "F" if a.kind == "F" else "B", a.microbatch, a.chunk))
             if j is not None:
                 t = self._completion(r, j)
                 if t is None:
-                    return False
+                    return None
                 ready.append(t)
-        start = max(ready)
-        end = start + self.costs[a.kind] * self.weights[self.placement.stage(r, a.chunk)]
+        return max(ready)
+
+    def _record(self, r: int, a: Action, start: float, end: float) -> None:
         self.timelines[r].append((start, end, a))
         self.done[event_of(a, r, self.placement)] = (end, r)
         if a.kind == "BW":
             self.done[("W",) + event_of(a, r, self.placement)[1:]] = (end, r)
         self.clock[r] = end
+
+    def _compute(self, r: int, a: Action) -> bool:
+        start = self._ready(r, a)
+        if start is None:
+            return False
+        self._record(r, a, start, start + self.costs[a.kind] * self.weights[self.placement.stage(r, a.chunk)])
+        return True
+
+    def _compute_pair(self, r: int, bw: Action, f: Action) -> bool:
+        """An overlapped BW / F pair as one unit costing `pair_cost` (times its stages' mean weight)."""
+        starts = [self._ready(r, bw), self._ready(r, f)]
+        if None in starts:
+            return False
+        start = max(starts)
+        weight = (self.weights[self.placement.stage(r, bw.chunk)] + self.weights[self.placement.stage(r, f.chunk)]) / 2
+        end = start + self.pair_cost * weight
+        self._record(r, bw, start, end)
+        self._record(r, f, start, end)
         return True
 
     def _batch(self, r: int, j: int) -> bool:
@@ -189,11 +219,14 @@ class _Replay:
             progress = False
             for r in range(p):
                 while self.pos[r] < len(steps[r]):
-                    step = steps[r][self.pos[r]]
-                    ok = self._compute(r, step) if isinstance(step, Action) else self._batch(r, self.pos[r])
+                    step, paired = steps[r][self.pos[r]], (r, self.pos[r]) in self.pair_starts
+                    if paired:
+                        ok = self._compute_pair(r, step, steps[r][self.pos[r] + 1])
+                    else:
+                        ok = self._compute(r, step) if isinstance(step, Action) else self._batch(r, self.pos[r])
                     if not ok:
                         break
-                    self.pos[r] += 1
+                    self.pos[r] += 1 + paired
                     progress = True
                 if self.pos[r] == len(steps[r]) and not finished[r] and self._finish(r):
                     finished[r] = progress = True
@@ -212,7 +245,7 @@ def _fmt_step(step) -> str:
 
 def _summarize(timelines, clock, stages) -> SimResult:
     makespan = max(clock) if clock else 0.0
-    busy = [sum(e - s for s, e, _ in tl) for tl in timelines]
+    busy = [sum(e - s for s, e in {(s, e) for s, e, _ in tl}) for tl in timelines]  # a pair's span once
     bubble = [(makespan - b) / b if b else float("inf") for b in busy]
     peaks = [held_peak(tl, _in_flight) for tl in timelines]
     return SimResult(timelines, makespan, busy, bubble, peaks, stages)
@@ -244,12 +277,15 @@ def _costs(costs) -> Dict[str, float]:
 
 def simulate(schedules: Sequence[Sequence[Action]], costs=(1.0, 1.0, 1.0), comm_cost: float = 0.0,
              comm: str = "lazy", placement: Optional[StagePlacement] = None,
-             stage_weights: Optional[Sequence[float]] = None) -> SimResult:
+             stage_weights: Optional[Sequence[float]] = None, pair_cost: Optional[float] = None) -> SimResult:
     """Replay per-rank action lists written for `placement` (default: loop); costs = (F, B, W) per
     action of one chunk, times its virtual stage's weight (`stage_weights`, e.g. its share of the
-    layers under an uneven split or a --pipeline-model-parallel-layout; default 1 each). Raises on
-    deadlock."""
-    return _Replay(schedules, _costs(costs), float(comm_cost), comm, placement, stage_weights).run()
+    layers under an uneven split or a --pipeline-model-parallel-layout; default 1 each);
+    `pair_cost`: run each BW followed at once by an F as one overlapped unit of that cost (see the
+    module's docstring; default: every action alone). Raises on deadlock."""
+    if pair_cost is not None and not pair_cost > 0:
+        raise ValueError(f"pair_cost must be > 0 (the time of an overlapped BW / F pair), got {pair_cost}")
+    return _Replay(schedules, _costs(costs), float(comm_cost), comm, placement, stage_weights, pair_cost).run()
 
 
 # ---------------------------------------------------------------- checker
@@ -333,16 +369,28 @@ def _glyph(a: Action) -> str:
     return g.lower() if a.microbatch % 2 else g
 
 
+def _cells(timeline, v: int) -> List[Tuple[float, float, str, str]]:
+    """(start, end, label, glyph) per span of a rank: an overlapped pair is one span, 'BW0.1&F4.0' / '&'."""
+    spans: Dict[Tuple[float, float], List[Action]] = {}
+    for s, e, a in timeline:
+        spans.setdefault((s, e), []).append(a)
+    return [(s, e, "&".join(_label(a, v) for a in acts), _glyph(acts[0]) if len(acts) == 1 else "&")
+            for (s, e), acts in spans.items()]
+
+
 def format_timeline(result: SimResult, width: Optional[int] = None) -> str:
     """One row per rank, '.' = idle. Each action shows its label (F3, BW0, or F3.1 = chunk 1 when
-    v > 1); when `width` (total columns) leaves too little room, every cell shows a one-letter
-    glyph instead (see `_glyph`). Default scale: one label-wide cell per unit of the cheapest action."""
+    v > 1; an overlapped pair BW0.1&F4.0); when `width` (total columns) leaves too little room, every
+    cell shows a one-letter glyph instead (see `_glyph`; '&' = a pair). Default scale: one label-wide
+    cell per unit of the cheapest action."""
     acts = [x for tl in result.timelines for x in tl]
     if not acts:
         return ""
     v = max(a.chunk for _, _, a in acts) + 1
-    unit = min(e - s for s, e, _ in acts if e > s)
-    cell = max(len(_label(a, v)) for _, _, a in acts) + 1
+    rows_cells = [_cells(tl, v) for tl in result.timelines]
+    cells = [c for rc in rows_cells for c in rc]
+    unit = min(e - s for s, e, _, _ in cells if e > s)
+    cell = max(len(label) for _, _, label, _ in cells) + 1
     scale = (width / result.makespan) if width else cell / unit  # chars per time unit
     cols = max(1, int(round(result.makespan * scale)))
 
@@ -350,13 +398,13 @@ def format_timeline(result: SimResult, width: Optional[int] = None) -> str:
         c0 = int(round(s * scale))
         return c0, max(int(round(e * scale)), c0 + 1)
 
-    compact = any(span(s, e)[1] - span(s, e)[0] < len(_label(a, v)) for s, e, a in acts)
+    compact = any(span(s, e)[1] - span(s, e)[0] < len(label) for s, e, label, _ in cells)
     rows = []
-    for r, tl in enumerate(result.timelines):
+    for r, rank_cells in enumerate(rows_cells):
         line = ["."] * cols
-        for s, e, a in tl:
+        for s, e, label, glyph in rank_cells:
             c0, c1 = span(s, e)
-            text = _glyph(a) * (c1 - c0) if compact else _label(a, v).ljust(c1 - c0)
+            text = glyph * (c1 - c0) if compact else label.ljust(c1 - c0)
             line[c0:c1] = list(text)
         rows.append(f"rank {r:>2} |{''.join(line[:cols])}|")
     return "\n".join(rows)
@@ -377,10 +425,12 @@ def save_png(result: SimResult, path: str, title: str = "") -> list:
     fig, ax = plt.subplots(figsize=(max(6.0, result.makespan * 0.35), 0.6 * p + 1.2))
     v = max((a.chunk for tl in result.timelines for _, _, a in tl), default=0) + 1
     for r, tl in enumerate(result.timelines):
-        for s, e, a in tl:
-            ax.barh(r, e - s, left=s, color=colors[a.kind], edgecolor="black", linewidth=0.5,
+        paired = {(s, e) for i, (s, e, _) in enumerate(tl) if any(x[:2] == (s, e) for x in tl[:i])}
+        for s, e, a in tl:  # an overlapped pair: its BW in the upper half of the row, its F in the lower
+            y, h = (r + (0.2 if a.kind == "F" else -0.2), 0.4) if (s, e) in paired else (r, 0.8)
+            ax.barh(y, e - s, height=h, left=s, color=colors[a.kind], edgecolor="black", linewidth=0.5,
                     alpha=1.0 - 0.4 * a.chunk / max(1, v - 1) if v > 1 else 1.0)
-            ax.text((s + e) / 2, r, _label(a, v), ha="center", va="center", fontsize=6)
+            ax.text((s + e) / 2, y, _label(a, v), ha="center", va="center", fontsize=6)
     kinds = [k for k in LEGEND if any(a.kind == k for tl in result.timelines for _, _, a in tl)]
     handles = [Patch(facecolor=colors[k], edgecolor="black", label=LEGEND[k]) for k in kinds]
     if v > 1:
