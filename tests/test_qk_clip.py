@@ -117,3 +117,17 @@ def test_clip_equals_single_process_more_layouts(layout, extra, tau):
 ])
 def test_bad_qk_clip_flags_are_one_line(flags, fragment, monkeypatch, capsys):
     assert_one_line_error(TINY + flags, fragment, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize("modules", [["core_attn", "mla_up_proj"], ["mla_up_proj"]], ids=["core+up", "up"])
+def test_mla_max_logit_is_measured_the_same_under_recompute_modules(modules):
+    """MLA with --qk-clip measures its max logit where q and k exist: with mla_up_proj (and core_attn) they
+    are recomputed in backward or not kept, so the forward measures them apart; the clipped run is the
+    same as without recomputation, step by step."""
+    base = MUON + ROPE_MLA + FAST + ["--qk-clip", "--qk-clip-threshold", "0.05"]
+    ref = _records(1, base)
+    got = _records(1, base + ["--recompute-granularity", "selective", "--recompute-modules"] + modules)
+    assert any(r["max_attention_logit"] > 0.05 for r in ref)
+    for r, g in zip(ref, got):
+        assert abs(g["lm_loss"] - r["lm_loss"]) <= 1e-6 * r["lm_loss"]
+        assert abs(g["max_attention_logit"] - r["max_attention_logit"]) <= 1e-6 * r["max_attention_logit"]
