@@ -195,7 +195,8 @@ class ParallelConfig:
         hpz = self.zeropp_hpz_partition_size
         if hpz != 1:
             dp_cp = world_size // (tp * pp)
-            _require(hpz >= 1 and dp_cp % hpz == 0, f"--zeropp-hpz-partition-size ({hpz}) must divide the "
+            _require(hpz >= 1, f"--zeropp-hpz-partition-size ({hpz}) must be >= 1 (1: no secondary partition)")
+            _require(dp_cp % hpz == 0, f"--zeropp-hpz-partition-size ({hpz}) must divide the "
                                                     f"data-parallel x context-parallel ranks ({dp_cp})")
             _require(self.zero_stage == 3 and self.reshard_after_forward and self.num_distributed_optimizer_instances
                      == 1, "--zeropp-hpz-partition-size re-gathers ZeRO-3's parameters for backward: it needs "
@@ -600,8 +601,9 @@ class TrainingConfig:
 
     def _validate_nvme_offload(self, zero_stage: int) -> None:
         path, flag = self.optimizer_offload_nvme_path, "--optimizer-offload-nvme-path"
-        if not path:
+        if path is None:
             return
+        _require(path.strip() != "", f"{flag} is empty: give a directory on a fast local disk, or drop the flag")
         _require(not self.optimizer_cpu_offload, f"{flag} and --optimizer-cpu-offload are exclusive: the state lives "
                                                  f"in the file or in host memory; choose one")
         _require(not self.use_precision_aware_optimizer, f"{flag} keeps fp32 state: drop "

@@ -160,6 +160,8 @@ CASES = [
     (2, ["--optimizer", "adam-1bit", "--grad-comm-dtype", "bf16"], ["drop --grad-comm-dtype bf16"]),
     (2, ["--zeropp-quantized-weights", "--zero-stage", "2"], ["--zeropp-quantized-weights", "--zero-stage 3"]),
     (4, ["--zeropp-hpz-partition-size", "3", "--zero-stage", "3"], ["--zeropp-hpz-partition-size (3)", "(4)"]),
+    (4, ["--zeropp-hpz-partition-size", "0", "--zero-stage", "3"], ["--zeropp-hpz-partition-size (0) must be >= 1"]),
+    (1, ["--optimizer-offload-nvme-path", ""], ["--optimizer-offload-nvme-path is empty"]),
     (4, ["--zeropp-hpz-partition-size", "2", "--zero-stage", "1"], ["--zeropp-hpz-partition-size", "--zero-stage 3"]),
     (2, ["--zeropp-quantized-gradients", "--zero-stage", "2"], ["--zeropp-quantized-gradients", "--zero-stage 3"]),
     (2, ["--zeropp-quantized-gradients", "--zero-stage", "3", "--grad-comm-dtype", "bf16"],
