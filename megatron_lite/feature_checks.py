@@ -35,7 +35,7 @@ def validate_activation_memory(cfg: "Config") -> None:
                                               "Megatron-LM): use one of them")
 
 def validate_fp8(cfg: "Config") -> None:
-    t, p, moe = cfg.training, cfg.parallel, cfg.model.moe
+    t, p = cfg.training, cfg.parallel
     given = {flag: f"{flag}" + ("" if value is True else f" {value}") for flag, value, default in (
         ("--fp8-recipe", t.fp8_recipe, None), ("--fp8-margin", t.fp8_margin, 0),
         ("--fp8-amax-history-len", t.fp8_amax_history_len, 1),
