@@ -109,10 +109,12 @@ COMPILE_LAYOUTS = {
     "pp2-1f1b-full-recompute": (2, ["--pipeline-model-parallel-size", "2", "--recompute-granularity", "full"]),
     "dp2-zero3": (2, ["--zero-stage", "3"]),
 }
+COMPILE_SLOW = {"tp2-sp", "pp2-1f1b-full-recompute"}  # one compile each: ~30 s on 2 cores
 
 
 @pytest.mark.skipif(fast_paths.compile_problem("cpu") is not None, reason="no C++ compiler for TorchInductor")
-@pytest.mark.parametrize("layout", list(COMPILE_LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param(k, marks=pytest.mark.slow) if k in COMPILE_SLOW else k
+                                    for k in COMPILE_LAYOUTS])
 def test_compile_equals_eager(layout):
     world, extra = COMPILE_LAYOUTS[layout]
     eager = run_distributed(train_and_gather, world, COMPILE_BASE + extra)

@@ -110,7 +110,9 @@ def generation_results(name: str, tp: int):
     return run_distributed(_generation_worker, tp, *converted(name), name in SAMPLED)
 
 
-LAYOUTS = [(name, 1) for name in FAMILIES] + [(name, 2) for name in DENSE]
+TP2_DEFAULT = ["llama_gqa", "qwen3"]  # the other dense families at TP2 run with -m slow (~4 s each)
+LAYOUTS = [(name, 1) for name in FAMILIES] + [(name, 2) if name in TP2_DEFAULT else
+                                              pytest.param(name, 2, marks=pytest.mark.slow) for name in DENSE]
 
 
 @pytest.mark.parametrize("name,tp", LAYOUTS)

@@ -59,6 +59,7 @@ def rows(res, section):
     return {r["name"]: r for r in res["rows"] if r["section"] == section}
 
 
+@pytest.mark.slow  # the smoke run of the GPU script (~30 s here); run with -m slow before a GPU call
 def test_every_smoke_row_passes_with_finite_losses(result):
     smoke = rows(result, "smoke")
     assert sorted(smoke) == sorted(SMOKE_RUN)
@@ -69,6 +70,7 @@ def test_every_smoke_row_passes_with_finite_losses(result):
     assert "loss scaler" in smoke["fp16"]["reason"] or smoke["fp16"]["reason"] == ""
 
 
+@pytest.mark.slow  # the smoke run of the GPU script (~30 s here); run with -m slow before a GPU call
 def test_checkpoint_round_trip_reproduces_the_uninterrupted_losses(result):
     r = rows(result, "smoke")["checkpoint"]
     assert r["resumed_iterations"] == list(range(gb.CKPT_SAVE_AT + 1, gb.CKPT_ITERS + 1))
@@ -77,6 +79,7 @@ def test_checkpoint_round_trip_reproduces_the_uninterrupted_losses(result):
     assert r["max_rel_diff"] == 0.0
 
 
+@pytest.mark.slow  # the smoke run of the GPU script (~30 s here); run with -m slow before a GPU call
 def test_mfu_arithmetic_matches_flops_py(result):
     from megatron_lite.training.flops import flops_per_token
 
@@ -101,6 +104,7 @@ def test_mfu_arithmetic_matches_flops_py(result):
     assert "6N + 12*L*H*Q*T" in result["_md"] and "not halved" in result["_md"]
 
 
+@pytest.mark.slow  # the smoke run of the GPU script (~30 s here); run with -m slow before a GPU call
 def test_peers_hold_exactly_our_parameters(result):
     s, m = gb.SHAPES["tiny"], result["mfu"]
     assert m["ours_param_count"] == hand_count(s)

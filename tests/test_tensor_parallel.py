@@ -51,7 +51,8 @@ def references():
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.parametrize("tp,sp", [(2, False), (2, True), (4, False), (4, True)])
+@pytest.mark.parametrize("tp,sp", [(2, False), pytest.param(2, True, marks=pytest.mark.slow),
+                                   pytest.param(4, False, marks=pytest.mark.slow), (4, True)])
 def test_tp_matches_single_process(references, family, tp, sp):
     ref_losses, ref_grads = references[family]
     losses, grads = run_distributed(_train, tp, tp, sp, FAMILIES[family])[0]

@@ -20,6 +20,7 @@ def test_tp_layouts_reproduce_single_process_losses(family):
         assert_same_run(ref, out, grad_norm_rtol=1e-6, what=f"tp{tp} {sp}")
 
 
+@pytest.mark.slow  # torchrun twice (~30 s); TP/SP parity runs in fork worlds in test_tensor_parallel.py
 def test_cli_tp2_sequence_parallel_matches_tp1(tmp_path):
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
             "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "5", "--device", "cpu", "--attention-dropout", "0", "--hidden-dropout", "0"]
