@@ -363,8 +363,10 @@ def step_time(cfg: ModelConfig, lay: Layout, hw: Hardware, inventory, pp_rank: i
 
 def nvme_seconds(lay: Layout, hw: Hardware, plans, compute: float, detail: Dict[str, float]) -> float:
     """--optimizer-offload-nvme-path: what of a step's file I/O (every region read and written
-    back once, optim/nvme_store.py) at the disk's rate sticks out of the compute. The issue's model:
-    the I/O thread runs beside the step, so a step takes max(compute, I/O) on that account."""
+    back once, optim/nvme_store.py) at the disk's rate sticks out of the compute: a step takes
+    max(compute, I/O) on that account (issue 25's model of an I/O thread running beside the step).
+    Optimistic for nvme_store as built: it reads the regions during the optimizer step (beside the
+    host updates), and only a step's last write-back runs behind the next forward and backward."""
     if not lay.optimizer_offload_nvme:
         return 0.0
     tensors = 1 + UPDATE_RULES[lay.optimizer].fp32_states  # main params and the rule's states
