@@ -15,7 +15,7 @@ import megatron_lite.optim.nvme_store as nvme_store
 from megatron_lite.config import ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.errors import ConfigError
 from megatron_lite.optim.optimizer import build_optimizer
-from megatron_lite.parallel.bucket_plan import region_bytes
+from megatron_lite.parallel.bucket_plan import nvme_bytes_per_step, region_bytes
 from megatron_lite.parallel.state import ParallelDims
 from megatron_lite.testing import assert_same_run, run_distributed
 from tests.test_zero import LR, MODEL, full_params, make_batches, run_step
@@ -44,6 +44,8 @@ def _run(tp, stage, nvme_dir, bucket_size, bf16=False):
         assert optimizer.held_bytes()["optimizer_staging_bytes"] == 2 * (region_bytes(largest, 3) + 4 * largest)
         # the initial state written once at start-up, then each step reads and writes every region once
         expected_io = [(per_step * (k + 1), per_step * (k + 2)) for k in range(STEPS)]
+        moved = sum(io[-1]) - sum(io[-2])  # one step's reads and writes: what the planner prices at the disk's rate
+        assert moved == nvme_bytes_per_step([s.bucket.shard_numel for s in optimizer.shards], 3)
         assert os.path.getsize(optimizer.spill.path) == per_step
         assert optimizer.spill.direct == bool(getattr(os, "O_DIRECT", 0)), "ext4 takes O_DIRECT"
     return records, full_params(chunks, sync, dims), optimizer.memory_bytes(), optimizer.held_bytes(), io, expected_io

@@ -42,11 +42,13 @@ def test_metrics_curves_overlay_two_runs(tmp_path):
     assert drawn["run b"]["grad_norm"] == ([1, 3], [0.5, 1.5])  # a missing value is left out, not drawn as 0
 
 
-def test_plan_memory_stacked_bars_sum_to_device_bytes(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--zero-stage", "3", "--zeropp-quantized-gradients",
+                                         "--zeropp-hpz-partition-size", "2"]])
+def test_plan_memory_stacked_bars_sum_to_device_bytes(tmp_path, extra):
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         assert plan_tool.main(["--model", "llama3-8b", "--bf16", "--pipeline-model-parallel-size", "2",
-                               "--world-size", "8", "--gpu-memory", "120GB", "--json"]) == 0
+                               "--world-size", "8", "--gpu-memory", "120GB", "--json", *extra]) == 0
     plan = json.loads(buf.getvalue())
     out = tmp_path / "memory.png"
     parts = plot.plot_plan(plan, str(out))
@@ -56,6 +58,8 @@ def test_plan_memory_stacked_bars_sum_to_device_bytes(tmp_path):
     assert parts["p2p buffers"] == [r["buffers"]["p2p"] / 2**30 for r in ranks]
     for i, r in enumerate(ranks):
         assert sum(p[i] for p in parts.values()) * 2**30 == pytest.approx(r["device_bytes"], rel=1e-12)
+    if extra:  # qgZ's error feedback and hpZ's secondary partition have their own bars
+        assert parts["error feedback"][0] > 0 and parts["hpZ secondary partition"][0] > 0
 
 
 def test_cli_writes_png_and_refuses_bad_input_in_one_line(tmp_path):

@@ -35,7 +35,8 @@ from megatron_lite.arguments import build_parser, config_from_args  # noqa: E402
 from megatron_lite.errors import ConfigError  # noqa: E402
 from megatron_lite.planning.hardware import GPUS, from_json, parse_bytes  # noqa: E402
 from megatron_lite.planning.layout import from_config  # noqa: E402
-from megatron_lite.planning.search import evaluate, gib, memory_line, neighbours, reasons, search, time_line  # noqa: E402
+from megatron_lite.planning.search import (KEPT_ON_DEVICE, evaluate, gib, memory_line, neighbours, reasons,  # noqa: E402
+                                           search, time_line)
 from models.gpt_inventory import GPTInventory  # noqa: E402
 from models.zoo import zoo  # noqa: E402
 
@@ -57,6 +58,9 @@ def parser():
                    help="JSON object of GPU fields over --gpu's (e.g. {\"gemm_tflops\": 650, \"network_gbps\": 45})")
     g.add_argument("--nvlink-gbps", type=float, default=None, help="intra-node collective GB/s per GPU")
     g.add_argument("--network-gbps", type=float, default=None, help="inter-node collective GB/s per GPU")
+    g.add_argument("--nvme-gbps", type=float, default=None,
+                   help="GB/s per GPU of the --optimizer-offload-nvme-path disk, reads and writes together "
+                        "(default 3.5: one Gen4 NVMe drive per GPU, an assumption)")
     g.add_argument("--fp32", action="store_true", help="plan fp32 parameters (the default without --bf16/--fp16: bf16)")
     g.add_argument("--search", action="store_true", help="search TP/PP/VPP/CP/EP/DP/ZeRO/recompute for the best fits")
     g.add_argument("--top", type=int, default=5, help="layouts listed by --search")
@@ -72,7 +76,7 @@ def _given(argv: List[str], flag: str) -> bool:
 def _hardware(args):
     hw = GPUS[args.gpu] if not args.hardware_file else from_json(GPUS[args.gpu], args.hardware_file)
     over = {k: getattr(args, k) for k in ("gpus_per_node", "gemm_tflops", "attention_tflops", "hbm_gbps",
-                                          "nvlink_gbps", "network_gbps") if getattr(args, k) is not None}
+                                          "nvlink_gbps", "network_gbps", "nvme_gbps") if getattr(args, k) is not None}
     if args.gpu_memory:
         over["memory_bytes"] = parse_bytes(args.gpu_memory)
     for name, v in over.items():
@@ -183,7 +187,8 @@ def _evaluation(ev, hw) -> dict:
                       for r in ev.ranks])
     t, lay = ev.time, ev.layout
     out["time"] = dict(total_s=t.total_s, compute_s=t.compute_s, bubble_s=t.bubble_s, tp_s=t.tp_s, cp_s=t.cp_s,
-                       ep_s=t.ep_s, dp_exposed_s=t.dp_s, optimizer_s=t.optimizer_s, bubble_fraction=t.bubble_fraction,
+                       ep_s=t.ep_s, dp_exposed_s=t.dp_s, optimizer_s=t.optimizer_s, nvme_exposed_s=t.nvme_s,
+                       bubble_fraction=t.bubble_fraction,
                        tokens_per_s_per_gpu=lay.global_batch_size * lay.seq_length / t.total_s / lay.world_size,
                        mfu=t.mfu(hw), detail=dict(t.detail))
     return out
@@ -222,6 +227,7 @@ def _one(cfg, lay, hw, inventory) -> int:
                  if s.get("optimizer_nvme_bytes") else "")
               + f", activations {gib(r.step.activations)} ({r.step.in_flight} in flight)"
               + "".join(f", {k.replace('_', ' ')} {gib(v)}" for k, v in r.step.buffers.items() if v)
+              + "".join(f", {k[:-len('_bytes')].replace('_', ' ')} {gib(s[k])}" for k in KEPT_ON_DEVICE if s.get(k))
               + f" -> {gib(r.device_bytes)}")
     print(f"memory: {memory_line(ev)} -> {'fits' if ev.fits else 'does NOT fit'}")
     print(f"time: {time_line(ev, hw)}")

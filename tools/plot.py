@@ -20,6 +20,8 @@ from typing import Dict, List, Optional, Tuple
 CURVES = (("lm_loss", "lm loss"), ("grad_norm", "grad norm"), ("tokens_per_sec", "tokens/s"))
 MEMORY = (("param_bytes", "parameters"), ("grad_bytes", "gradients"), ("optimizer_state_bytes", "optimizer state"),
           ("activation_bytes", "activations"))
+# on the device where those features are on (bucket_plan.kept_bytes; planning/search.KEPT_ON_DEVICE)
+KEPT = (("error_feedback_bytes", "error feedback"), ("hpz_secondary_bytes", "hpZ secondary partition"))
 FIGSIZE, DPI = (8.0, 6.0), 100  # the PNG is FIGSIZE * DPI pixels
 
 
@@ -81,6 +83,8 @@ def plot_plan(plan: dict, out: str) -> Dict[str, List[float]]:
                         "--json output of a valid layout")
     ranks = ev["ranks"]
     parts = {title: [r[key] / 2**30 for r in ranks] for key, title in MEMORY}
+    parts.update({title: [r.get(key, 0) / 2**30 for r in ranks] for key, title in KEPT
+                  if any(r.get(key) for r in ranks)})
     for name in sorted({k for r in ranks for k in r["buffers"]}):
         parts[f"{name.replace('_', ' ')} buffers"] = [r["buffers"].get(name, 0) / 2**30 for r in ranks]
     plt = _pyplot()

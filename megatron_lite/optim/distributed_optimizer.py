@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from ..config import TrainingConfig
 from ..errors import NonFiniteError, agree_on_errors
-from ..parallel.bucket_plan import offloaded_buckets, state_bytes
+from ..parallel.bucket_plan import KeptFeatures, offloaded_buckets, state_bytes
 from ..parallel.data_parallel import Bucket, GradientSync
 from ..parallel.sharding import counts_in_norm, spec_of
 from ..parallel.state import ParallelDims, group_size
@@ -390,15 +390,37 @@ class DistributedOptimizer:
         buffer) on the host, as bucket_plan.state_bytes accounts them (the planner's figures; `held_bytes`
         measures the tensors; tests hold the two equal). Low-precision states count as stored."""
         out = state_bytes(self.sync.plans, self.sync.stage, self.sync.grad_dtype,
-                          [s.store.on_host for s in self.shards], nvme=self.spill is not None)
+                          [s.store.on_host for s in self.shards], nvme=self.spill is not None,
+                          kept=self.kept_features())
         if not self.precision.is_default:
             out["optimizer_state_bytes"] = sum(s.nbytes for s in self.shards if not s.store.on_host)
+        return out
+
+    def kept_features(self) -> KeptFeatures:
+        """What of compression, ZeRO++ and the update rule bucket_plan.kept_bytes accounts here."""
+        exchange = getattr(self.sync.reducer, "exchange", None)  # CompressedReducer's error feedback
+        zero3 = self.sync.zero3
+        return KeptFeatures(grad_codec=exchange.codec.name if exchange is not None else None,
+                            optimizer=self.tcfg.optimizer, hpz=zero3.hpz if zero3 is not None else 1,
+                            group_sizes=tuple(b.group_size for b in self.sync.buckets))
+
+    def _held_kept_bytes(self) -> Dict[str, int]:
+        """kept_bytes() measured: the error tensors of every exchange, hpZ's most secondary held at once."""
+        out = {}
+        exchanges = [h.exchange for h in (self.sync.reducer, self.rule) if hasattr(h, "exchange")]
+        if exchanges:
+            out["error_feedback_bytes"] = sum(t.numel() * t.element_size() for ex in exchanges
+                                              for store in (ex.worker, ex.server) for t in store.values())
+        zero3 = self.sync.zero3
+        if zero3 is not None and zero3.hpz > 1:
+            out["hpz_secondary_bytes"] = zero3.secondary_peak_bytes
         return out
 
     def held_bytes(self) -> Dict[str, int]:
         """memory_bytes() measured from the tensors this rank holds."""
         out = self.sync.held_bytes()
         out["optimizer_state_bytes"] = sum(s.nbytes for s in self.shards if not s.store.on_host)
+        out.update(self._held_kept_bytes())
         if self.spill is not None:  # the state is in the file; the staging buffers are what is held
             out["optimizer_staging_bytes"] = self.spill.staging_bytes
             out["optimizer_nvme_bytes"] = self.spill.file_bytes

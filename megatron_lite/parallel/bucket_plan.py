@@ -12,7 +12,7 @@ to a multiple of its group size when ZeRO shards it (stages 1-3).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -86,23 +86,28 @@ def _bytes(dtype: torch.dtype) -> int:
 
 
 def state_bytes(buckets: Sequence[BucketPlan], stage: int, grad_dtype: torch.dtype = torch.float32,
-                offloaded: Optional[Sequence[bool]] = None, nvme: bool = False) -> Dict[str, int]:
+                offloaded: Optional[Sequence[bool]] = None, nvme: bool = False,
+                kept: Optional["KeptFeatures"] = None) -> Dict[str, int]:
     """Bytes a rank keeps across steps for these buckets (all of its chunks'):
       param_bytes            full flat params (stage 3: the shard)
       grad_bytes             full flat grads (stages 2-3: the reduced shard)
-      optimizer_state_bytes  per shard element: Adam m and v in fp32, plus fp32 main params when the
-                             params are not fp32 (else the param shard is the main copy)
+      optimizer_state_bytes  per shard element: the update rule's fp32 states (UPDATE_RULES; AdamW's m
+                             and v), plus fp32 main params when the params are not fp32 (else the
+                             param shard is the main copy)
       optimizer_host_bytes   (only with offloaded buckets) their m, v, main params and gradient
                              staging buffer, all fp32, in host memory instead
     With `nvme` (--optimizer-offload-nvme-path) every bucket's m, v and main params are in a file:
       optimizer_staging_bytes  two staging buffers, each the largest shard's region and its gradient
-      optimizer_nvme_bytes     the file (optim/nvme_store.py's layout)"""
+      optimizer_nvme_bytes     the file (optim/nvme_store.py's layout)
+    With `kept` (compression, ZeRO++, the update rule), what those keep besides: kept_bytes()."""
+    kept = kept or KeptFeatures()
+    states = UPDATE_RULES[kept.optimizer].fp32_states
     if nvme:
-        out = state_bytes(buckets, stage, grad_dtype)
+        out = state_bytes(buckets, stage, grad_dtype, kept=kept)
         shards = [b.shard_numel for b in buckets]
         out["optimizer_state_bytes"] = 0
-        out["optimizer_staging_bytes"] = 2 * slot_bytes(shards, 3)
-        out["optimizer_nvme_bytes"] = sum(region_bytes(n, 3) for n in shards)
+        out["optimizer_staging_bytes"] = 2 * slot_bytes(shards, 1 + states)
+        out["optimizer_nvme_bytes"] = sum(region_bytes(n, 1 + states) for n in shards)
         return out
     offloaded = offloaded or [False] * len(buckets)
     out = {"param_bytes": 0, "grad_bytes": 0, "optimizer_state_bytes": 0}
@@ -112,11 +117,76 @@ def state_bytes(buckets: Sequence[BucketPlan], stage: int, grad_dtype: torch.dty
         out["param_bytes"] += (b.shard_numel if stage == 3 else b.numel) * _bytes(b.dtype)
         out["grad_bytes"] += (b.shard_numel if stage >= 2 else b.numel) * g
         if off:
-            host += 4 * 4 * b.shard_numel
+            host += 4 * (2 + states) * b.shard_numel  # main, the states, the gradient
         else:
-            out["optimizer_state_bytes"] += (8 + (4 if b.dtype != torch.float32 else 0)) * b.shard_numel
+            out["optimizer_state_bytes"] += (4 * states + (4 if b.dtype != torch.float32 else 0)) * b.shard_numel
     if host:
         out["optimizer_host_bytes"] = host
+    out.update(kept_bytes(buckets, stage, kept))
+    return out
+
+
+# --- what compression, ZeRO++ and update rules keep beside the params, grads and Adam state -----
+
+@dataclass(frozen=True)
+class RuleState:
+    """What an update rule (--optimizer) keeps per shard element beyond the main params."""
+    fp32_states: int  # fp32 values in the optimizer state (AdamW: exp_avg, exp_avg_sq)
+    momentum_codec: Optional[str] = None  # its momentum is all-reduced in this format with error feedback
+
+
+# One entry per --optimizer. adam-1bit: sign-compressed momentum, worker + server error per bucket
+# (optim/onebit_adam.py; held from the freeze step on). Muon's momentum rides in AdamW's slots.
+UPDATE_RULES = {"adam": RuleState(2), "muon": RuleState(2), "adam-1bit": RuleState(2, "sign")}
+
+
+@dataclass(frozen=True)
+class KeptFeatures:
+    """The flags whose state kept_bytes() counts, and the ranks each bucket is reduced over."""
+    grad_codec: Optional[str] = None  # --grad-comm-dtype, or "int4-blocks" (--zeropp-quantized-gradients)
+    optimizer: str = "adam"  # --optimizer (UPDATE_RULES)
+    hpz: int = 1  # --zeropp-hpz-partition-size
+    group_sizes: Tuple[int, ...] = ()  # per bucket: ranks of its reduction group (empty: no compression)
+
+
+def feedback_rows(numel: int, ranks: int, align: int) -> Tuple[int, int]:
+    """(shard, n) of an error-feedback exchange (parallel/compression.py) over a flat tensor of
+    `numel`: each of the `ranks` rows holds `shard` = ceil(numel / ranks) elements, padded to `n`,
+    whole codec blocks of `align`."""
+    shard = -(-numel // ranks)
+    return shard, -(-shard // align) * align
+
+
+def feedback_bytes(numel: int, ranks: int, align: int, server: bool) -> int:
+    """fp32 errors an exchange keeps for one tensor: the worker error of every row, plus the
+    server error of this rank's row when the exchange is an all-reduce (it all-gathers its sums)."""
+    if ranks <= 1:  # nothing is compressed inside a group of one
+        return 0
+    _, n = feedback_rows(numel, ranks, align)
+    return 4 * n * (ranks + (1 if server else 0))
+
+
+def kept_bytes(buckets: Sequence[BucketPlan], stage: int, kept: "KeptFeatures") -> Dict[str, int]:
+    """Bytes held per rank by the compression and ZeRO++ flags (keys only where a flag is on):
+      error_feedback_bytes  --grad-comm-dtype / --zeropp-quantized-gradients: each bucket's fp32
+                            worker error [ranks, n] (ZeRO 0 also the server error [n] of its
+                            all-gather); adam-1bit: the same for its momentum exchange (whole
+                            bucket, ZeRO 0), from the freeze step on
+      hpz_secondary_bytes   --zeropp-hpz-partition-size N: 1/N of every dense ZeRO-3 bucket, in the
+                            params' dtype, held from a unit's forward to its backward (the peak of
+                            a step: every unit's, before the first backward frees any)
+    --zeropp-quantized-weights keeps nothing across its gathers."""
+    from .compression import codec  # (here: compression imports feedback_rows from this module)
+
+    out: Dict[str, int] = {}
+    rule = UPDATE_RULES[kept.optimizer]
+    exchanges = [(kept.grad_codec, stage == 0), (rule.momentum_codec, True)]
+    exchanges = [(codec(name).align, server) for name, server in exchanges if name is not None]
+    if exchanges:
+        out["error_feedback_bytes"] = sum(feedback_bytes(b.numel, n, align, server)
+                                          for b, n in zip(buckets, kept.group_sizes) for align, server in exchanges)
+    if kept.hpz > 1 and stage == 3:
+        out["hpz_secondary_bytes"] = sum(b.numel // kept.hpz * _bytes(b.dtype) for b in buckets if not b.expert)
     return out
 
 
@@ -132,6 +202,12 @@ def region_bytes(shard_numel: int, num_tensors: int) -> int:
 def slot_bytes(shard_numels: Sequence[int], num_tensors: int) -> int:
     """Bytes of one NVMe staging buffer: the largest region and that shard's fp32 gradient."""
     return max((region_bytes(n, num_tensors) + 4 * n for n in shard_numels), default=0)
+
+
+def nvme_bytes_per_step(shard_numels: Sequence[int], num_tensors: int) -> int:
+    """File bytes one optimizer step moves (optim/nvme_store.update_all): every region read once and
+    written back once."""
+    return 2 * sum(region_bytes(n, num_tensors) for n in shard_numels)
 
 
 def offloaded_buckets(shard_numels: Sequence[int], fraction: float) -> List[bool]:

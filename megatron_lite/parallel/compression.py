@@ -27,6 +27,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
+from .bucket_plan import feedback_rows
 from .comm import Communicator
 
 FORMATS = {"bf16": torch.bfloat16, "fp8-e4m3": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2}
@@ -203,8 +204,7 @@ class ErrorFeedbackExchange:
 
     def layout(self, numel: int, ranks: int) -> Tuple[int, int]:
         """(shard, n): elements of each rank's row, and the row padded to whole codec blocks."""
-        shard = -(-numel // ranks)
-        return shard, -(-shard // self.codec.align) * self.codec.align
+        return feedback_rows(numel, ranks, self.codec.align)
 
     def to_rows(self, x: torch.Tensor, ranks: int) -> torch.Tensor:
         shard, n = self.layout(x.numel(), ranks)

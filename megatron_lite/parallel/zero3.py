@@ -52,6 +52,10 @@ def unit_params(chunk: nn.Module, layers: List[nn.Module]) -> List[Tuple[nn.Modu
     return [(chunk, root)] + [(layer, [p for p in layer.parameters() if p.requires_grad]) for layer in layers]
 
 
+def _nbytes(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
 def _tensors(out) -> List[torch.Tensor]:
     if torch.is_tensor(out):
         return [out]
@@ -93,6 +97,8 @@ class ShardedParams:
         self.hpz_group, self.hpz, self.hpz_rank = hpz_group, group_size(hpz_group), group_rank(hpz_group)
         self.in_backward = False
         self.exact = False  # gather the owners' exact params even under --fp8-param-gather
+        # hpZ's secondary partitions held now, and the most held at once (what memory_bytes accounts)
+        self.secondary_bytes = self.secondary_peak_bytes = 0
         self.units: List[_Unit] = []
         self.unit_of = {}
         for units in chunk_units:
@@ -147,11 +153,14 @@ class ShardedParams:
                 part.handle.wait()
                 part.handle = None
             b = part.bucket
+            self.secondary_bytes -= _nbytes(part.secondary)
             if not keep_secondary:
                 part.secondary = None
             elif self.hpz > 1 and part.full is not None and b.group is self.sync.group:
                 n = b.numel // self.hpz
                 part.secondary = part.full[self.hpz_rank * n:(self.hpz_rank + 1) * n].clone()
+            self.secondary_bytes += _nbytes(part.secondary)
+            self.secondary_peak_bytes = max(self.secondary_peak_bytes, self.secondary_bytes)
             for p in part.bucket.params:
                 p.data = torch.empty(0, dtype=part.bucket.dtype, device=part.bucket.device)
             part.full, part.bound = None, False

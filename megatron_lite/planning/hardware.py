@@ -19,6 +19,11 @@ published runs):
   - network_gbps: one 400 Gb/s NIC per GPU (DeepSeek-V3's report: 50 GB/s InfiniBand; the A100's
     200 Gb/s), at 90 % as the memory; a group with k ranks in a node drives k NICs (NCCL runs one
     ring channel through each), so its ring collectives get k times this, up to NVLink's.
+  - nvme_gbps (--optimizer-offload-nvme-path): an assumption, not measured: one PCIe Gen4
+    data-centre NVMe drive per GPU (a DGX H100 node has eight U.2 drives for data), whose
+    datasheets give about 7 GB/s sequential read and 3.5-4 GB/s write; the write rate is taken for
+    both, as a step reads and writes the same bytes through the one drive. Override it with the
+    measured rate of the run's disk (--nvme-gbps; e.g. fio or dd with O_DIRECT on the file system).
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ class Hardware:
     gpus_per_node: int = 8
     reserved_bytes: int = 3 * GiB  # CUDA context, NCCL buffers, allocator fragmentation
     fp8_rate: float = 2.0  # dense FP8 GEMM rate over bf16's (Hopper: 1979 / 989 TFLOP/s); 0: no FP8 tensor cores
+    nvme_gbps: float = 3.5  # GB/s per GPU its NVMe offload file is read and written at (an assumption, above)
 
     def with_(self, **kw) -> "Hardware":
         return replace(self, **kw)

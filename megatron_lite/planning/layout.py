@@ -45,6 +45,11 @@ class Layout:
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0
     optimizer_offload_nvme: bool = False  # --optimizer-offload-nvme-path: the state in a file, two staging buffers
+    optimizer: str = "adam"  # --optimizer (bucket_plan.UPDATE_RULES: its states and error feedback)
+    grad_comm_dtype: Optional[str] = None  # --grad-comm-dtype: error feedback per bucket
+    zeropp_quantized_gradients: bool = False  # qgZ: int4 blocks, error feedback per bucket
+    zeropp_quantized_weights: bool = False  # qwZ: keeps nothing between its gathers
+    zeropp_hpz_partition_size: int = 1  # hpZ: a secondary partition of 1/N of the dense buckets
     split: LayerSplit = LayerSplit()  # layers per virtual stage when not even
     fp8: Optional[str] = None  # the FP8 recipe of the layers' GEMMs (--fp8-recipe); None: none in FP8
     fp8_param_gather: bool = False  # ZeRO gathers the FP8 GEMMs' weights in FP8
@@ -77,6 +82,11 @@ class Layout:
         return self.tp * self.cp * self.dp // (self.etp * self.ep)
 
     @property
+    def grad_codec(self) -> Optional[str]:
+        """The format gradients are reduced in with error feedback (compression.build_reducer's)."""
+        return "int4-blocks" if self.zeropp_quantized_gradients else self.grad_comm_dtype
+
+    @property
     def buckets(self) -> int:
         return self.bucket_size or default_bucket_size(self.dp * self.cp)
 
@@ -100,6 +110,14 @@ class Layout:
             parts.append(f"CPU offload {self.cpu_offloading_num_layers} layers")
         if self.fp8:
             parts.append(f"FP8 {self.fp8}" + (" + FP8 param gather" if self.fp8_param_gather else ""))
+        if self.optimizer != "adam":
+            parts.append(self.optimizer)
+        if self.grad_comm_dtype:
+            parts.append(f"grads sent as {self.grad_comm_dtype}")
+        hpz = self.zeropp_hpz_partition_size
+        parts += [name for name, on in (("qgZ", self.zeropp_quantized_gradients),
+                                        ("qwZ", self.zeropp_quantized_weights), (f"hpZ{hpz}", hpz > 1),
+                                        ("optimizer on NVMe", self.optimizer_offload_nvme)) if on]
         if self.pp > 1:
             parts.append(self.pipeline_schedule)
         parts.append(f"mbs {self.micro_batch_size} x {self.num_microbatches} micro-batches")
@@ -133,5 +151,9 @@ def from_config(cfg: Config, world_size: int) -> Layout:
                   grad_reduce_once_per_step=p.grad_reduce_once_per_step,
                   reshard_after_forward=p.reshard_after_forward, optimizer_cpu_offload=t.optimizer_cpu_offload, optimizer_offload_fraction=t.optimizer_offload_fraction,
                   optimizer_offload_nvme=bool(t.optimizer_offload_nvme_path),
+                  optimizer=t.optimizer, grad_comm_dtype=p.grad_comm_dtype,
+                  zeropp_quantized_gradients=p.zeropp_quantized_gradients,
+                  zeropp_quantized_weights=p.zeropp_quantized_weights,
+                  zeropp_hpz_partition_size=p.zeropp_hpz_partition_size,
                   split=LayerSplit.of(p), fp8=t.fp8_recipe if t.fp8_format else None,
                   fp8_param_gather=t.fp8_param_gather)

@@ -22,6 +22,8 @@ from .state import rank_state_bytes
 from .timing import StepTime, step_time
 
 RECOMPUTE = (None, "selective", "full")
+# bucket_plan.kept_bytes' figures, on the device beside the params, grads and optimizer state
+KEPT_ON_DEVICE = ("error_feedback_bytes", "hpz_secondary_bytes")
 
 
 @dataclass
@@ -33,7 +35,8 @@ class RankMemory:
     @property
     def device_bytes(self) -> int:
         s = self.state
-        return s["param_bytes"] + s["grad_bytes"] + s["optimizer_state_bytes"] + self.step.total
+        return (s["param_bytes"] + s["grad_bytes"] + s["optimizer_state_bytes"] + self.step.total
+                + sum(s.get(k, 0) for k in KEPT_ON_DEVICE))
 
 
 @dataclass
@@ -169,6 +172,7 @@ def memory_line(ev: Evaluation) -> str:
              f"optimizer {gib(s['optimizer_state_bytes'])}",
              f"activations {gib(w.step.activations)} ({w.step.in_flight} chunk-micro-batches in flight)"]
     parts += [f"{k.replace('_', ' ')} {gib(v)}" for k, v in w.step.buffers.items() if v]
+    parts += [f"{k[:-len('_bytes')].replace('_', ' ')} {gib(s[k])}" for k in KEPT_ON_DEVICE if s.get(k)]
     if s.get("optimizer_host_bytes"):
         parts.append(f"host: optimizer {gib(s['optimizer_host_bytes'])}")
     if s.get("optimizer_nvme_bytes"):
@@ -184,7 +188,7 @@ def time_line(ev: Evaluation, hw: Hardware) -> str:
         parts.append(f"pipeline bubble {t.bubble_s:.2f} s ({t.bubble_fraction:.1%} of compute, "
                      f"{lay.pipeline_schedule} p={lay.pp} v={lay.vpp} m={lay.num_microbatches})")
     for name, v in (("TP comm", t.tp_s), ("CP comm", t.cp_s), ("EP all-to-all", t.ep_s), ("DP comm exposed", t.dp_s),
-                    ("optimizer", t.optimizer_s)):
+                    ("optimizer", t.optimizer_s), ("NVMe I/O exposed", t.nvme_s)):
         if v > 0.0005:
             parts.append(f"{name} {v:.2f} s")
     tokens = lay.global_batch_size * lay.seq_length / t.total_s / lay.world_size
@@ -194,7 +198,7 @@ def time_line(ev: Evaluation, hw: Hardware) -> str:
 def _components(ev: Evaluation) -> Dict[str, float]:
     t = ev.time
     return {"compute": t.compute_s, "pipeline bubble": t.bubble_s, "TP comm": t.tp_s, "CP comm": t.cp_s,
-            "EP all-to-all": t.ep_s, "DP comm": t.dp_s, "optimizer": t.optimizer_s}
+            "EP all-to-all": t.ep_s, "DP comm": t.dp_s, "optimizer": t.optimizer_s, "NVMe I/O": t.nvme_s}
 
 
 def _value(lay: Layout, dim: str):

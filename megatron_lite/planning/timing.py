@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from ..config import ModelConfig
+from ..parallel.bucket_plan import UPDATE_RULES, nvme_bytes_per_step
 from ..parallel.pipeline.partition import stage_sizes
 from ..parallel.pipeline.placement import StagePlacement
 from ..parallel.pipeline.schedules import compute_orders, schedule_placement
@@ -87,10 +88,12 @@ class StepTime:
     model_tflop_per_gpu: float  # model FLOPs of one step per GPU (the MFU numerator)
     bubble_fraction: float
     detail: Dict[str, float]
+    nvme_s: float = 0.0  # --optimizer-offload-nvme-path: the file's I/O that compute does not cover
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.bubble_s + self.tp_s + self.cp_s + self.ep_s + self.dp_s + self.optimizer_s
+        return (self.compute_s + self.bubble_s + self.tp_s + self.cp_s + self.ep_s + self.dp_s + self.optimizer_s
+                + self.nvme_s)
 
     def mfu(self, hw: Hardware) -> float:
         return self.model_tflop_per_gpu / (self.total_s * hw.peak_tflops)
@@ -348,8 +351,25 @@ def step_time(cfg: ModelConfig, lay: Layout, hw: Hardware, inventory, pp_rank: i
 
     plans, dp_s = dp_comm(cfg.num_layers, lay, hw, inventory, pp_rank, compute, detail)
     shard = sum(b.shard_numel for b in plans)
-    offloaded = shard * (lay.optimizer_offload_fraction if lay.optimizer_cpu_offload else 0.0)
+    # NVMe: the update runs on the host, in the staging buffers, like a fully offloaded optimizer's
+    offloaded = shard * (1.0 if lay.optimizer_offload_nvme else
+                         lay.optimizer_offload_fraction if lay.optimizer_cpu_offload else 0.0)
     opt = (shard - offloaded) * (16 + 2 * a) / (hw.hbm_gbps * 1e9)
     if offloaded:
         opt += offloaded * (4 + a) / (hw.host_link_gbps * 1e9) + offloaded / (hw.host_adam_gparams * 1e9)
-    return StepTime(compute, bubble, tp, cp, ep, dp_s, opt, model_flops / 1e12, bubble_fraction, detail)
+    return StepTime(compute, bubble, tp, cp, ep, dp_s, opt, model_flops / 1e12, bubble_fraction, detail,
+                    nvme_seconds(lay, hw, plans, compute, detail))
+
+
+def nvme_seconds(lay: Layout, hw: Hardware, plans, compute: float, detail: Dict[str, float]) -> float:
+    """--optimizer-offload-nvme-path: what of a step's file I/O (every region read and written
+    back once, optim/nvme_store.py) at the disk's rate sticks out of the compute: a step takes
+    max(compute, I/O) on that account (issue 25's model of an I/O thread running beside the step).
+    Optimistic for nvme_store as built: it reads the regions during the optimizer step (beside the
+    host updates), and only a step's last write-back runs behind the next forward and backward."""
+    if not lay.optimizer_offload_nvme:
+        return 0.0
+    tensors = 1 + UPDATE_RULES[lay.optimizer].fp32_states  # main params and the rule's states
+    io = nvme_bytes_per_step([b.shard_numel for b in plans], tensors) / (hw.nvme_gbps * 1e9)
+    detail["nvme_io_s"] = io
+    return max(0.0, io - compute)

@@ -1,0 +1,97 @@
+"""What compression, ZeRO++ and 1-bit Adam keep on a rank, three ways equal: the tensors the running
+reducer / optimizer / ZeRO-3 gatherer really hold after two steps (error feedback: every worker and
+server error; hpZ: the most secondary partitions held at once), the trainer's accounting
+(DistributedOptimizer.memory_bytes(), the start-up "> memory on this rank:" line) and the
+planner's figure for the same flags. And the planner's NVMe offload step time: the file's I/O at
+the disk's rate where it exceeds the compute, nothing where it does not."""
+import pytest
+
+from megatron_lite.testing import run_distributed
+from tests.planner_harness import GBS8, MODEL_A, MODEL_B, measure_layouts, predict
+
+# (name, world size, flags, the keys the feature must add)
+FEEDBACK, HPZ = "error_feedback_bytes", "hpz_secondary_bytes"
+ZERO3_PLUS = ("A  DP2 ZeRO-3 qgZ + qwZ + hpZ2, 2 micro-batches", 2, MODEL_A + [
+    "--zero-stage", "3", "--zeropp-quantized-gradients", "--zeropp-quantized-weights",
+    "--zeropp-hpz-partition-size", "2"] + GBS8, (FEEDBACK, HPZ))
+CELLS = [
+    ("A  DP2 ZeRO-0 grads as bf16 (worker + server errors)", 2, MODEL_A + ["--zero-stage", "0", "--grad-comm-dtype",
+                                                                           "bf16"], (FEEDBACK,)),
+    ("B  DP2 ZeRO-1 grads as fp8-e4m3", 2, MODEL_B + ["--zero-stage", "1", "--grad-comm-dtype", "fp8-e4m3"],
+     (FEEDBACK,)),
+    ("A  DP2 adam-1bit after its freeze", 2, MODEL_A + ["--optimizer", "adam-1bit", "--freeze-step", "1"],
+     (FEEDBACK,)),
+    ("A  DP2 ZeRO-3 qwZ alone keeps nothing", 2, MODEL_A + ["--zero-stage", "3", "--zeropp-quantized-weights"], ()),
+    ("B  DP4 ZeRO-3 qgZ + hpZ2", 4, MODEL_B + ["--zero-stage", "3", "--zeropp-quantized-gradients",
+                                               "--zeropp-hpz-partition-size", "2"] + GBS8, (FEEDBACK, HPZ)),
+    ("B  DP4 adam-1bit after its freeze, odd vocabulary (padded rows)", 4, MODEL_B + [
+        "--vocab-size", "999", "--optimizer", "adam-1bit", "--freeze-step", "1"], (FEEDBACK,)),
+    ("B  DP4 MoE EP2 ZeRO-2 grads as fp8-e5m2 (expert buckets over EDP2)", 4, MODEL_B + [
+        "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--zero-stage", "2",
+        "--grad-comm-dtype", "fp8-e5m2"], (FEEDBACK,)),
+]
+
+
+def _check(cells):
+    for world in sorted({c[1] for c in cells}):
+        chosen = [c for c in cells if c[1] == world]
+        per_rank = run_distributed(measure_layouts, world, [argv for _, _, argv, _ in chosen], timeout=300)
+        for i, (name, _, argv, keys) in enumerate(chosen):
+            for rank_results in per_rank:
+                got = rank_results[i]
+                planned = predict(argv, world, got["pp_rank"], got["tp_rank"])["accounted"]
+                where = f"{name}, rank pp{got['pp_rank']} tp{got['tp_rank']}"
+                assert got["held"] == got["accounted"] == planned, (where, got["held"], got["accounted"], planned)
+                assert all(got["held"].get(k, 0) > 0 for k in keys), (where, keys, got["held"])
+                assert not {FEEDBACK, HPZ} - set(keys) & set(got["held"]), (where, "a key it should not add")
+
+
+def test_compression_and_zeropp_state_is_counted_as_held():
+    _check([ZERO3_PLUS])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cell", CELLS, ids=[c[0] for c in CELLS])
+def test_every_kept_feature_is_counted_as_held(cell):
+    _check([cell])
+
+
+def test_nvme_step_time_is_the_disk_where_it_exceeds_the_compute():
+    """Llama-3 8B at TP8 ZeRO-1, optimizer on NVMe: the I/O of a step (every region read and written
+    once, the bytes test_nvme_offload measures) at the default 3.5 GB/s hides behind the compute;
+    on a disk three times slower than the compute the step waits for the difference."""
+    import torch
+
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.parallel.bucket_plan import nvme_bytes_per_step
+    from megatron_lite.planning.hardware import GPUS
+    from megatron_lite.planning.layout import Layout
+    from megatron_lite.planning.state import rank_buckets
+    from megatron_lite.planning.timing import step_time
+    from models.gpt_inventory import GPTInventory
+    from models.zoo import zoo
+
+    m = parse_args(["--model", "llama3-8b", "--bf16"], zoo()).model
+    hw, inventory = GPUS["H100"], GPTInventory(m, torch.bfloat16).chunk
+    lay = Layout(tp=8, zero_stage=1, sequence_parallel=True, seq_length=8192, global_batch_size=128,
+                 optimizer_offload_nvme=True)
+    io_bytes = nvme_bytes_per_step([b.shard_numel for b in rank_buckets(m.num_layers, lay, 0, inventory)], 3)
+    fast = step_time(m, lay, hw, inventory)
+    assert fast.detail["nvme_io_s"] == pytest.approx(io_bytes / (hw.nvme_gbps * 1e9))
+    assert 0 < fast.detail["nvme_io_s"] < fast.compute_s and fast.nvme_s == 0.0
+
+    slow = step_time(m, lay, hw.with_(nvme_gbps=io_bytes / (3 * fast.compute_s) / 1e9), inventory)
+    assert slow.detail["nvme_io_s"] == pytest.approx(3 * fast.compute_s)
+    assert slow.compute_s + slow.nvme_s == pytest.approx(max(slow.compute_s, slow.detail["nvme_io_s"]))
+    assert slow.total_s - fast.total_s == pytest.approx(2 * fast.compute_s)
+    in_memory = step_time(m, lay.with_(optimizer_offload_nvme=False), hw, inventory)
+    assert "nvme_io_s" not in in_memory.detail and in_memory.nvme_s == 0.0
+
+
+def test_plan_takes_the_disk_rate_and_the_nvme_flag():
+    from tools.plan import plan_of
+
+    ev, hw = plan_of(["--model", "llama3-8b", "--world-size", "8", "--tensor-model-parallel-size", "8",
+                      "--use-distributed-optimizer", "--optimizer-offload-nvme-path", "/nvme", "--nvme-gbps", "1.5"])
+    assert hw.nvme_gbps == 1.5 and ev.layout.optimizer_offload_nvme
+    assert ev.time.detail["nvme_io_s"] > 0 and ev.ranks[0].state["optimizer_staging_bytes"] > 0
