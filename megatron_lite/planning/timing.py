@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from ..config import ModelConfig
-from ..parallel.bucket_plan import UPDATE_RULES, nvme_bytes_per_step
+from ..parallel.bucket_plan import UPDATE_RULES, nvme_bytes_per_step, region_bytes
 from ..parallel.pipeline.partition import stage_sizes
 from ..parallel.pipeline.placement import StagePlacement
 from ..parallel.pipeline.schedules import compute_orders, schedule_placement
@@ -358,18 +358,25 @@ def step_time(cfg: ModelConfig, lay: Layout, hw: Hardware, inventory, pp_rank: i
     if offloaded:
         opt += offloaded * (4 + a) / (hw.host_link_gbps * 1e9) + offloaded / (hw.host_adam_gparams * 1e9)
     return StepTime(compute, bubble, tp, cp, ep, dp_s, opt, model_flops / 1e12, bubble_fraction, detail,
-                    nvme_seconds(lay, hw, plans, compute, detail))
+                    nvme_seconds(lay, hw, plans, compute, opt, detail))
 
 
-def nvme_seconds(lay: Layout, hw: Hardware, plans, compute: float, detail: Dict[str, float]) -> float:
-    """--optimizer-offload-nvme-path: what of a step's file I/O (every region read and written
-    back once, optim/nvme_store.py) at the disk's rate sticks out of the compute: a step takes
-    max(compute, I/O) on that account (issue 25's model of an I/O thread running beside the step).
-    Optimistic for nvme_store as built: it reads the regions during the optimizer step (beside the
-    host updates), and only a step's last write-back runs behind the next forward and backward."""
-    if not lay.optimizer_offload_nvme:
+def nvme_seconds(lay: Layout, hw: Hardware, plans, compute: float, optimizer: float,
+                 detail: Dict[str, float]) -> float:
+    """--optimizer-offload-nvme-path: the time the file's I/O adds to a step, as optim/nvme_store.py
+    runs it. One I/O thread reads every region and writes it back (in order); the update of shard k
+    waits for its read, and reads ahead and write-backs run beside the host updates. So the optimizer
+    phase takes the first read plus the longer of the updates and the rest of the phase's I/O, and
+    the step's last write-back runs behind the next forward and backward (exposed only where it
+    outlasts them). On a slow disk a step is compute + I/O, not max(compute, I/O): the I/O waits
+    for the gradients."""
+    if not lay.optimizer_offload_nvme or not plans:
         return 0.0
     tensors = 1 + UPDATE_RULES[lay.optimizer].fp32_states  # main params and the rule's states
-    io = nvme_bytes_per_step([b.shard_numel for b in plans], tensors) / (hw.nvme_gbps * 1e9)
+    rate = hw.nvme_gbps * 1e9
+    regions = [region_bytes(b.shard_numel, tensors) / rate for b in plans]
+    io = nvme_bytes_per_step([b.shard_numel for b in plans], tensors) / rate
+    first_read, last_write = regions[0], regions[-1]
+    phase = first_read + max(optimizer, io - last_write - first_read)
     detail["nvme_io_s"] = io
-    return max(0.0, io - compute)
+    return phase - optimizer + max(0.0, last_write - compute)
