@@ -135,7 +135,7 @@ def test_pretrain_at_dp4_in_nodes_of_two_reduces_in_two_hops_and_trains_like_pla
     reduce-scatter) and the same losses (hpZ changes no value), within 1 % of plain ZeRO-3's."""
     from test_compression import TINY
     from training_utils import losses_of
-    argv = TINY + ["--train-iters", "3", "--zero-stage", "3", "--global-batch-size", "8", "--log-comm-volume"]
+    argv = TINY + ["--train-iters", "2", "--zero-stage", "3", "--global-batch-size", "8", "--log-comm-volume"]
     qg = ["--zeropp-quantized-gradients"]
     runs = {name: run_distributed(_train_in_nodes_of, 4, argv + flags, local, timeout=240)
             for name, flags, local in (("plain", [], None), ("hpz", qg + ["--zeropp-hpz-partition-size", "2"], None),
@@ -150,6 +150,7 @@ def test_pretrain_at_dp4_in_nodes_of_two_reduces_in_two_hops_and_trains_like_pla
     assert hpz == pytest.approx(base, rel=0.01) and hpz[1:] != base[1:]
 
 
+@pytest.mark.slow  # (three DP4 runs and a DP2 load: ~16 s here; the fold itself is in the default cell above)
 def test_two_hop_errors_checkpoint_resume_exactly_and_reshard_to_one_hop(tmp_path):
     """DP4 ZeRO-3 qgZ in nodes of 2 (hpZ 2): saved at 3 and resumed, the run continues exactly as
     the one that saved at 3 and went on (a save folds both hops' errors into grad_residual); its
