@@ -9,6 +9,8 @@ low-precision format and sums in fp32 where it lands:
   largest value) and sent to its owner by one all-to-all; the owner decodes the N pieces and adds
   them in fp32 (Megatron-Core's reduce_scatter_with_fp32_accumulation moves the same bytes).
   The worker error x - decode(encode(x)) stays on this rank and joins the next step's gradient.
+  qgZ across nodes goes in two hops instead (CompressedReducer, NodeHops): inside the node, then
+  across, the partial sums re-encoded with an error feedback of their own.
 - all-reduce (ZeRO 0): the same reduce-scatter over the bucket padded to N pieces, then each owner
   encodes its summed piece plus its own server error and all-gathers it, so every rank decodes the
   same gradient (the two error feedbacks of DeepSpeed's compressed all-reduce).
