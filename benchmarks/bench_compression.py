@@ -3,12 +3,15 @@
 One torchrun per scheme (pretrain_gpt.py, --log-comm-volume, --metrics-file): plain fp32
 reduction (ZeRO-1 and ZeRO 0), --grad-comm-dtype bf16 / fp8-e4m3 / fp8-e5m2 (ZeRO-1), 1-bit
 Adam (ZeRO 0) after its --freeze-step warm-up, and ZeRO-3 plain and with ZeRO++'s qwZ, qwZ+qgZ
-and hpZ (its intra-group gathers counted apart: what stays inside a node). Prints a Markdown
+and hpZ (its intra-group gathers counted apart: what stays inside a node), and qgZ in one hop and
+in two (nodes of --node-size DP ranks, hpZ's partition: an intra-node then an inter-node
+all-to-all, counted apart). Prints a Markdown
 table: the bytes of the last iteration by collective kind (the counter's convention: the full
 logical buffer per rank), the data-parallel gradient / momentum bytes against the fp32 reduction
 of the same ZeRO stage, and the median step time over the iterations after --skip (1-bit Adam:
 after its freeze). The ratios compare bytes on the wire per rank (a ring all-reduce moves twice
-what a reduce-scatter does, which the counter, counting buffers, does not show).
+what a reduce-scatter does, which the counter, counting buffers, does not show); and the qgZ
+all-to-all bytes that leave a rank's node (its rows for ranks of other nodes).
 
     python benchmarks/bench_compression.py --out-dir /tmp/bench_compression
 """
@@ -34,7 +37,12 @@ SCHEMES = {  # name: (flags, ZeRO stage of the fp32 reference, the collectives t
     "qwZ+qgZ ZeRO-3": (["--zero-stage", "3", "--zeropp-quantized-weights", "--zeropp-quantized-gradients"],
                        "fp32 ZeRO-3", ZERO3),
     "hpZ 2 ZeRO-3": (["--zero-stage", "3", "--zeropp-hpz-partition-size", "2"], "fp32 ZeRO-3", ZERO3[:-1]),
+    "qgZ ZeRO-3": (["--zero-stage", "3", "--zeropp-quantized-gradients"], "fp32 ZeRO-3", ZERO3),
+    # (nodes of --node-size: hpZ's partition; its intra-node gathers and all-to-all left out, as hpZ's)
+    "qgZ 2-hop ZeRO-3": (["--zero-stage", "3", "--zeropp-quantized-gradients", "--zeropp-hpz-partition-size", "NODE"],
+                         "fp32 ZeRO-3", ("all_gather", "all_to_all_inter_node")),
 }
+INTRA, INTER = "all_to_all_intra_node", "all_to_all_inter_node"
 
 
 def run(name, args):
@@ -43,7 +51,8 @@ def run(name, args):
            os.path.join(ROOT, "pretrain_gpt.py"), "--model", args.model, "--seq-length", str(args.seq_length),
            "--micro-batch-size", "1", "--global-batch-size", str(args.dp), "--train-iters", str(args.iters),
            "--freeze-step", str(args.skip), "--eval-iters", "0", "--device", "cpu", "--log-comm-volume",
-           "--log-interval", str(args.iters), "--metrics-file", metrics, *SCHEMES[name][0]]
+           "--log-interval", str(args.iters), "--metrics-file", metrics,
+           *(str(args.node_size) if f == "NODE" else f for f in SCHEMES[name][0])]
     if not (args.reuse and os.path.exists(metrics)):
         if os.path.exists(metrics):
             os.remove(metrics)
@@ -53,10 +62,20 @@ def run(name, args):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def wire_bytes(comm, kinds, ranks) -> float:
-    """What the counted collectives move per rank on a ring: (N-1)/N of each buffer, twice for an
-    all-reduce (a reduce-scatter, then an all-gather)."""
-    return (ranks - 1) / ranks * sum(comm.get(k, 0) * (2 if k == "all_reduce" else 1) for k in kinds)
+def wire_bytes(comm, kinds, ranks, node) -> float:
+    """What the counted collectives move per rank on a ring: (N-1)/N of each buffer (N: the
+    collective's group: a node's ranks, one per node or the DP group), twice for an all-reduce (a
+    reduce-scatter, then an all-gather)."""
+    group = {INTRA: node, INTER: ranks // node}
+    return sum((group.get(k, ranks) - 1) / group.get(k, ranks) * comm.get(k, 0) * (2 if k == "all_reduce" else 1)
+               for k in kinds)
+
+
+def cross_node_bytes(comm, ranks, node) -> float:
+    """qgZ's all-to-all bytes per rank bound for other nodes: one hop sends (N - node) of its N rows
+    off the node, two hops (nodes - 1) of the inter-node all-to-all's `nodes` rows (none intra)."""
+    nodes = ranks // node
+    return comm.get("all_to_all", 0) * (ranks - node) / ranks + comm.get(INTER, 0) * (nodes - 1) / nodes
 
 
 def main():
@@ -65,6 +84,7 @@ def main():
     ap.add_argument("--seq-length", type=int, default=64)
     ap.add_argument("--dp", type=int, default=4)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--node-size", type=int, default=2, help="DP ranks per node for the qgZ rows")
     ap.add_argument("--skip", type=int, default=4, help="iterations left out of the step time (1-bit Adam's freeze)")
     ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--out-dir", required=True)
@@ -75,20 +95,23 @@ def main():
     print(f"{args.model}, seq {args.seq_length}, DP{args.dp} on the CPU (gloo), {args.iters} iterations; bytes of the "
           f"last one; median step over iterations {args.skip + 1}-{args.iters}\n")
     print("| scheme | DP reduction bytes / step (counted) | on the wire per rank | vs fp32 "
-          "| all bytes by kind (counted) | median step s | vs fp32 |")
-    print("|---|---|---|---|---|---|---|")
+          "| qgZ bytes leaving the node / rank | all bytes by kind (counted) | median step s | vs fp32 |")
+    print("|---|---|---|---|---|---|---|---|")
     summary = {}
     for name, recs in results.items():
         _, ref, kinds = SCHEMES[name]
         comm = recs[-1]["comm_bytes"]
         steps = sorted(r["step_time_s"] for r in recs[args.skip:])
-        summary[name] = dict(dp_bytes=sum(comm.get(k, 0) for k in kinds), wire=wire_bytes(comm, kinds, args.dp),
-                             comm=comm, step=steps[len(steps) // 2])
+        summary[name] = dict(dp_bytes=sum(comm.get(k, 0) for k in kinds),
+                             wire=wire_bytes(comm, kinds, args.dp, args.node_size),
+                             cross_node=cross_node_bytes(comm, args.dp, args.node_size), comm=comm,
+                             step=steps[len(steps) // 2])
     for name, row in summary.items():
         base = summary.get(SCHEMES[name][1], row)
         kinds = ", ".join(f"{k} {v:,}" for k, v in sorted(row["comm"].items()))
-        print(f"| {name} | {row['dp_bytes']:,} | {row['wire']:,.0f} | {row['wire'] / base['wire']:.3f} | {kinds} | "
-              f"{row['step']:.3f} | {row['step'] / base['step']:.2f}x |")
+        cross = f"{row['cross_node']:,.0f}" if row["cross_node"] and "qgZ" in name else "-"
+        print(f"| {name} | {row['dp_bytes']:,} | {row['wire']:,.0f} | {row['wire'] / base['wire']:.3f} | {cross} | "
+              f"{kinds} | {row['step']:.3f} | {row['step'] / base['step']:.2f}x |")
     with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
 

@@ -71,8 +71,8 @@ class ParallelConfig:
         False, "ZeRO-3: all-gather parameters as int8 blocks of 256 with fp32 scales (ZeRO++'s qwZ); forward and "
                "backward compute with the dequantized weights, the shards stay exact", store="true")
     zeropp_quantized_gradients: bool = arg(
-        False, "ZeRO-3: reduce-scatter gradients as int4 blocks of 256 with fp32 scales over one all-to-all, summed "
-               "in fp32 (ZeRO++'s qgZ), with error feedback as --grad-comm-dtype", store="true")
+        False, "ZeRO-3: reduce-scatter gradients as int4 blocks of 256 (fp32 scales) by all-to-all, summed in fp32 "
+               "(ZeRO++'s qgZ), error feedback as --grad-comm-dtype; two hops when DP spans nodes", store="true")
     zeropp_hpz_partition_size: int = arg(
         1, "ZeRO-3: after each forward keep a secondary partition of the parameters within groups of this many "
            "consecutive DP ranks (a node), from which backward re-gathers them (ZeRO++'s hpZ); 1: off")

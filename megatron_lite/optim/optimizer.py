@@ -2,6 +2,7 @@
 storage) first, then the DistributedOptimizer over that sync's shards."""
 from __future__ import annotations
 
+import os
 from typing import List, Optional, Tuple
 
 import torch
@@ -9,7 +10,7 @@ import torch.nn as nn
 
 from ..config import ParallelConfig, TrainingConfig
 from ..errors import ConfigError
-from ..parallel.compression import QuantizedWeightGather, build_reducer
+from ..parallel.compression import NodeHops, QuantizedWeightGather, build_reducer, node_hops, qgz_node_size
 from ..parallel.data_parallel import GradientSync
 from ..parallel.fp8_param_gather import Fp8ParamGather
 from ..parallel.state import ParallelDims, group_size, partial_dp_groups
@@ -48,7 +49,8 @@ def build_optimizer(chunks: List[nn.Module], dims: ParallelDims, tcfg: TrainingC
     hpz_group = partial_dp_groups(dims, group_size(dims.dp_cp_group) // hpz)[0] if hpz > 1 else None
     onebit = tcfg.optimizer == "adam-1bit"
     reducer = OneBitReducer(dims.comm) if onebit else build_reducer(dims.comm, pcfg.grad_comm_dtype,
-                                                                        pcfg.zeropp_quantized_gradients)
+                                                                        pcfg.zeropp_quantized_gradients,
+                                                                        qgz_hops(dims, pcfg))
     grad_sync = GradientSync(chunks, dims, zero_stage=pcfg.zero_stage, bucket_size=pcfg.ddp_bucket_size,
                              overlap_grad_reduce=pcfg.overlap_grad_reduce,
                              grad_reduce_once_per_step=pcfg.grad_reduce_once_per_step,
@@ -60,6 +62,17 @@ def build_optimizer(chunks: List[nn.Module], dims: ParallelDims, tcfg: TrainingC
     if onebit:  # after the warm-up the momentum, not the gradient, is communicated
         reducer.frozen = lambda: optimizer.num_updates >= tcfg.freeze_step
     return optimizer, grad_sync
+
+
+def qgz_hops(dims: ParallelDims, pcfg: ParallelConfig) -> Optional[NodeHops]:
+    """--zeropp-quantized-gradients' two hops when the DP group spans nodes (qgz_node_size: hpZ's
+    partition, else torchrun's LOCAL_WORLD_SIZE); None: one all-to-all over the DP group."""
+    if not pcfg.zeropp_quantized_gradients:
+        return None
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    node = qgz_node_size(group_size(dims.dp_cp_group), dims.tp, pcfg.zeropp_hpz_partition_size,
+                         int(local) if local else None)
+    return node_hops(dims, node)
 
 
 def param_gather(dims: ParallelDims, tcfg: TrainingConfig, pcfg: ParallelConfig):

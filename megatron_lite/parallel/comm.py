@@ -178,11 +178,12 @@ class Communicator:
                                                                           async_op=async_op), async_op)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group, out_splits=None, in_splits=None,
-                   async_op: bool = False):
+                   async_op: bool = False, kind: str = "all_to_all"):
+        """`kind`: the counter's name for it (two-hop qgZ's intra- and inter-node hops count apart)."""
         if group_size(group) == 1:
             out.copy_(inp)
             return None
-        self._count("all_to_all", inp)
+        self._count(kind, inp)
         return self._run("all_to_all", group, lambda: dist.all_to_all_single(
             out, inp.contiguous(), out_splits, in_splits, group=group, async_op=async_op), async_op)
 

@@ -9,6 +9,8 @@ low-precision format and sums in fp32 where it lands:
   largest value) and sent to its owner by one all-to-all; the owner decodes the N pieces and adds
   them in fp32 (Megatron-Core's reduce_scatter_with_fp32_accumulation moves the same bytes).
   The worker error x - decode(encode(x)) stays on this rank and joins the next step's gradient.
+  qgZ across nodes goes in two hops instead (CompressedReducer, NodeHops): inside the node, then
+  across, the partial sums re-encoded with an error feedback of their own.
 - all-reduce (ZeRO 0): the same reduce-scatter over the bucket padded to N pieces, then each owner
   encodes its summed piece plus its own server error and all-gathers it, so every rank decodes the
   same gradient (the two error feedbacks of DeepSpeed's compressed all-reduce).
@@ -28,7 +30,8 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from .bucket_plan import feedback_rows
-from .comm import Communicator
+from .comm import Communicator, group_size
+from .state import partial_dp_groups
 
 FORMATS = {"bf16": torch.bfloat16, "fp8-e4m3": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2}
 RESIDUAL = "grad_residual"  # the checkpointed state's name (optim/<param>/grad_residual)
@@ -223,15 +226,21 @@ class ErrorFeedbackExchange:
             store[key] = torch.zeros(shape, dtype=torch.float32, device=device)
         return store[key]
 
-    def scatter(self, key: int, x: torch.Tensor, group, ranks: int, async_op: bool = False):
-        """(what lands, its all-to-all's handle, row length n) of x (flat fp32) plus the worker error."""
+    def encode_rows(self, key: int, x: torch.Tensor, ranks: int) -> Tuple[torch.Tensor, int]:
+        """(the encoded rows [ranks, bytes], row length n) of x (flat fp32) plus the worker error,
+        which keeps what the encoding lost."""
         y = self.to_rows(x, ranks)
         error = self.error(self.worker, key, y.shape, x.device)
         y.add_(error)
         payload, sent = self.codec.encode(y)
         error.copy_(y - sent)
+        return payload, y.shape[1]
+
+    def scatter(self, key: int, x: torch.Tensor, group, ranks: int, async_op: bool = False):
+        """(what lands, its all-to-all's handle, row length n) of x (flat fp32) plus the worker error."""
+        payload, n = self.encode_rows(key, x, ranks)
         received = torch.empty_like(payload)
-        return received, self.comm.all_to_all(received, payload, group, async_op=async_op), y.shape[1]
+        return received, self.comm.all_to_all(received, payload, group, async_op=async_op), n
 
     def land(self, received: torch.Tensor, n: int, shard: int) -> torch.Tensor:
         """This rank's row summed over ranks (its first `shard` elements)."""
@@ -275,22 +284,64 @@ class ErrorFeedbackExchange:
         self.error(self.server, key, (rows.shape[1],), values.device).zero_()
 
 
+def qgz_node_size(dp: int, tp: int, hpz: int, local_world_size: Optional[int]) -> int:
+    """Data-parallel ranks per node for two-hop qgZ: --zeropp-hpz-partition-size when given (DeepSpeed's
+    ZeRO++ sets it to a node's GPUs), else torchrun's LOCAL_WORLD_SIZE over the TP ranks inside it
+    (TP ranks are adjacent: a node holds LOCAL_WORLD_SIZE / tp consecutive DP x CP ranks). `dp` (one
+    hop) when the DP group fits in a node, or nodes would not hold whole, equal parts of it."""
+    if hpz > 1:
+        node = hpz
+    elif local_world_size and local_world_size % tp == 0:
+        node = local_world_size // tp
+    else:
+        return dp
+    return node if node < dp and dp % node == 0 else dp
+
+
+class NodeHops:
+    """Two-hop qgZ's groups over the DP group `group` of `nodes` x `size` ranks, rank = node * size +
+    local: `intra` this rank's node (its `size` ranks), `inter` the ranks at its place in every node."""
+
+    def __init__(self, group, intra, inter, size: int, nodes: int):
+        self.group, self.intra, self.inter, self.size, self.nodes = group, intra, inter, size, nodes
+
+
+def node_hops(dims, node_size: int) -> Optional[NodeHops]:
+    """The groups of two-hop qgZ over `dims`' DP x CP group in nodes of `node_size` ranks (hpZ's
+    groups when they exist: built once); None where one hop is all there is."""
+    dp = group_size(dims.dp_cp_group)
+    if node_size >= dp:
+        return None
+    intra, inter = partial_dp_groups(dims, dp // node_size)
+    return NodeHops(dims.dp_cp_group, intra, inter, node_size, dp // node_size)
+
+
 class CompressedReducer:
     """GradientSync's bucket reducer sending gradients as `fmt` (a FORMATS key), with error
     feedback (an ErrorFeedbackExchange keyed by bucket index), and the residual [the bucket's
-    shard] a checkpoint load gave, added to the next reduced gradient."""
+    shard] a checkpoint load gave, added to the next reduced gradient.
+
+    With `hops` (qgZ across nodes, DeepSpeed's all_to_all_quant_reduce) the sharded buckets of the
+    DP group go in two hops: an all-to-all inside the node sends each node-mate the rows of the
+    ranks at its place in every node; it decodes and sums them in fp32 (one row per node),
+    re-encodes them with an error feedback of their own (`node_error`, [nodes, n] per bucket) and an
+    all-to-all across nodes delivers each row to its owner. Cross-node bytes are 1/size of one hop's;
+    the owner of each element is the same (row r: rank r's ZeRO shard)."""
 
     residual_name = RESIDUAL
 
-    def __init__(self, comm: Communicator, fmt: str):
-        self.comm, self.exchange = comm, ErrorFeedbackExchange(comm, fmt)
+    def __init__(self, comm: Communicator, fmt: str, hops: Optional[NodeHops] = None):
+        self.comm, self.exchange, self.hops = comm, ErrorFeedbackExchange(comm, fmt), hops
         self.residual: Dict[int, torch.Tensor] = {}
+        self.node_error: Dict[int, torch.Tensor] = {}
 
     def start(self, b):
         if b.group_size == 1:  # nothing to send: exact, like PlainReducer
             if b.sharded:
                 b.reduce_out().copy_(b.grad_data)
             return None
+        if self.hops is not None and b.sharded and b.group is self.hops.group:
+            return self._start_two_hops(b)
         received, handle, n = self.exchange.scatter(b.index, b.grad_data, b.group, b.group_size, async_op=True)
         out = b.reduce_out() if b.sharded else None
         shard, _ = self.exchange.layout(b.numel, b.group_size)
@@ -302,6 +353,26 @@ class CompressedReducer:
             else:  # ZeRO 0's second half: the summed pieces to every rank
                 self.exchange.gather(b.index, summed, b.group, b.group_size, b.grad_data)
         return _Pending(handle, land, collective=not b.sharded)
+
+    def _start_two_hops(self, b) -> _Pending:
+        h, ex = self.hops, self.exchange
+        payload, n = ex.encode_rows(b.index, b.grad_data, b.group_size)
+        # node-mate j gets the rows of ranks (m, j) for every node m: [nodes, size, B] -> [size, nodes, B]
+        swizzled = payload.view(h.nodes, h.size, -1).transpose(0, 1).reshape(b.group_size, -1)
+        received = torch.empty_like(swizzled)
+        handle = self.comm.all_to_all(received, swizzled, h.intra, async_op=True, kind="all_to_all_intra_node")
+        out, shard = b.reduce_out(), ex.layout(b.numel, b.group_size)[0]
+
+        def land():  # (collective: the cross-node all-to-all, issued at the same wait on every rank)
+            per_node = ex.codec.decode(received, n).view(h.size, h.nodes, n).sum(dim=0)  # row m: rank (m, mine)'s
+            error = ex.error(self.node_error, b.index, per_node.shape, per_node.device)
+            per_node.add_(error)
+            payload2, sent = ex.codec.encode(per_node)
+            error.copy_(per_node - sent)
+            got = torch.empty_like(payload2)
+            self.comm.all_to_all(got, payload2, h.inter, kind="all_to_all_inter_node")
+            out.copy_(ex.land(got, n, shard))
+        return _Pending(handle, land, collective=True)
 
     def finish(self, b) -> None:
         if b.replica_group is not None:
@@ -323,6 +394,12 @@ class CompressedReducer:
             self.comm.reduce_scatter(piece, worker.view(-1), b.group)
             if b.replica_group is not None:
                 self.comm.all_reduce(piece, b.replica_group)
+            node = self.node_error.get(b.index)
+            if node is not None:  # two hops: row m of (m', mine)'s error is (m, mine)'s, summed across nodes
+                across = torch.empty_like(piece)
+                self.comm.reduce_scatter(across, node.view(-1), self.hops.inter)
+                piece.add_(across)
+                node.zero_()
             residual.add_(piece[:b.shard_numel])
             worker.zero_()
         else:
@@ -331,18 +408,19 @@ class CompressedReducer:
 
     def residual_for_loading(self, b) -> torch.Tensor:
         """The tensor a checkpoint load fills (a run resumed here starts with no errors of its own)."""
-        for store in (self.exchange.worker, self.exchange.server):
+        for store in (self.exchange.worker, self.exchange.server, self.node_error):
             if b.index in store:
                 store[b.index].zero_()
         self.residual[b.index] = torch.zeros(b.shard_numel, dtype=torch.float32, device=b.device)
         return self.residual[b.index]
 
 
-def build_reducer(comm: Communicator, fmt: Optional[str], quantized_gradients: bool = False):
-    """--grad-comm-dtype's reducer, or --zeropp-quantized-gradients' (int4 blocks); None:
-    GradientSync's default PlainReducer."""
+def build_reducer(comm: Communicator, fmt: Optional[str], quantized_gradients: bool = False,
+                  hops: Optional[NodeHops] = None):
+    """--grad-comm-dtype's reducer, or --zeropp-quantized-gradients' (int4 blocks; in two `hops`
+    when DP spans nodes); None: GradientSync's default PlainReducer."""
     if quantized_gradients:
-        return CompressedReducer(comm, "int4-blocks")
+        return CompressedReducer(comm, "int4-blocks", hops)
     return None if fmt is None else CompressedReducer(comm, fmt)
 
 
