@@ -399,18 +399,20 @@ class DistributedOptimizer:
     def kept_features(self) -> KeptFeatures:
         """What of compression, ZeRO++ and the update rule bucket_plan.kept_bytes accounts here."""
         exchange = getattr(self.sync.reducer, "exchange", None)  # CompressedReducer's error feedback
-        zero3 = self.sync.zero3
+        zero3, hops = self.sync.zero3, getattr(self.sync.reducer, "hops", None)
         return KeptFeatures(grad_codec=exchange.codec.name if exchange is not None else None,
                             optimizer=self.tcfg.optimizer, hpz=zero3.hpz if zero3 is not None else 1,
-                            group_sizes=tuple(b.group_size for b in self.sync.buckets))
+                            group_sizes=tuple(b.group_size for b in self.sync.buckets),
+                            qgz_nodes=hops.nodes if hops is not None else 1)
 
     def _held_kept_bytes(self) -> Dict[str, int]:
         """kept_bytes() measured: the error tensors of every exchange, hpZ's most secondary held at once."""
         out = {}
         exchanges = [h.exchange for h in (self.sync.reducer, self.rule) if hasattr(h, "exchange")]
         if exchanges:
-            out["error_feedback_bytes"] = sum(t.numel() * t.element_size() for ex in exchanges
-                                              for store in (ex.worker, ex.server) for t in store.values())
+            stores = [s for ex in exchanges for s in (ex.worker, ex.server)]
+            stores += [getattr(self.sync.reducer, "node_error", {})]  # two-hop qgZ's second hop
+            out["error_feedback_bytes"] = sum(t.numel() * t.element_size() for s in stores for t in s.values())
         zero3 = self.sync.zero3
         if zero3 is not None and zero3.hpz > 1:
             out["hpz_secondary_bytes"] = zero3.secondary_peak_bytes

@@ -147,6 +147,7 @@ class KeptFeatures:
     optimizer: str = "adam"  # --optimizer (UPDATE_RULES)
     hpz: int = 1  # --zeropp-hpz-partition-size
     group_sizes: Tuple[int, ...] = ()  # per bucket: ranks of its reduction group (empty: no compression)
+    qgz_nodes: int = 1  # two-hop qgZ: nodes the dense buckets' DP x CP group spans (1: one hop)
 
 
 def feedback_rows(numel: int, ranks: int, align: int) -> Tuple[int, int]:
@@ -170,7 +171,8 @@ def kept_bytes(buckets: Sequence[BucketPlan], stage: int, kept: "KeptFeatures") 
     """Bytes held per rank by the compression and ZeRO++ flags (keys only where a flag is on):
       error_feedback_bytes  --grad-comm-dtype / --zeropp-quantized-gradients: each bucket's fp32
                             worker error [ranks, n] (ZeRO 0 also the server error [n] of its
-                            all-gather); adam-1bit: the same for its momentum exchange (whole
+                            all-gather); two-hop qgZ also the second hop's [nodes, n] for each
+                            dense bucket; adam-1bit: the same for its momentum exchange (whole
                             bucket, ZeRO 0), from the freeze step on
       hpz_secondary_bytes   --zeropp-hpz-partition-size N: 1/N of every dense ZeRO-3 bucket, in the
                             params' dtype, held from a unit's forward to its backward (the peak of
@@ -185,6 +187,10 @@ def kept_bytes(buckets: Sequence[BucketPlan], stage: int, kept: "KeptFeatures") 
     if exchanges:
         out["error_feedback_bytes"] = sum(feedback_bytes(b.numel, n, align, server)
                                           for b, n in zip(buckets, kept.group_sizes) for align, server in exchanges)
+        if kept.qgz_nodes > 1 and kept.grad_codec is not None:  # (compression.CompressedReducer._start_two_hops)
+            align = codec(kept.grad_codec).align
+            out["error_feedback_bytes"] += sum(4 * kept.qgz_nodes * feedback_rows(b.numel, n, align)[1]
+                                               for b, n in zip(buckets, kept.group_sizes) if not b.expert)
     if kept.hpz > 1 and stage == 3:
         out["hpz_secondary_bytes"] = sum(b.numel // kept.hpz * _bytes(b.dtype) for b in buckets if not b.expert)
     return out

@@ -95,7 +95,7 @@ def evaluate(cfg: Config, lay: Layout, hw: Hardware, inventory, check: bool = Tr
             return ev
     m = cfg.model
     for r in range(lay.pp):
-        ev.ranks.append(RankMemory(r, rank_state_bytes(m.num_layers, lay, r, inventory),
+        ev.ranks.append(RankMemory(r, rank_state_bytes(m.num_layers, lay, r, inventory, hw.gpus_per_node),
                                    step_memory(m, lay, r, inventory, tp_rank=lay.tp - 1)))
     ev.time = step_time(m, lay, hw, inventory)
     return ev

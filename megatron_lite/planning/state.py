@@ -4,7 +4,7 @@ GradientSync and DistributedOptimizer.memory_bytes() use, so the figures are equ
 trainer's to the byte."""
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -50,11 +50,24 @@ def gathered_bytes(plan: BucketPlan, params: List[ParamInfo], fp8_param_gather: 
     return plan.numel * elt - fp8 * (elt - 1)
 
 
-def rank_state_bytes(num_layers: int, lay: Layout, pp_rank: int, inventory: Inventory) -> Dict[str, int]:
-    """What DistributedOptimizer.memory_bytes() reports on a rank of pipeline stage `pp_rank`."""
+def qgz_nodes(lay: Layout, local_world_size: Optional[int]) -> int:
+    """Nodes two-hop qgZ's dense reduction spans (1: one hop), by the trainer's rule."""
+    if not lay.zeropp_quantized_gradients:
+        return 1
+    from ..parallel.compression import qgz_node_size
+
+    dp = lay.dp * lay.cp
+    return dp // qgz_node_size(dp, lay.tp, lay.zeropp_hpz_partition_size, local_world_size)
+
+
+def rank_state_bytes(num_layers: int, lay: Layout, pp_rank: int, inventory: Inventory,
+                     local_world_size: Optional[int] = None) -> Dict[str, int]:
+    """What DistributedOptimizer.memory_bytes() reports on a rank of pipeline stage `pp_rank`, on
+    nodes of `local_world_size` ranks (torchrun's LOCAL_WORLD_SIZE: where two-hop qgZ splits)."""
     plans = rank_buckets(num_layers, lay, pp_rank, inventory)
     fraction = lay.optimizer_offload_fraction if lay.optimizer_cpu_offload else 0.0
     kept = KeptFeatures(grad_codec=lay.grad_codec, optimizer=lay.optimizer, hpz=lay.zeropp_hpz_partition_size,
-                        group_sizes=tuple(lay.edp if b.expert else lay.dp * lay.cp for b in plans))
+                        group_sizes=tuple(lay.edp if b.expert else lay.dp * lay.cp for b in plans),
+                        qgz_nodes=qgz_nodes(lay, local_world_size))
     offloaded = offloaded_buckets([b.shard_numel for b in plans], fraction)
     return state_bytes(plans, lay.zero_stage, lay.grad_dtype, offloaded, nvme=lay.optimizer_offload_nvme, kept=kept)
