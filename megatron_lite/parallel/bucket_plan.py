@@ -85,6 +85,20 @@ def _bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def zero_one_adam_bytes(buckets: Sequence[BucketPlan], dense_ranks: int, expert_ranks: int) -> int:
+    """0/1 Adam's state beyond Adam's m and v (ZeRO 0; optim/zero_one_adam.py), held from the first
+    compressed step on: per bucket the anchor (fp32, an element each) and, over N > 1 data-parallel
+    ranks, the sign exchange's errors: the worker's N rows and the server's one, each row the
+    bucket's 1/N padded to whole bytes of signs (parallel/compression.py's layout), fp32."""
+    total = 0
+    for b in buckets:
+        ranks = expert_ranks if b.expert else dense_ranks
+        shard = -(-b.numel // ranks)
+        row = -(-shard // 8) * 8
+        total += 4 * b.numel + (4 * (ranks + 1) * row if ranks > 1 else 0)
+    return total
+
+
 def state_bytes(buckets: Sequence[BucketPlan], stage: int, grad_dtype: torch.dtype = torch.float32,
                 offloaded: Optional[Sequence[bool]] = None, nvme: bool = False) -> Dict[str, int]:
     """Bytes a rank keeps across steps for these buckets (all of its chunks'):

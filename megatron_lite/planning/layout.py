@@ -48,6 +48,7 @@ class Layout:
     split: LayerSplit = LayerSplit()  # layers per virtual stage when not even
     fp8: Optional[str] = None  # the FP8 recipe of the layers' GEMMs (--fp8-recipe); None: none in FP8
     fp8_param_gather: bool = False  # ZeRO gathers the FP8 GEMMs' weights in FP8
+    zero_one_adam: bool = False  # --optimizer adam-01: its anchor and sign errors (bucket_plan.zero_one_adam_bytes)
 
     @property
     def world_size(self) -> int:
@@ -134,4 +135,4 @@ def from_config(cfg: Config, world_size: int) -> Layout:
                   reshard_after_forward=p.reshard_after_forward, optimizer_cpu_offload=t.optimizer_cpu_offload, optimizer_offload_fraction=t.optimizer_offload_fraction,
                   optimizer_offload_nvme=bool(t.optimizer_offload_nvme_path),
                   split=LayerSplit.of(p), fp8=t.fp8_recipe if t.fp8_format else None,
-                  fp8_param_gather=t.fp8_param_gather)
+                  fp8_param_gather=t.fp8_param_gather, zero_one_adam=t.optimizer == "adam-01")
