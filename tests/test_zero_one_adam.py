@@ -177,7 +177,8 @@ def test_two_ranks_equal_the_reference_and_move_the_bytes_of_each_step():
     with the sign codec to 1e-6; the first two steps are AdamW's bit for bit; bytes per step: the
     fp32 all-reduce of P at variance steps, signs both ways (N rows of P / 8N bytes plus a 4-byte
     scale each, twice) at 1-bit and synchronising steps, nothing at local steps between; the
-    replicas agree bit for bit after each synchronisation."""
+    replicas agree bit for bit after each synchronisation; a step on local gradients clips (and
+    reports) the norm of the ranks' estimates of the whole, N_dp x their parts (their RMS)."""
     runs = run_distributed(_recorded, 2, RUN, timeout=240)
     _check_against_reference(runs)
     for a, b in zip(runs[0][1], runs[1][1]):
@@ -187,6 +188,11 @@ def test_two_ranks_equal_the_reference_and_move_the_bytes_of_each_step():
     two = TINY + ["--train-iters", "2"]
     adam, zero_one = (run_distributed(_train_with_params, 2, argv, timeout=240)[0][1] for argv in (two, two + SCHEDULE))
     assert all(torch.equal(zero_one[k], adam[k]) for k in adam)
+    for k, rec in enumerate(runs[0][0]):  # clipped to --clip-grad 1: local estimates as the global gradient
+        step = k + 1
+        estimates = [steps[k]["grad"].double() * (1 if step in (1, 2, 4, 6) else 2) for _, steps in runs]
+        rms = (sum(e.norm() ** 2 for e in estimates) / 2).sqrt().item()
+        assert rms == pytest.approx(rec["grad_norm"] * min(1.0, 1.0 / (rec["grad_norm"] + 1e-6)), rel=1e-5), step
     psi, ranks = runs[0][1][0]["before"].numel(), 2
     signs = ranks * (-(-psi // (8 * ranks)) + 4)
     kinds = {1: "variance", 2: "variance", 4: "variance", 6: "variance", 3: "signs", 5: "signs", 7: "signs",
