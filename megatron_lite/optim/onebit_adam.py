@@ -34,7 +34,6 @@ from ..parallel.data_parallel import PlainReducer
 from .adam import AdamW
 
 
-
 def decay_and_step_(s, main: torch.Tensor, m: torch.Tensor, denom: torch.Tensor, lr_of, weight_decay: float,
                     bias_correction1: float, also_decayed: Sequence[torch.Tensor] = ()) -> None:
     """Adam's step with a given denominator, LR run by LR run of shard `s`: decoupled weight decay
