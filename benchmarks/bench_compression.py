@@ -2,9 +2,10 @@
 
 One torchrun per scheme (pretrain_gpt.py, --log-comm-volume, --metrics-file): plain fp32
 reduction (ZeRO-1 and ZeRO 0), --grad-comm-dtype bf16 / fp8-e4m3 / fp8-e5m2 (ZeRO-1), 1-bit
-Adam (ZeRO 0) after its --freeze-step warm-up, and ZeRO-3 plain and with ZeRO++'s qwZ, qwZ+qgZ
-and hpZ (its intra-group gathers counted apart: what stays inside a node), and qgZ in one hop and
-in two (nodes of --node-size DP ranks, hpZ's partition: an intra-node then an inter-node
+Adam (ZeRO 0) after its --freeze-step warm-up, 0/1 Adam (ZeRO 0) after --var-freeze-step (its
+default every-step synchronisation: 1-bit Adam's bytes), and ZeRO-3 plain and with ZeRO++'s qwZ,
+qwZ+qgZ and hpZ (its intra-group gathers counted apart: what stays inside a node), and qgZ in one hop
+and in two (nodes of --node-size DP ranks, hpZ's partition: an intra-node then an inter-node
 all-to-all, counted apart). Prints a Markdown
 table: the bytes of the last iteration by collective kind (the counter's convention: the full
 logical buffer per rank), the data-parallel gradient / momentum bytes against the fp32 reduction
@@ -32,6 +33,9 @@ SCHEMES = {  # name: (flags, ZeRO stage of the fp32 reference, the collectives t
     "fp32 ZeRO-0": ([], "fp32 ZeRO-0", ("all_reduce",)),
     "fp8-e4m3 ZeRO-0": (["--grad-comm-dtype", "fp8-e4m3"], "fp32 ZeRO-0", ("all_to_all", "all_gather")),
     "adam-1bit ZeRO-0": (["--optimizer", "adam-1bit"], "fp32 ZeRO-0", ("all_to_all", "all_gather")),
+    "adam-01 ZeRO-0": (["--optimizer", "adam-01"], "fp32 ZeRO-0", ("all_to_all", "all_gather")),
+    "adam-01 H4 ZeRO-0": (["--optimizer", "adam-01", "--local-step-scaler", "1", "--local-step-clipper", "4"],
+                          "fp32 ZeRO-0", ("all_to_all", "all_gather")),  # (syncs every 1, 2, then 4 local steps)
     "fp32 ZeRO-3": (["--zero-stage", "3"], "fp32 ZeRO-3", ZERO3),
     "qwZ ZeRO-3": (["--zero-stage", "3", "--zeropp-quantized-weights"], "fp32 ZeRO-3", ZERO3),
     "qwZ+qgZ ZeRO-3": (["--zero-stage", "3", "--zeropp-quantized-weights", "--zeropp-quantized-gradients"],
@@ -50,9 +54,11 @@ def run(name, args):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.dp}",
            os.path.join(ROOT, "pretrain_gpt.py"), "--model", args.model, "--seq-length", str(args.seq_length),
            "--micro-batch-size", "1", "--global-batch-size", str(args.dp), "--train-iters", str(args.iters),
-           "--freeze-step", str(args.skip), "--eval-iters", "0", "--device", "cpu", "--log-comm-volume",
+           "--eval-iters", "0", "--device", "cpu", "--log-comm-volume",
            "--log-interval", str(args.iters), "--metrics-file", metrics,
            *(str(args.node_size) if f == "NODE" else f for f in SCHEMES[name][0])]
+    if "--optimizer" in SCHEMES[name][0]:  # (1-bit / 0/1 Adam: compressed from iteration --skip + 1 on)
+        cmd += ["--freeze-step" if "adam-1bit" in SCHEMES[name][0] else "--var-freeze-step", str(args.skip)]
     if not (args.reuse and os.path.exists(metrics)):
         if os.path.exists(metrics):
             os.remove(metrics)

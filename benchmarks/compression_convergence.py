@@ -1,10 +1,10 @@
 """Convergence of compressed communication on the built-in corpus: llama-tiny at DP2 for --iters
 iterations, uncompressed (the baseline, ZeRO-1), with each --grad-comm-dtype (ZeRO-1, error
-feedback on), with 1-bit Adam (ZeRO 0, --freeze-step warm-up) and with ZeRO++'s quantized
-weights / gradients (ZeRO-3; hpZ changes no value), same seed and data. DP bytes: the
-reduction's and the parameter all-gather's (counted buffers). The global batch is 4 whatever
---dp (micro-batches of 4 / dp: the same data); at --dp 4 "qgZ 2-hop" reduces the int4 gradients
-in nodes of 2 (hpZ's partition): its cross-node bytes are reported apart.
+feedback on), with 1-bit Adam (ZeRO 0, --freeze-step warm-up), 0/1 Adam (ZeRO 0,
+--var-freeze-step) and with ZeRO++'s quantized weights / gradients (ZeRO-3; hpZ changes no value),
+same seed and data. DP bytes: the reduction's and the parameter all-gather's (counted buffers). The
+global batch is 4 whatever --dp (micro-batches of 4 / dp: the same data); at --dp 4 "qgZ 2-hop"
+reduces the int4 gradients in nodes of 2 (hpZ's partition): its cross-node bytes are reported apart.
 
 Writes OUT/<scheme>.jsonl, OUT/summary.json, a Markdown table on stdout (final loss = mean of
 the last --tail iterations, and its difference from the baseline; gradient bytes per step from
@@ -29,6 +29,7 @@ ZERO1 = ["--zero-stage", "1"]
 SCHEMES = {"fp32": ZERO1, "bf16": ZERO1 + ["--grad-comm-dtype", "bf16"],
            "fp8-e4m3": ZERO1 + ["--grad-comm-dtype", "fp8-e4m3"], "fp8-e5m2": ZERO1 + ["--grad-comm-dtype", "fp8-e5m2"],
            "adam-1bit": ["--optimizer", "adam-1bit"],  # (ZeRO 0, as DeepSpeed's; --freeze-step from the flag)
+           "adam-01": ["--optimizer", "adam-01"],  # (ZeRO 0; --var-freeze-step from the flag)
            "qwZ ZeRO-3": ["--zero-stage", "3", "--zeropp-quantized-weights"],
            "qwZ+qgZ ZeRO-3": ["--zero-stage", "3", "--zeropp-quantized-weights", "--zeropp-quantized-gradients"],
            "qgZ ZeRO-3": ["--zero-stage", "3", "--zeropp-quantized-gradients"],
@@ -45,6 +46,8 @@ def run(scheme, args):
            "--micro-batch-size", str(GLOBAL_BATCH // args.dp),
            "--freeze-step", str(args.freeze_step),
            "--metrics-file", metrics]
+    if scheme == "adam-01":
+        cmd += ["--var-freeze-step", str(args.var_freeze_step)]
     if not (args.reuse and os.path.exists(metrics) and len(_records(metrics)) == args.iters):
         subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=args.out_dir,
                        stdout=subprocess.DEVNULL)
@@ -62,6 +65,7 @@ def main():
     ap.add_argument("--dp", type=int, default=2)
     ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--freeze-step", type=int, default=100, help="1-bit Adam's warm-up (a third of the default run)")
+    ap.add_argument("--var-freeze-step", type=int, default=100, help="0/1 Adam's last variance step")
     add_study_args(ap)
     args = ap.parse_args()
     if GLOBAL_BATCH % args.dp:
@@ -69,7 +73,8 @@ def main():
     os.makedirs(args.out_dir, exist_ok=True)
     done = [run(s, args) for s in args.schemes.split(",")]  # one at a time: DP ranks already fill the cores
     summary, base = {}, None
-    print(f"llama-tiny, DP{args.dp}, {args.iters} iterations (1-bit Adam: freeze step {args.freeze_step}), final "
+    print(f"llama-tiny, DP{args.dp}, {args.iters} iterations (1-bit Adam: freeze step {args.freeze_step}; 0/1 Adam: "
+          f"var freeze step {args.var_freeze_step}), final "
           f"loss = mean of the last {args.tail}; bytes of the last step\n")
     print("| scheme | first loss | final loss | vs fp32 | DP bytes / step (counted) | median step s |")
     print("|---|---|---|---|---|---|")
@@ -81,7 +86,7 @@ def main():
         comm = recs[-1].get("comm_bytes", {})
         grad_bytes = sum(comm.get(k, 0) for k in ("reduce_scatter", "all_to_all", "all_gather",
                                                   "all_to_all_intra_node", INTER_NODE, "all_gather_hpz"))
-        if scheme == "adam-1bit":  # (ZeRO 0: the compressed all-reduce's two halves, or the plain all-reduce)
+        if scheme in ("adam-1bit", "adam-01"):  # (ZeRO 0: the compressed all-reduce's two halves, or the plain all-reduce)
             grad_bytes = grad_bytes or comm.get("all_reduce", 0)
         step = sorted(r["step_time_s"] for r in recs)[len(recs) // 2]
         summary[scheme] = dict(first=losses[0], final=final, rel=(final - base) / base, grad_bytes=grad_bytes,

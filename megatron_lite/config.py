@@ -323,9 +323,14 @@ class TrainingConfig:
     optimizer: str = arg("adam", "adam: AdamW (decoupled weight decay); muon: Muon for the hidden weight matrices, "
                                  "AdamW for embeddings, output layer, router, norms and biases; adam-1bit: "
                                  "DeepSpeed's 1-bit Adam (AdamW for --freeze-step steps, then frozen variance and "
-                                 "sign-compressed momentum)", choices=["adam", "muon", "adam-1bit"])
+                                 "sign-compressed momentum); adam-01: DeepSpeed's 0/1 Adam (see README)",
+                           choices=["adam", "muon", "adam-1bit", "adam-01"])
     freeze_step: int = arg(100000, "1-bit Adam: warm-up steps of exact AdamW before the variance is frozen and the "
                                    "momentum is sent compressed (DeepSpeed's freeze_step and default)")
+    var_freeze_step: int = arg(100000, "0/1 Adam: the last step that may update the variance (DeepSpeed's)")
+    var_update_scaler: int = arg(16, "0/1 Adam: variance updates at each interval before it doubles (from 1)")
+    local_step_scaler: int = arg(32678, "0/1 Adam: local steps at each sync interval before it doubles (from 1)")
+    local_step_clipper: int = arg(16, "0/1 Adam: the largest interval between syncs of the local steps")
     muon_momentum: float = arg(0.9, "Muon: momentum of its internal SGD")
     muon_use_nesterov: bool = arg(False, "Muon: Nesterov-style momentum", store="true")
     muon_num_ns_steps: int = arg(5, "Muon: Newton-Schulz iterations")
@@ -633,20 +638,9 @@ class TrainingConfig:
                  "--optimizer muon keeps fp32 state on the device: drop --use-precision-aware-optimizer and "
                  "--optimizer-cpu-offload")
 
-    def _validate_onebit(self, zero_stage: int) -> None:
-        if self.optimizer != "adam-1bit":
-            return
-        _require(self.freeze_step >= 1, f"--freeze-step ({self.freeze_step}) must be >= 1: 1-bit Adam freezes the "
-                                        f"variance of its warm-up steps")
-        _require(zero_stage == 0, "--optimizer adam-1bit averages whole momenta over DP (as DeepSpeed's): use "
-                                  "--zero-stage 0 (no --use-distributed-optimizer)")
-        _require(not (self.fp16 or self.use_precision_aware_optimizer or self.optimizer_cpu_offload),
-                 "--optimizer adam-1bit keeps fp32 state on the device and skips no steps: drop --fp16, "
-                 "--use-precision-aware-optimizer and --optimizer-cpu-offload")
-
     def _validate_optimizer(self, zero_stage: int) -> None:
         self._validate_muon(zero_stage)
-        self._validate_onebit(zero_stage)
+        feature_checks.validate_compressed_adam(self, zero_stage)
         for flag, v in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):
             _require(0.0 <= v < 1.0, f"{flag} ({v}) must lie in [0, 1)")
         _require(self.adam_eps > 0, f"--adam-eps ({self.adam_eps}) must be positive")
@@ -747,8 +741,8 @@ class Config:
             _require(self.training.fp8_recipe in (None, "tensorwise", "delayed", "blockwise"),
                      f"--fp8-recipe {self.training.fp8_recipe} has no Transformer Engine recipe: use tensorwise, "
                      f"delayed or blockwise, or --transformer-impl local")
-        _require(self.parallel.grad_comm_dtype is None or t.optimizer != "adam-1bit",
-                 f"--optimizer adam-1bit sends the momentum compressed, not the gradients: drop --grad-comm-dtype "
+        _require(self.parallel.grad_comm_dtype is None or t.optimizer not in ("adam-1bit", "adam-01"),
+                 f"--optimizer {t.optimizer} compresses its own communication (signs): drop --grad-comm-dtype "
                  f"{self.parallel.grad_comm_dtype}")
         _require((self.parallel.grad_comm_dtype is None and not self.parallel.zeropp_quantized_gradients)
                  or not t.use_precision_aware_optimizer or t.main_grads_dtype == "fp32",

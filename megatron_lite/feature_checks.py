@@ -1,5 +1,5 @@
 """Checks of the newer feature flags that span several config sections (FP8 recipes and layouts,
-activation recomputation modules and CPU offloading), kept apart from config.py so that each
+activation recomputation modules and CPU offloading, 1-bit and 0/1 Adam), kept apart from config.py so that each
 stays readable; `Config.validate` calls them. One `_require` failure is one `error:` line."""
 from __future__ import annotations
 
@@ -67,3 +67,26 @@ def validate_fp8(cfg: "Config") -> None:
                                    "(at --zero-stage 0 nothing is gathered)")
         _require(not p.zeropp_quantized_weights, "--fp8-param-gather and --zeropp-quantized-weights both "
                                                  "quantize the parameter all-gather: choose one")
+
+
+def validate_compressed_adam(t, zero_stage: int) -> None:
+    """--optimizer adam-1bit / adam-01 and 0/1 Adam's flags (t: the training section)."""
+    zero_one = (("--var-freeze-step", t.var_freeze_step, 100000),
+                ("--var-update-scaler", t.var_update_scaler, 16),
+                ("--local-step-scaler", t.local_step_scaler, 32678),
+                ("--local-step-clipper", t.local_step_clipper, 16))
+    if t.optimizer != "adam-01":
+        changed = [flag for flag, v, default in zero_one if v != default]
+        _require(not changed, f"{changed[0] if changed else ''} needs --optimizer adam-01")
+    if t.optimizer not in ("adam-1bit", "adam-01"):
+        return
+    why = {"--var-freeze-step": ": the variance is first set at step 1 (an element without one never moves)"}
+    for flag, v, _ in zero_one if t.optimizer == "adam-01" else ():
+        _require(v >= 1, f"{flag} ({v}) must be >= 1{why.get(flag, '')}")
+    _require(t.optimizer == "adam-01" or t.freeze_step >= 1,
+             f"--freeze-step ({t.freeze_step}) must be >= 1: 1-bit Adam freezes the variance of its warm-up steps")
+    _require(zero_stage == 0, f"--optimizer {t.optimizer} averages whole momenta over DP (as DeepSpeed's): use "
+                              "--zero-stage 0 (no --use-distributed-optimizer)")
+    _require(not (t.fp16 or t.use_precision_aware_optimizer or t.optimizer_cpu_offload),
+             f"--optimizer {t.optimizer} keeps fp32 state on the device and skips no steps: drop --fp16, "
+             "--use-precision-aware-optimizer and --optimizer-cpu-offload")

@@ -284,13 +284,16 @@ class DistributedOptimizer:
         float64 (slice by slice, so the float64 copies stay small): float32 sums over millions of
         elements drift by 1e-5, which would make the clipping coefficient depend on the layout."""
         sq = torch.zeros(2, dtype=torch.float64, device=self.device)
+        # A rule whose step takes each rank's own gradient (0/1 Adam's local steps): the norm of its
+        # estimate of the whole, N_dp x its part of the sum, as the clipping of the other steps sees.
+        local = getattr(self.rule, "takes_local_gradients", lambda step: False)(self.num_updates + 1)
         for s, g in zip(self.shards, grads):
             part = torch.zeros((), dtype=torch.float64, device=self.device)
             for lo, hi in s.norm:
                 for a in range(lo, hi, _NORM_SLICE):
                     seg = g[a:min(hi, a + _NORM_SLICE)].double()
                     part += torch.dot(seg, seg)
-            sq[0] += part * s.norm_weight
+            sq[0] += part * s.norm_weight * (s.bucket.group_size ** 2 if local else 1)
         sq[1] = float(bad_loss)
         sq = self._all_reduce(sq)
         return math.sqrt(sq[0].item()), bool(sq[1].item())
@@ -423,6 +426,7 @@ class DistributedOptimizer:
         out = self.sync.held_bytes()
         out["optimizer_state_bytes"] = sum(s.nbytes for s in self.shards if not s.store.on_host)
         out.update(self._held_kept_bytes())
+        out["optimizer_state_bytes"] += sum(t.numel() * t.element_size() for t in getattr(self.rule, "anchor", {}).values())
         if self.spill is not None:  # the state is in the file; the staging buffers are what is held
             out["optimizer_staging_bytes"] = self.spill.staging_bytes
             out["optimizer_nvme_bytes"] = self.spill.file_bytes

@@ -24,7 +24,7 @@ compressed all-reduce computes unchanged, whatever the number of ranks.
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict
+from typing import Callable, Dict, Sequence
 
 import torch
 
@@ -33,6 +33,21 @@ from ..parallel.compression import ErrorFeedbackExchange
 from ..parallel.data_parallel import PlainReducer
 from .adam import AdamW
 
+
+def decay_and_step_(s, main: torch.Tensor, m: torch.Tensor, denom: torch.Tensor, lr_of, weight_decay: float,
+                    bias_correction1: float, also_decayed: Sequence[torch.Tensor] = ()) -> None:
+    """Adam's step with a given denominator, LR run by LR run of shard `s`: decoupled weight decay
+    of `main` (and of `also_decayed`, tensors laid out like it) on the decayed ranges, then
+    main -= lr * (m / bias_correction1) / denom."""
+    for group, lo, hi in s.lr_runs_for(lr_of):
+        lr = lr_of(group)
+        if weight_decay:
+            for a, z in s.decay:
+                a, z = max(a, lo), min(z, hi)
+                if a < z:
+                    for t in (main, *also_decayed):
+                        t[a:z].mul_(1.0 - lr * weight_decay)
+        main[lo:hi].addcdiv_(m[lo:hi], denom[lo:hi], value=-lr / bias_correction1)
 
 
 class OneBitReducer(PlainReducer):
@@ -82,14 +97,7 @@ class OneBitAdam:
             self._clear_dead_errors(b, dead)
         m.masked_fill_(dead, 0.0)
         denom = (v.sqrt() / math.sqrt(1.0 - beta2 ** self.freeze_step)).add_(eps)
-        for group, lo, hi in s.lr_runs_for(lr_of):
-            lr = lr_of(group)
-            if weight_decay:
-                for a, z in s.decay:
-                    a, z = max(a, lo), min(z, hi)
-                    if a < z:
-                        main[a:z].mul_(1.0 - lr * weight_decay)
-            main[lo:hi].addcdiv_(m[lo:hi], denom[lo:hi], value=-lr / (1.0 - beta1 ** step))
+        decay_and_step_(s, main, m, denom, lr_of, weight_decay, 1.0 - beta1 ** step)
 
     def _clear_dead_errors(self, b, dead: torch.Tensor) -> None:
         """No error where the momentum is masked, nor in the pieces' padding: a sign would grow one

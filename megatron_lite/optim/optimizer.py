@@ -18,6 +18,7 @@ from .adam import AdamW
 from .distributed_optimizer import DistributedOptimizer, lr_group, no_weight_decay
 from .muon import Muon
 from .onebit_adam import OneBitAdam, OneBitReducer
+from .zero_one_adam import ZeroOneAdam
 from .precision import OptimizerPrecision
 
 __all__ = ["build_optimizer", "DistributedOptimizer", "OptimizerPrecision", "lr_group", "no_weight_decay"]
@@ -47,7 +48,7 @@ def build_optimizer(chunks: List[nn.Module], dims: ParallelDims, tcfg: TrainingC
     units = [c.sharding_units() if hasattr(c, "sharding_units") else [] for c in chunks]
     hpz = pcfg.zeropp_hpz_partition_size
     hpz_group = partial_dp_groups(dims, group_size(dims.dp_cp_group) // hpz)[0] if hpz > 1 else None
-    onebit = tcfg.optimizer == "adam-1bit"
+    onebit = tcfg.optimizer in ("adam-1bit", "adam-01")
     reducer = OneBitReducer(dims.comm) if onebit else build_reducer(dims.comm, pcfg.grad_comm_dtype,
                                                                         pcfg.zeropp_quantized_gradients,
                                                                         qgz_hops(dims, pcfg))
@@ -59,8 +60,10 @@ def build_optimizer(chunks: List[nn.Module], dims: ParallelDims, tcfg: TrainingC
                              dp_groups=dp_groups, reducer=reducer, hpz_group=hpz_group,
                              param_gather=param_gather(dims, tcfg, pcfg))
     optimizer = DistributedOptimizer(grad_sync, tcfg, precision, rule=update_rule(tcfg, dims))
-    if onebit:  # after the warm-up the momentum, not the gradient, is communicated
+    if tcfg.optimizer == "adam-1bit":  # after the warm-up the momentum, not the gradient, is communicated
         reducer.frozen = lambda: optimizer.num_updates >= tcfg.freeze_step
+    elif onebit:  # 0/1 Adam: the gradient is all-reduced in fp32 at variance steps only
+        reducer.frozen = lambda: not optimizer.rule.all_reduces_gradient(optimizer.num_updates + 1)
     return optimizer, grad_sync
 
 
@@ -84,10 +87,14 @@ def param_gather(dims: ParallelDims, tcfg: TrainingConfig, pcfg: ParallelConfig)
 
 
 def update_rule(tcfg: TrainingConfig, dims: ParallelDims):
-    """--optimizer's update rule: AdamW, 1-bit Adam (onebit_adam.py), or Muon with AdamW beside it (muon.py)."""
+    """--optimizer's update rule: AdamW, 1-bit Adam (onebit_adam.py), 0/1 Adam (zero_one_adam.py), or Muon
+    with AdamW beside it (muon.py)."""
     adam = AdamW(tcfg.adam_beta1, tcfg.adam_beta2, tcfg.adam_eps)
     if tcfg.optimizer == "adam-1bit":
         return OneBitAdam(adam, tcfg.freeze_step, dims.comm)
+    if tcfg.optimizer == "adam-01":
+        return ZeroOneAdam(adam, tcfg.var_freeze_step, tcfg.var_update_scaler, tcfg.local_step_scaler,
+                           tcfg.local_step_clipper, dims.comm)
     if tcfg.optimizer != "muon":
         return adam
     return Muon(dims, tcfg.muon_momentum, tcfg.muon_use_nesterov, tcfg.muon_num_ns_steps, tcfg.muon_scale_mode,

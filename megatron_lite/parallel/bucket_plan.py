@@ -137,7 +137,8 @@ class RuleState:
 
 # One entry per --optimizer. adam-1bit: sign-compressed momentum, worker + server error per bucket
 # (optim/onebit_adam.py; held from the freeze step on). Muon's momentum rides in AdamW's slots.
-UPDATE_RULES = {"adam": RuleState(2), "muon": RuleState(2), "adam-1bit": RuleState(2, "sign")}
+UPDATE_RULES = {"adam": RuleState(2), "muon": RuleState(2), "adam-1bit": RuleState(2, "sign"),
+                "adam-01": RuleState(3, "sign")}  # 0/1 Adam: m, v and the anchor (optim/zero_one_adam.py)
 
 
 @dataclass(frozen=True)
