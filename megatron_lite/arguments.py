@@ -132,7 +132,7 @@ def build_parser(zoo: Zoo) -> argparse.ArgumentParser:
     for name, cls in SECTIONS:
         for f in fields(cls):
             _add_field(groups[name], f)
-    m, par, t = groups["model"], groups["parallel"], groups["training"]
+    m, par = groups["model"], groups["parallel"]
     # Megatron's switches that set a field to a value, or read one only when given together.
     m.add_argument("--group-query-attention", action="store_true", help="use --num-query-groups")
     m.add_argument("--no-bias-gelu-fusion", action="store_true",
