@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-import megatron_lite.optim.nvme_store as nvme_store
+import megatron_lite.parallel.nvme_file as nvme_file
 from megatron_lite.config import ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.errors import ConfigError
 from megatron_lite.optim.optimizer import build_optimizer
@@ -148,7 +148,7 @@ def _build(rank, world, nvme_dir):
 def test_a_full_directory_is_one_line_on_every_rank(tmp_path, monkeypatch):
     class Usage:
         free = 4096
-    monkeypatch.setattr(nvme_store.shutil, "disk_usage", lambda path: Usage)
+    monkeypatch.setattr(nvme_file.shutil, "disk_usage", lambda path: Usage)
     with pytest.raises(ConfigError, match=r"has 0.0 MiB free but this rank's optimizer state needs .* MiB there"):
         _build(0, 1, str(tmp_path))
     assert not os.listdir(tmp_path)
