@@ -45,6 +45,7 @@ class Layout:
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0
     optimizer_offload_nvme: bool = False  # --optimizer-offload-nvme-path: the state in a file, two staging buffers
+    param_offload_nvme: bool = False  # --param-offload-nvme-path: ZeRO-3's param shards in a file, two staging buffers
     split: LayerSplit = LayerSplit()  # layers per virtual stage when not even
     fp8: Optional[str] = None  # the FP8 recipe of the layers' GEMMs (--fp8-recipe); None: none in FP8
     fp8_param_gather: bool = False  # ZeRO gathers the FP8 GEMMs' weights in FP8
@@ -133,5 +134,6 @@ def from_config(cfg: Config, world_size: int) -> Layout:
                   grad_reduce_once_per_step=p.grad_reduce_once_per_step,
                   reshard_after_forward=p.reshard_after_forward, optimizer_cpu_offload=t.optimizer_cpu_offload, optimizer_offload_fraction=t.optimizer_offload_fraction,
                   optimizer_offload_nvme=bool(t.optimizer_offload_nvme_path),
+                  param_offload_nvme=bool(t.param_offload_nvme_path),
                   split=LayerSplit.of(p), fp8=t.fp8_recipe if t.fp8_format else None,
                   fp8_param_gather=t.fp8_param_gather)

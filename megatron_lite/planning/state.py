@@ -8,7 +8,7 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from ..parallel.bucket_plan import BucketPlan, ParamInfo, offloaded_buckets, plan_buckets, state_bytes
+from ..parallel.bucket_plan import BucketPlan, ParamInfo, offloaded_buckets, plan_buckets, state_bytes, with_param_offload
 from ..parallel.pipeline.placement import StagePlacement
 from ..parallel.pipeline.schedules import schedule_placement
 from .layout import Layout
@@ -54,5 +54,6 @@ def rank_state_bytes(num_layers: int, lay: Layout, pp_rank: int, inventory: Inve
     """What DistributedOptimizer.memory_bytes() reports on a rank of pipeline stage `pp_rank`."""
     plans = rank_buckets(num_layers, lay, pp_rank, inventory)
     fraction = lay.optimizer_offload_fraction if lay.optimizer_cpu_offload else 0.0
-    return state_bytes(plans, lay.zero_stage, lay.grad_dtype, offloaded_buckets([b.shard_numel for b in plans],
-                                                                                 fraction), nvme=lay.optimizer_offload_nvme)
+    out = state_bytes(plans, lay.zero_stage, lay.grad_dtype, offloaded_buckets([b.shard_numel for b in plans],
+                                                                                fraction), nvme=lay.optimizer_offload_nvme)
+    return with_param_offload(out, plans, lay.optimizer_offload_nvme) if lay.param_offload_nvme else out
