@@ -25,12 +25,13 @@ STEPS = 3
 MICRO_BATCHES = 4  # test_zero's global batch of 8 over DP2, one sample a micro-batch
 
 
-def _run(tp, param_dir, optimizer_dir, bf16):
+def _run(tp, param_dir, optimizer_dir, bf16, reshard=True):
     dims = ParallelDims.from_world(tp=tp)
     chunks = build_model_for(dims, torch.bfloat16 if bf16 else torch.float32)
     tcfg = TrainingConfig(lr=LR, clip_grad=1.0, bf16=bf16, param_offload_nvme_path=param_dir,
                           optimizer_offload_nvme_path=optimizer_dir)
-    optimizer, sync = build_optimizer(chunks, dims, tcfg, ParallelConfig(tensor_model_parallel_size=tp, zero_stage=3))
+    optimizer, sync = build_optimizer(chunks, dims, tcfg, ParallelConfig(tensor_model_parallel_size=tp, zero_stage=3,
+                                                                      reshard_after_forward=reshard))
     spill = sync.param_spill
     records, io, resident = [], [], []
     for step in range(STEPS):
@@ -49,8 +50,10 @@ def _run(tp, param_dir, optimizer_dir, bf16):
         largest = max(sum(param_region_bytes(sync.plans[j]) for j in span) for span in param_spans(sync.plans))
         assert spill.staging_bytes == 2 * largest
         # start-up: every shard written once, read once by the optimizer (its main params); then per
-        # step two gathers of every unit a micro-batch, and the update's write-back
-        expected = [(f + (k + 1) * 2 * MICRO_BATCHES * f, f + (k + 1) * f) for k in range(STEPS)]
+        # step two gathers of every unit a micro-batch (--no-reshard-after-forward: one a step), and
+        # the update's write-back
+        gathers = 2 * MICRO_BATCHES if reshard else 1
+        expected = [(f + (k + 1) * gathers * f, f + (k + 1) * f) for k in range(STEPS)]
     out = records, full_params(chunks, sync, dims), optimizer.memory_bytes(), optimizer.held_bytes(), io, \
         expected, resident
     if spill is not None:  # (GradientSync lives as long as its autograd hooks: the file goes at exit, or here)
@@ -58,13 +61,13 @@ def _run(tp, param_dir, optimizer_dir, bf16):
     return out
 
 
-def _both(rank, world, tp, param_dir, optimizer_dir, bf16):
-    return _run(tp, None, None, bf16), _run(tp, param_dir, optimizer_dir, bf16)
+def _both(rank, world, tp, param_dir, optimizer_dir, bf16, reshard):
+    return _run(tp, None, None, bf16, reshard), _run(tp, param_dir, optimizer_dir, bf16, reshard)
 
 
-def _check(tmp_path, world, tp, bf16=False, optimizer_nvme=False):
+def _check(tmp_path, world, tp, bf16=False, optimizer_nvme=False, reshard=True):
     param_dir = str(tmp_path / "params")
-    ref, got = run_distributed(_both, world, tp, param_dir, param_dir if optimizer_nvme else None, bf16)[0]
+    ref, got = run_distributed(_both, world, tp, param_dir, param_dir if optimizer_nvme else None, bf16, reshard)[0]
     what = f"tp{tp} dp{world // tp} param nvme{' + optimizer nvme' if optimizer_nvme else ''}"
     assert got[0] == ref[0], f"{what}: losses / grad norms {got[0]} != {ref[0]}"  # bitwise
     for name in ref[1]:
@@ -86,6 +89,11 @@ def test_param_offload_is_bitwise_in_memory_zero3(tmp_path):
                                                           (2, 4, False, True), (1, 2, True, False)])
 def test_param_offload_is_bitwise_in_memory_zero3_more_layouts(tmp_path, tp, world, bf16, optimizer_nvme):
     _check(tmp_path, world, tp, bf16, optimizer_nvme)
+
+
+@pytest.mark.slow
+def test_param_offload_without_reshard_after_forward(tmp_path):
+    _check(tmp_path, 2, 1, reshard=False)
 
 
 Z3 = TINY + ["--zero-stage", "3"]

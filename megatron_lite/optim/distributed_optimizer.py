@@ -257,7 +257,7 @@ class DistributedOptimizer:
         if not directory:
             return None
         buckets = self.sync.buckets
-        pin = bool(buckets) and buckets[0].param_shard_view().device.type == "cuda"
+        pin = bool(buckets) and buckets[0].device.type == "cuda"
         rank = dist.get_rank() if dist.is_initialized() else 0
         return agree_on_errors(lambda: NvmeSpill(directory, rank, [b.shard_numel for b in buckets],
                                                  ("main", *self.rule.state_names), pin))

@@ -60,16 +60,16 @@ class ParamSpill:
     def _span_bytes(self, u: int) -> int:
         return sum(self.sizes[j] for j in self.spans[u])
 
-    def _view(self, slot: int, k: int, at: int) -> torch.Tensor:
-        """Bucket k's shard in buffer `slot`, starting `at` bytes in."""
+    def _view(self, buffer: torch.Tensor, k: int, at: int) -> torch.Tensor:
+        """Bucket k's shard in `buffer`, starting `at` bytes in."""
         b = self.plans[k]
         elt = torch.empty((), dtype=b.dtype).element_size()
-        return self.slots[slot][at:at + b.shard_numel * elt].view(b.dtype)
+        return buffer[at:at + b.shard_numel * elt].view(b.dtype)
 
     # --- gathers -------------------------------------------------------------------------------
     def prefetch(self, u: int) -> bool:
-        """Queue the read of unit u into a buffer no gather uses (the one not holding u's
-        neighbour); False when both are in use."""
+        """Queue the read of unit u into a buffer no gather uses (an empty one first); False when
+        both are in use."""
         if u in self.slot_unit:
             return True
         free = [s for s in (0, 1) if not self.slot_busy[s]]
@@ -85,15 +85,20 @@ class ParamSpill:
     def acquire(self, u: int) -> Dict[int, torch.Tensor]:
         """Bucket index -> its shard (on the device), read for unit u's all-gather; the buffer is
         the gather's until `release(u)`."""
-        if not self.prefetch(u):
-            raise RuntimeError("--param-offload-nvme-path: both staging buffers are held by gathers in flight")
-        s = self.slot_unit.index(u)
-        self.slot_read[s].result()
-        self.slot_busy[s] = True
+        if self.prefetch(u):
+            s = self.slot_unit.index(u)
+            self.slot_read[s].result()
+            self.slot_busy[s] = True
+            buffer = self.slots[s]
+        else:  # both buffers feed gathers in flight (interleaved schedules): a transient one
+            buffer = aligned_buffer(self._span_bytes(u), False)
+            self.file.read(buffer, self.offsets[self.spans[u][0]]).result()
         out, at = {}, 0
         for k in self.spans[u]:
-            view = self._view(s, k, at)
-            out[k] = view if self.device.type != "cuda" else view.to(self.device, non_blocking=True)
+            view = self._view(buffer, k, at)
+            # (a blocking copy: the buffer is read into again once the gather is waited for, which
+            # on a GPU does not wait for the host)
+            out[k] = view if self.device.type != "cuda" else view.to(self.device)
             at += self.sizes[k]
         return out
 
@@ -120,7 +125,7 @@ class ParamSpill:
         s = n % 2
         if self.slot_write[s] is not None:
             self.slot_write[s].result()  # the buffer's previous write-back
-        view = self._view(s, k, 0)
+        view = self._view(self.slots[s], k, 0)
         view.zero_()  # the padding past the last parameter stays zero
         yield view
         event = None
@@ -131,11 +136,9 @@ class ParamSpill:
 
     def read_copy(self, k: int) -> torch.Tensor:
         """Bucket k's shard as a fresh tensor on the device (after every queued write)."""
-        b = self.plans[k]
         buf = aligned_buffer(self.sizes[k], False)
         self.file.read(buf, self.offsets[k]).result()
-        elt = torch.empty((), dtype=b.dtype).element_size()
-        return buf[:b.shard_numel * elt].view(b.dtype).to(self.device)
+        return self._view(buf, k, 0).to(self.device)
 
     def store(self, k: int, shard: torch.Tensor) -> None:
         """Write bucket k's shard (its values) to the file, through a staging buffer, and wait."""
