@@ -114,6 +114,20 @@ def test_checkpoints_save_from_and_load_into_the_param_file(tmp_path):
     assert run(nvme + ["--load", plain]) == straight[3:]  # and an in-memory run's into the file
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [
+    ["--pipeline-model-parallel-size", "2", "--no-reshard-after-forward"], ["--mtp-num-layers", "1"],
+    ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2"],
+    ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+    ["--untie-embeddings-and-output-weights", "--bf16"]])
+def test_param_offload_combinations_are_the_in_memory_run(tmp_path, extra):
+    """Pipeline stages, MTP, experts (a unit's dense and expert buckets: one span), recomputation
+    (gathers inside backward), untied output layer: losses bitwise those of in-memory ZeRO-3."""
+    plain = losses_of(run_distributed(train_in_process, 2, Z3 + extra))
+    nvme = ["--param-offload-nvme-path", str(tmp_path)]
+    assert losses_of(run_distributed(train_in_process, 2, Z3 + nvme + extra)) == plain
+
+
 def test_a_full_directory_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(nvme_file.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=4096))
     dims = ParallelDims.from_world()
