@@ -30,6 +30,10 @@ parameters of every chunk stay for the step (one all-gather per step instead of 
 micro-batch: what torchtitan does under pipeline parallelism, where a chunk's micro-batches
 interleave with the other chunks').
 
+With --param-offload-nvme-path (param_offload.py) a unit's shards are not in memory: each gather
+reads them from the file into a staging buffer (queued ahead by the previous gather: the next unit
+in forward order, or in backward order during backward) and gathers from it.
+
 Freeing sets `param.data` to an empty tensor; gathering makes `param.data` a view of the freshly
 all-gathered flat bucket. Autograd keeps references to the parameters themselves, so a backward
 sees whatever full storage is bound when it runs.
