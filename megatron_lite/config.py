@@ -16,6 +16,7 @@ from .options import arg
 from .model_config import ModelConfig, _require  # noqa: F401  (re-exported: megatron_lite.config.ModelConfig)
 
 
+
 @dataclass
 class ParallelConfig:
     tensor_model_parallel_size: int = arg(1, "tensor-parallel size (TP)")
@@ -357,6 +358,9 @@ class TrainingConfig:
     optimizer_offload_nvme_path: Optional[str] = arg(None, "keep every bucket shard's fp32 main params and optimizer "
                                                            "state in one file per rank under this directory, read into "
                                                            "two staging buffers around each bucket's update")
+    param_offload_nvme_path: Optional[str] = arg(None, "ZeRO-3: keep this rank's parameter shards in one file per "
+                                                       "rank under this directory, read into two staging buffers "
+                                                       "ahead of each unit's all-gather (ZeRO-Infinity)")
     use_cpu_initialization: bool = arg(False, "draw the initial weights on the CPU and copy them to the device "
                                               "(the same weights as a CPU run)", store="true")
     clip_grad: float = arg(1.0, "clip the global gradient norm to this (0: no clipping)")
@@ -608,17 +612,12 @@ class TrainingConfig:
         path, flag = self.optimizer_offload_nvme_path, "--optimizer-offload-nvme-path"
         if path is None:
             return
-        _require(path.strip() != "", f"{flag} is empty: give a directory on a fast local disk, or drop the flag")
+        feature_checks.require_nvme_dir(path, flag)
         _require(not self.optimizer_cpu_offload, f"{flag} and --optimizer-cpu-offload are exclusive: the state lives "
                                                  f"in the file or in host memory; choose one")
         _require(not self.use_precision_aware_optimizer, f"{flag} keeps fp32 state: drop "
                                                          f"--use-precision-aware-optimizer (or the offload)")
         _require(self.optimizer != "muon", f"{flag} with --optimizer muon is not implemented: use --optimizer adam")
-        existing = path
-        while existing and not os.path.exists(existing):
-            existing = os.path.dirname(existing.rstrip("/")) or "."
-        _require(os.path.isdir(existing), f"{flag} {path}: {existing} is not a directory")
-        _require(os.access(existing, os.W_OK | os.X_OK), f"{flag} {path} is not writable: give a writable directory")
 
     def _validate_muon(self, zero_stage: int) -> None:
         if self.optimizer != "muon":
@@ -749,6 +748,7 @@ class Config:
                  f"--grad-comm-dtype {self.parallel.grad_comm_dtype} compresses fp32 gradient buffers: drop "
                  f"--main-grads-dtype {t.main_grads_dtype} (or --grad-comm-dtype)")
         feature_checks.validate_activation_memory(self)
+        feature_checks.validate_param_offload(self)
 
     def _validate_pipeline(self, num_microbatches: int) -> None:
         from .parallel.pipeline.partition import LayerSplit, layout_mtp_layers, stage_layer_ranges

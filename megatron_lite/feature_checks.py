@@ -3,6 +3,7 @@ activation recomputation modules and CPU offloading, 1-bit and 0/1 Adam), kept a
 stays readable; `Config.validate` calls them. One `_require` failure is one `error:` line."""
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from .model_config import _require
@@ -90,3 +91,30 @@ def validate_compressed_adam(t, zero_stage: int) -> None:
     _require(not (t.fp16 or t.use_precision_aware_optimizer or t.optimizer_cpu_offload),
              f"--optimizer {t.optimizer} keeps fp32 state on the device and skips no steps: drop --fp16, "
              "--use-precision-aware-optimizer and --optimizer-cpu-offload")
+
+
+def require_nvme_dir(path: str, flag: str) -> None:
+    """An NVMe offload directory: not empty, and it (or its nearest existing parent) writable."""
+    _require(path.strip() != "", f"{flag} is empty: give a directory on a fast local disk, or drop the flag")
+    existing = path
+    while existing and not os.path.exists(existing):
+        existing = os.path.dirname(existing.rstrip("/")) or "."
+    _require(os.path.isdir(existing), f"{flag} {path}: {existing} is not a directory")
+    _require(os.access(existing, os.W_OK | os.X_OK), f"{flag} {path} is not writable: give a writable directory")
+
+
+def validate_param_offload(cfg: "Config") -> None:
+    """--param-offload-nvme-path (parallel/param_offload.py): ZeRO-3's plain all-gathers read the
+    shards from the file; what would keep or change them in memory is refused."""
+    t, p, flag = cfg.training, cfg.parallel, "--param-offload-nvme-path"
+    if t.param_offload_nvme_path is None:
+        return
+    require_nvme_dir(t.param_offload_nvme_path, flag)
+    _require(p.zero_stage == 3, f"{flag} offloads ZeRO-3's parameter shards: add --zero-stage 3 (stages 0-2 keep "
+                                f"full parameters; --optimizer-offload-nvme-path offloads their optimizer state)")
+    for other, given in (("--zeropp-quantized-weights", p.zeropp_quantized_weights),
+                         ("--zeropp-hpz-partition-size", p.zeropp_hpz_partition_size != 1),
+                         ("--fp8-param-gather", t.fp8_param_gather),
+                         ("--qk-clip", t.qk_clip)):
+        _require(not given, f"{flag} with {other} is not implemented (it gathers or changes the shards "
+                            f"in memory): drop one of them")

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-import megatron_lite.optim.nvme_store as nvme_store
+import megatron_lite.parallel.nvme_file as nvme_file
 from megatron_lite.config import ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.errors import ConfigError
 from megatron_lite.optim.optimizer import build_optimizer
@@ -150,7 +150,7 @@ def _build(rank, world, nvme_dir):
 def test_a_full_directory_is_one_line_on_every_rank(tmp_path, monkeypatch):
     class Usage:
         free = 4096
-    monkeypatch.setattr(nvme_store.shutil, "disk_usage", lambda path: Usage)
+    monkeypatch.setattr(nvme_file.shutil, "disk_usage", lambda path: Usage)
     with pytest.raises(ConfigError, match=r"has 0.0 MiB free but this rank's optimizer state needs .* MiB there"):
         _build(0, 1, str(tmp_path))
     assert not os.listdir(tmp_path)
@@ -166,11 +166,14 @@ def test_bad_nvme_flags_are_one_line(flags, fragment, monkeypatch, capsys):
 
 
 @pytest.mark.slow  # (the default cells already hold memory_bytes(), the planner's function, to the tensors)
-def test_the_planner_counts_the_staging_buffers_and_the_file(tmp_path):
+@pytest.mark.parametrize("flags,offloaded,staging", [
+    (["--zero-stage", "1", "--optimizer-offload-nvme-path"], "optimizer_state_bytes", "optimizer_staging_bytes"),
+    (["--zero-stage", "3", "--param-offload-nvme-path"], "param_bytes", "param_staging_bytes")])
+def test_the_planner_counts_the_staging_buffers_and_the_file(tmp_path, flags, offloaded, staging):
     from tests.planner_harness import MODEL_A, measure_layouts, predict
-    argv = MODEL_A + ["--zero-stage", "1", "--ddp-bucket-size", "40000", "--optimizer-offload-nvme-path", str(tmp_path)]
+    argv = MODEL_A + ["--ddp-bucket-size", "40000"] + flags + [str(tmp_path)]
     for rank in run_distributed(measure_layouts, 2, [argv]):
         got = rank[0]
         planned = predict(argv, 2, got["pp_rank"], got["tp_rank"])["accounted"]
         assert got["accounted"] == got["held"] == planned, (got["accounted"], got["held"], planned)
-        assert planned["optimizer_state_bytes"] == 0 and planned["optimizer_staging_bytes"] > 0
+        assert planned[offloaded] == 0 and planned[staging] > 0

@@ -225,6 +225,8 @@ def _one(cfg, lay, hw, inventory) -> int:
                                                        if s.get("optimizer_host_bytes") else "")
               + (f" (+ host staging {gib(s['optimizer_staging_bytes'])}, NVMe {gib(s['optimizer_nvme_bytes'])})"
                  if s.get("optimizer_nvme_bytes") else "")
+              + (f" (param shards: host staging {gib(s['param_staging_bytes'])}, NVMe {gib(s['param_nvme_bytes'])})"
+                 if s.get("param_nvme_bytes") else "")
               + f", activations {gib(r.step.activations)} ({r.step.in_flight} in flight)"
               + "".join(f", {k.replace('_', ' ')} {gib(v)}" for k, v in r.step.buffers.items() if v)
               + "".join(f", {k[:-len('_bytes')].replace('_', ' ')} {gib(s[k])}" for k in KEPT_ON_DEVICE if s.get(k))

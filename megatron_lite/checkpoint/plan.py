@@ -90,7 +90,7 @@ def bucket_sources(optimizer, for_loading: bool = False) -> Iterator[Tuple[Bucke
         if bucket.param_data is not None:
             sources = {MODEL: (bucket.param_data, 0)}
         else:  # ZeRO-3: the shard is all there is
-            sources = {MODEL: (bucket.param_shard, bucket.shard_lo)}
+            sources = {MODEL: (bucket.param_shard_for_checkpoint(for_loading), bucket.shard_lo)}
         for state, t in states.items():
             sources[state] = (t, bucket.shard_lo)
         yield bucket, sources

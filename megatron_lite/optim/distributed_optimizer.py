@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from ..config import TrainingConfig
 from ..errors import NonFiniteError, agree_on_errors
-from ..parallel.bucket_plan import KeptFeatures, offloaded_buckets, state_bytes
+from ..parallel.bucket_plan import KeptFeatures, offloaded_buckets, state_bytes, with_param_offload
 from ..parallel.data_parallel import Bucket, GradientSync
 from ..parallel.sharding import counts_in_norm, spec_of
 from ..parallel.state import ParallelDims, group_size
@@ -150,7 +150,10 @@ class _ShardState:
 
     @property
     def owns_main(self) -> bool:
-        """True when the main params are a separate copy of the params."""
+        """True when the main params are a separate copy of the params (always when the params are
+        in the --param-offload-nvme-path file)."""
+        if self.bucket.param_spill is not None:
+            return True
         main = self.store.tensors["main"]
         return not isinstance(main, torch.Tensor) or main.data_ptr() != self.bucket.param_shard_view().data_ptr()
 
@@ -246,8 +249,7 @@ class DistributedOptimizer:
         else:
             self.scaler = ConstantLossScaler(1.0)
         self.num_updates = 0
-        params = [b.param_shard_view() for b in grad_sync.buckets]
-        self.device = params[0].device if params else None
+        self.device = grad_sync.buckets[0].device if grad_sync.buckets else None
 
     def _nvme_spill(self, directory: Optional[str]) -> Optional[NvmeSpill]:
         """This rank's optimizer file under --optimizer-offload-nvme-path (collective: a directory that
@@ -255,7 +257,7 @@ class DistributedOptimizer:
         if not directory:
             return None
         buckets = self.sync.buckets
-        pin = bool(buckets) and buckets[0].param_shard_view().device.type == "cuda"
+        pin = bool(buckets) and buckets[0].device.type == "cuda"
         rank = dist.get_rank() if dist.is_initialized() else 0
         return agree_on_errors(lambda: NvmeSpill(directory, rank, [b.shard_numel for b in buckets],
                                                  ("main", *self.rule.state_names), pin))
@@ -344,18 +346,32 @@ class DistributedOptimizer:
         wd = self.tcfg.weight_decay if weight_decay is None else weight_decay
         if self.spill is not None:
             update_all(self.spill, [s.store for s in self.shards], grads,
-                       lambda k, g: self.shards[k].update(self.rule, g, lr_of, wd, step=self.num_updates))
+                       lambda k, g: self._update(k, g, lr_of, wd))
         else:
             staged = [s.store.stage(g) for s, g in zip(self.shards, grads)]  # offloaded: all copies in flight
             _wait_copies(self.device)
-            for s, g in zip(self.shards, staged):
-                s.update(self.rule, g, lr_of, wd, step=self.num_updates)
+            for k, g in enumerate(staged):
+                self._update(k, g, lr_of, wd)
         if check and self.tcfg.fp16 and self._found_inf([s.bucket.param_shard_view() for s in self.shards], False)[0]:
             raise NonFiniteError("fp16 parameters overflow (|w| > 65504) when cast from their fp32 main params: the "
                                  "model diverged; lower --lr, or train with --bf16")
         self.sync.zero_grad()
         self.sync.gather_params()
         return {"update_successful": True, "grad_norm": norm, "loss_scale": scale}
+
+    def _update(self, k: int, grad: torch.Tensor, lr_of, weight_decay: float) -> None:
+        """Shard k's update; under --param-offload-nvme-path into a staging buffer that is then
+        written to the param file (param_offload.py)."""
+        s, spill = self.shards[k], self.sync.param_spill
+        if spill is None:
+            s.update(self.rule, grad, lr_of, weight_decay, step=self.num_updates)
+            return
+        with spill.updating(s.bucket.index, k) as shard:
+            s.bucket.param_shard = shard
+            try:
+                s.update(self.rule, grad, lr_of, weight_decay, step=self.num_updates)
+            finally:
+                s.bucket.param_shard = None
 
     def zero_grad(self) -> None:
         self.sync.zero_grad()
@@ -365,8 +381,8 @@ class DistributedOptimizer:
         """Multiply rows of parameters (after an update): (param, factor of each row of this rank's
         piece) pairs; the params and their main params both (QK-clip). Every rank passes its own
         pieces' factors; a ZeRO shard takes the part of them that falls in it."""
-        if self.spill is not None or not self.precision.is_default:
-            raise ValueError("scale_rows_ needs the main params in memory, in fp32")
+        if self.spill is not None or self.sync.param_spill is not None or not self.precision.is_default:
+            raise ValueError("scale_rows_ needs the params and main params in memory, in fp32")
         self.sync.wait_param_gather()
         factors = {id(p): (p, f) for p, f in scales}
         sharded_params = self.sync.stage == 3
@@ -395,6 +411,8 @@ class DistributedOptimizer:
         out = state_bytes(self.sync.plans, self.sync.stage, self.sync.grad_dtype,
                           [s.store.on_host for s in self.shards], nvme=self.spill is not None,
                           kept=self.kept_features())
+        if self.sync.param_spill is not None:
+            out = with_param_offload(out, self.sync.plans, optimizer_nvme=self.spill is not None)
         if not self.precision.is_default:
             out["optimizer_state_bytes"] = sum(s.nbytes for s in self.shards if not s.store.on_host)
         return out
@@ -466,6 +484,8 @@ class DistributedOptimizer:
             elif s.staged is not None:
                 s.load(s.staged)
             s.staged = None
+        if self.sync.param_spill is not None:
+            self.sync.commit_loaded_params()
 
     def scalar_state(self) -> dict:
         return {"num_updates": self.num_updates, "loss_scaler": type(self.scaler).__name__,

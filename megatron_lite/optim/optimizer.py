@@ -58,7 +58,8 @@ def build_optimizer(chunks: List[nn.Module], dims: ParallelDims, tcfg: TrainingC
                              reshard_after_forward=pcfg.reshard_after_forward,
                              overlap_param_gather=pcfg.overlap_param_gather, grad_dtype=grad_dtype, units=units,
                              dp_groups=dp_groups, reducer=reducer, hpz_group=hpz_group,
-                             param_gather=param_gather(dims, tcfg, pcfg))
+                             param_gather=param_gather(dims, tcfg, pcfg),
+                             param_offload_nvme_path=tcfg.param_offload_nvme_path)
     optimizer = DistributedOptimizer(grad_sync, tcfg, precision, rule=update_rule(tcfg, dims))
     if tcfg.optimizer == "adam-1bit":  # after the warm-up the momentum, not the gradient, is communicated
         reducer.frozen = lambda: optimizer.num_updates >= tcfg.freeze_step

@@ -34,6 +34,7 @@ class BucketPlan:
     shard_numel: int  # this rank's part: the whole bucket unless sharded
     dtype: torch.dtype
     expert: bool
+    unit: int = 0  # ZeRO-3: the unit (ParamInfo.unit) the bucket belongs to
 
 
 def split_by_size(sizes: Sequence[int], dtypes: Sequence[torch.dtype], bucket_size: int) -> List[List[int]]:
@@ -71,13 +72,14 @@ def plan_buckets(params: Sequence[ParamInfo], stage: int, bucket_size: int, dens
         groups = [[order[j] for j in run] for run in runs]
     out = []
     for g in groups:
+        unit = params[g[0]].unit if g and stage == 3 else 0
         for expert in (False, True):
             idx = tuple(i for i in g if params[i].expert == expert)
             if not idx:
                 continue
             shards = (expert_group if expert else dense_group) if stage >= 1 else 1
             numel = padded(sum(params[i].numel for i in idx), shards)
-            out.append(BucketPlan(idx, numel, numel // shards, params[idx[0]].dtype, expert))
+            out.append(BucketPlan(idx, numel, numel // shards, params[idx[0]].dtype, expert, unit))
     return out
 
 
@@ -215,6 +217,38 @@ def nvme_bytes_per_step(shard_numels: Sequence[int], num_tensors: int) -> int:
     """File bytes one optimizer step moves (optim/nvme_store.update_all): every region read once and
     written back once."""
     return 2 * sum(region_bytes(n, num_tensors) for n in shard_numels)
+
+
+def param_spans(buckets: Sequence[BucketPlan]) -> List[List[int]]:
+    """ZeRO-3: the buckets of each unit (plan_buckets puts a unit's expert bucket right after its
+    dense one), as lists of bucket indices in bucket order."""
+    spans: List[List[int]] = []
+    for j, b in enumerate(buckets):
+        prev = buckets[j - 1] if j else None
+        if prev is not None and b.expert and not prev.expert and b.unit == prev.unit:
+            spans[-1].append(j)
+        else:
+            spans.append([j])
+    return spans
+
+
+def param_region_bytes(b: BucketPlan) -> int:
+    """Bytes of a bucket's param shard in the --param-offload-nvme-path file, padded to NVME_ALIGN."""
+    return -(-b.shard_numel * _bytes(b.dtype) // NVME_ALIGN) * NVME_ALIGN
+
+
+def with_param_offload(acc: Dict[str, int], buckets: Sequence[BucketPlan], optimizer_nvme: bool) -> Dict[str, int]:
+    """state_bytes' figures `acc` under --param-offload-nvme-path: no param shard is held (param_bytes
+    0); two staging buffers, each the largest unit's shards (param_staging_bytes); the file
+    (param_nvme_bytes). The optimizer's fp32 main params are then a copy of fp32 params too, held in
+    memory unless `optimizer_nvme` put them in the optimizer's file."""
+    regions = [param_region_bytes(b) for b in buckets]
+    out = dict(acc, param_bytes=0)
+    if not optimizer_nvme:
+        out["optimizer_state_bytes"] += sum(4 * b.shard_numel for b in buckets if b.dtype == torch.float32)
+    out["param_staging_bytes"] = 2 * max((sum(regions[j] for j in span) for span in param_spans(buckets)), default=0)
+    out["param_nvme_bytes"] = sum(regions)
+    return out
 
 
 def offloaded_buckets(shard_numels: Sequence[int], fraction: float) -> List[bool]:

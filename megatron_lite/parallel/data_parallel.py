@@ -61,7 +61,8 @@ import torch
 import torch.nn as nn
 
 from .comm import Communicator
-from .bucket_plan import BucketPlan, ParamInfo, padded, plan_buckets, state_bytes
+from ..errors import agree_on_errors
+from .bucket_plan import BucketPlan, ParamInfo, padded, plan_buckets, state_bytes, with_param_offload
 from .grads import finalize_model_grads, sum_local_tie_copies
 from .sharding import spec_of
 from .state import ParallelDims, group_rank, group_size
@@ -106,6 +107,8 @@ class Bucket:
         self.dtype, self.grad_dtype, self.device = params[0].dtype, grad_dtype, param_device(params[0])
         self.param_data: Optional[torch.Tensor] = None  # full flat params (stages 0-2)
         self.param_shard: Optional[torch.Tensor] = None  # stage 3: the only persistent copy
+        self.param_spill = None  # --param-offload-nvme-path (param_offload.py): the shard is in its file instead
+        self.loaded_shard: Optional[torch.Tensor] = None  # a checkpoint's values for the file (param_spill)
         self.grad_data: Optional[torch.Tensor] = None  # full flat gradient
         self.grad_shard: Optional[torch.Tensor] = None  # stages 2-3: reduced shard
         # Stages 2-3, reduction rounds after the first of a step: where the round's reduce-scatter
@@ -125,7 +128,22 @@ class Bucket:
         return slice(self.shard_lo, self.shard_lo + self.shard_numel)
 
     def param_shard_view(self) -> torch.Tensor:
-        return self.param_shard if self.param_shard is not None else self.param_data[self.shard]
+        """The shard to read or update; under --param-offload-nvme-path outside an update: a fresh
+        copy read from the file."""
+        if self.param_shard is not None:
+            return self.param_shard
+        if self.param_spill is not None:
+            return self.param_spill.read_copy(self.index)
+        return self.param_data[self.shard]
+
+    def param_shard_for_checkpoint(self, for_loading: bool) -> torch.Tensor:
+        """ZeRO-3's shard for a checkpoint to read or fill; an offloaded one is a copy, and a filled
+        copy goes to the file at GradientSync.commit_loaded_params()."""
+        if self.param_spill is None:
+            return self.param_shard
+        shard = self.param_spill.read_copy(self.index)
+        self.loaded_shard = shard if for_loading else None
+        return shard
 
     def grad_shard_view(self) -> torch.Tensor:
         return self.grad_shard if self.grad_shard is not None else self.grad_data[self.shard]
@@ -239,7 +257,7 @@ class GradientSync:
                  overlap_param_gather: bool = False, grad_dtype: torch.dtype = torch.float32,
                  units: Optional[List[List[nn.Module]]] = None, dp_groups: Optional[Tuple[object, object]] = None,
                  reducer=None, grad_reduce_once_per_step: bool = False, reshard_after_forward: bool = True,
-                 param_gather=None, hpz_group=None):
+                 param_gather=None, hpz_group=None, param_offload_nvme_path: Optional[str] = None):
         """`units` (ZeRO-3): per chunk, the modules whose parameters are gathered and freed
         together (a model's transformer layers); the rest of a chunk is one more unit.
         `dp_groups` (distributed-optimizer instances): (shard group, replica group) of the dense
@@ -251,7 +269,9 @@ class GradientSync:
         `reshard_after_forward` (ZeRO-3): False keeps each unit gathered from its first use to the
         end of the step (zero3.py). `param_gather` (--fp8-param-gather, stages 1-2): its start(bucket) gathers a bucket's updated params
         instead of the plain all-gather (None where it does not apply). `hpz_group` (ZeRO-3,
-        --zeropp-hpz-partition-size): where backward re-gathers the dense units (zero3.py)."""
+        --zeropp-hpz-partition-size): where backward re-gathers the dense units (zero3.py).
+        `param_offload_nvme_path` (ZeRO-3): keep the param shards in a file there (param_offload.py;
+        collective: a full or unwritable directory on any rank is every rank's one-line error)."""
         from .zero3 import ShardedParams, unit_params  # zero3 builds on Bucket: import late
 
         self.dims, self.stage, self.param_gather = dims, zero_stage, param_gather
@@ -296,6 +316,7 @@ class GradientSync:
         self._allocate()
         for chunk in chunks:  # parameters in no bucket (frozen) that were left on meta
             materialize_(chunk)
+        self.param_spill = self._spill_params(param_offload_nvme_path) if param_offload_nvme_path else None
         self.zero3 = ShardedParams(self, units, reshard_after_forward, hpz_group) if self.stage == 3 else None
         self._register_hooks(chunks)
 
@@ -320,6 +341,27 @@ class GradientSync:
             for b, shard in zip(bs, _flat_views(bs, lambda b: b.shard_numel, lambda b: b.grad_dtype)):
                 b.grad_shard = shard
 
+    def _spill_params(self, directory: str):
+        """Move every bucket's param shard into this rank's file under `directory` and drop it."""
+        from .param_offload import ParamSpill
+
+        if self.stage != 3:
+            raise ValueError("--param-offload-nvme-path needs --zero-stage 3 (sharded parameters)")
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        device = self.buckets[0].device if self.buckets else torch.device("cpu")
+        spill = agree_on_errors(lambda: ParamSpill(directory, rank, self.plans, device))
+        for b in self.buckets:
+            spill.store(b.index, b.param_shard)
+            b.param_shard, b.param_spill = None, spill
+        return spill
+
+    def commit_loaded_params(self) -> None:
+        """Write the shards a checkpoint filled (Bucket.param_shard_for_checkpoint) to the file."""
+        for b in self.buckets:
+            if b.loaded_shard is not None:
+                self.param_spill.store(b.index, b.loaded_shard)
+                b.loaded_shard = None
+
     def _alloc_grad(self, b: Bucket) -> None:
         """Stages 2-3: the bucket's full gradient, from its first gradient of the step."""
         b.grad_data = torch.zeros(b.numel, dtype=b.grad_dtype, device=b.device)
@@ -334,7 +376,9 @@ class GradientSync:
         """Bytes of parameters and gradients this rank keeps across steps, as bucket_plan accounts
         them (the planner's function; `held_bytes` measures the tensors)."""
         acc = state_bytes(self.plans, self.stage, self.grad_dtype)
-        return {k: acc[k] for k in ("param_bytes", "grad_bytes")}
+        if self.param_spill is not None:
+            acc = with_param_offload(acc, self.plans, optimizer_nvme=True)
+        return {k: v for k, v in acc.items() if k != "optimizer_state_bytes"}
 
     def held_bytes(self) -> Dict[str, int]:
         """Bytes of the parameter and gradient tensors this rank keeps across steps, measured."""
@@ -342,7 +386,10 @@ class GradientSync:
             return sum(t.numel() * t.element_size() for t in ts if t is not None)
         params = [b.param_shard if self.stage == 3 else b.param_data for b in self.buckets]
         grads = [b.grad_shard if self.stage >= 2 else b.grad_data for b in self.buckets]
-        return {"param_bytes": nbytes(params), "grad_bytes": nbytes(grads)}
+        out = {"param_bytes": nbytes(params), "grad_bytes": nbytes(grads)}
+        if self.param_spill is not None:  # the shards are in the file; the staging buffers are held
+            out.update(param_staging_bytes=self.param_spill.staging_bytes, param_nvme_bytes=self.param_spill.file_bytes)
+        return out
 
     # --- gradient readiness and reduction ----------------------------------------------------
     def _register_hooks(self, chunks: List[nn.Module]) -> None:

@@ -30,6 +30,10 @@ parameters of every chunk stay for the step (one all-gather per step instead of 
 micro-batch: what torchtitan does under pipeline parallelism, where a chunk's micro-batches
 interleave with the other chunks').
 
+With --param-offload-nvme-path (param_offload.py) a unit's shards are not in memory: each gather
+reads them from the file into a staging buffer (queued ahead by the previous gather: the next unit
+in forward order, or in backward order during backward) and gathers from it.
+
 Freeing sets `param.data` to an empty tensor; gathering makes `param.data` a view of the freshly
 all-gathered flat bucket. Autograd keeps references to the parameters themselves, so a backward
 sees whatever full storage is bound when it runs.
@@ -84,6 +88,8 @@ class _Unit:
         self.module, self.parts = module, [_Part(b) for b in buckets]
         self.num_params = sum(len(b.params) for b in buckets)
         self.arrived = 0  # gradients accumulated since gathered for backward
+        self.span: Optional[int] = None  # --param-offload-nvme-path: the unit's span in the file
+        self.next_in: Tuple[Optional["_Unit"], Optional["_Unit"]] = (None, None)  # gathered after it: fwd, bwd
 
 
 class ShardedParams:
@@ -108,6 +114,11 @@ class ShardedParams:
                 for part in u.parts:
                     self.unit_of[part.bucket] = u
             self._register(chain)
+        self.spill = sync.param_spill  # --param-offload-nvme-path: shards are read from its file to gather
+        if self.spill is not None:
+            for u in self.units:
+                u.span = self.spill.span_of[u.parts[0].bucket.index]
+                assert sorted(p.bucket.index for p in u.parts) == self.spill.spans[u.span], "a unit is one span"
         self.release_all()  # the shards were copied by GradientSync: drop the full params
 
     def _register(self, chain: List[_Unit]) -> None:
@@ -116,6 +127,7 @@ class ShardedParams:
         for i, u in enumerate(chain):
             nxt = (layers[0] if layers else None) if u is root else (chain[i + 1] if i + 1 < len(chain) else None)
             prev = (layers[-1] if layers else None) if u is root else (chain[i - 1] if i > 1 else None)
+            u.next_in = (nxt, prev)
             u.module.register_forward_pre_hook(lambda m, args, u=u, nxt=nxt: self._pre_forward(u, nxt))
             u.module.register_forward_hook(lambda m, args, out, u=u, prev=prev: self._post_forward(u, prev, out))
 
@@ -123,6 +135,9 @@ class ShardedParams:
     def _gather(self, u: _Unit) -> None:
         """Under --fp8-param-gather FP8 weights, unless `exact` (gather_all: to read the params)."""
         fp8 = None if self.exact else self.sync.param_gather
+        if all(part.full is not None for part in u.parts):
+            return
+        shards = self._read_shards(u)
         for part in u.parts:
             if part.full is not None:
                 continue
@@ -132,8 +147,20 @@ class ShardedParams:
                 part.handle = self.sync.dims.comm.all_gather(part.full, part.secondary, self.hpz_group, async_op=True,
                                                              kind="all_gather_hpz")
                 continue
-            pending = fp8.start(b, part.full, b.param_shard) if fp8 is not None else None
-            part.handle = pending or self.sync.dims.comm.all_gather(part.full, b.param_shard, b.group, async_op=True)
+            shard = shards[b.index] if shards is not None else b.param_shard
+            pending = fp8.start(b, part.full, shard) if fp8 is not None else None
+            part.handle = pending or self.sync.dims.comm.all_gather(part.full, shard, b.group, async_op=True)
+
+    def _read_shards(self, u: _Unit):
+        """--param-offload-nvme-path: u's shards in a staging buffer (bucket index -> shard), and the
+        read of the unit gathered next queued behind; None: the shards are in memory."""
+        if self.spill is None:
+            return None
+        shards = self.spill.acquire(u.span)
+        following = u.next_in[1 if self.in_backward else 0]
+        if following is not None and any(part.full is None for part in following.parts):
+            self.spill.prefetch(following.span)
+        return shards
 
     def _ensure(self, u: _Unit) -> None:
         self._gather(u)
@@ -144,6 +171,8 @@ class ShardedParams:
             if not part.bound:
                 part.bucket.bind_params(part.full)
                 part.bound = True
+        if self.spill is not None:  # the gathers read their shards: the buffer may take the next unit
+            self.spill.release(u.span)
 
     def _release(self, u: _Unit, keep_secondary: bool = False) -> None:
         """Free the unit's full params; after a forward (`keep_secondary`) with hpZ, keep this
@@ -164,6 +193,8 @@ class ShardedParams:
             for p in part.bucket.params:
                 p.data = torch.empty(0, dtype=part.bucket.dtype, device=part.bucket.device)
             part.full, part.bound = None, False
+        if self.spill is not None:
+            self.spill.release(u.span)
         u.arrived = 0
 
     def gather_all(self) -> None:

@@ -50,6 +50,7 @@ class Layout:
     zeropp_quantized_gradients: bool = False  # qgZ: int4 blocks, error feedback per bucket
     zeropp_quantized_weights: bool = False  # qwZ: keeps nothing between its gathers
     zeropp_hpz_partition_size: int = 1  # hpZ: a secondary partition of 1/N of the dense buckets
+    param_offload_nvme: bool = False  # --param-offload-nvme-path: ZeRO-3's param shards in a file, two staging buffers
     split: LayerSplit = LayerSplit()  # layers per virtual stage when not even
     fp8: Optional[str] = None  # the FP8 recipe of the layers' GEMMs (--fp8-recipe); None: none in FP8
     fp8_param_gather: bool = False  # ZeRO gathers the FP8 GEMMs' weights in FP8
@@ -155,5 +156,6 @@ def from_config(cfg: Config, world_size: int) -> Layout:
                   zeropp_quantized_gradients=p.zeropp_quantized_gradients,
                   zeropp_quantized_weights=p.zeropp_quantized_weights,
                   zeropp_hpz_partition_size=p.zeropp_hpz_partition_size,
+                  param_offload_nvme=bool(t.param_offload_nvme_path),
                   split=LayerSplit.of(p), fp8=t.fp8_recipe if t.fp8_format else None,
                   fp8_param_gather=t.fp8_param_gather)

@@ -178,6 +178,9 @@ def memory_line(ev: Evaluation) -> str:
     if s.get("optimizer_nvme_bytes"):
         parts.append(f"host: optimizer staging {gib(s['optimizer_staging_bytes'])} (NVMe: optimizer "
                      f"{gib(s['optimizer_nvme_bytes'])})")
+    if s.get("param_nvme_bytes"):
+        parts.append(f"host: param staging {gib(s['param_staging_bytes'])} (NVMe: param shards "
+                     f"{gib(s['param_nvme_bytes'])})")
     return (f"{gib(ev.peak_bytes)} of {gib(ev.usable)} usable on pipeline rank {w.pp_rank}: " + ", ".join(parts))
 
 

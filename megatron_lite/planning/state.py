@@ -8,7 +8,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..parallel.bucket_plan import BucketPlan, KeptFeatures, ParamInfo, offloaded_buckets, plan_buckets, state_bytes
+from ..parallel.bucket_plan import BucketPlan, KeptFeatures, ParamInfo, offloaded_buckets, plan_buckets, state_bytes, \
+    with_param_offload
 from ..parallel.pipeline.placement import StagePlacement
 from ..parallel.pipeline.schedules import schedule_placement
 from .layout import Layout
@@ -70,4 +71,5 @@ def rank_state_bytes(num_layers: int, lay: Layout, pp_rank: int, inventory: Inve
                         group_sizes=tuple(lay.edp if b.expert else lay.dp * lay.cp for b in plans),
                         qgz_nodes=qgz_nodes(lay, local_world_size))
     offloaded = offloaded_buckets([b.shard_numel for b in plans], fraction)
-    return state_bytes(plans, lay.zero_stage, lay.grad_dtype, offloaded, nvme=lay.optimizer_offload_nvme, kept=kept)
+    out = state_bytes(plans, lay.zero_stage, lay.grad_dtype, offloaded, nvme=lay.optimizer_offload_nvme, kept=kept)
+    return with_param_offload(out, plans, lay.optimizer_offload_nvme) if lay.param_offload_nvme else out

@@ -257,6 +257,11 @@ class Trainer:
             self.logger.info(f"> optimizer state on NVMe: {spill.path} ({spill.file_bytes / 2**20:.1f} MiB, "
                              f"{'O_DIRECT' if spill.direct else 'buffered + fdatasync'}); held in memory: two "
                              f"staging buffers of {spill.staging_bytes / 2 / 2**20:.1f} MiB")
+        params = self.optimizer.sync.param_spill
+        if params is not None:
+            self.logger.info(f"> parameter shards on NVMe: {params.path} ({params.file_bytes / 2**20:.1f} MiB, "
+                             f"{'O_DIRECT' if params.direct else 'buffered + fdatasync'}); held in memory: two "
+                             f"staging buffers of {params.staging_bytes / 2 / 2**20:.1f} MiB")
         printed = len(self.profiler.notes)
         for note in self.profiler.notes:
             self.logger.info(f"> {note}")
