@@ -101,3 +101,33 @@ def test_plan_takes_the_disk_rate_and_the_nvme_flag():
                       "--use-distributed-optimizer", "--optimizer-offload-nvme-path", "/nvme", "--nvme-gbps", "1.5"])
     assert hw.nvme_gbps == 1.5 and ev.layout.optimizer_offload_nvme
     assert ev.time.detail["nvme_io_s"] > 0 and ev.ranks[0].state["optimizer_staging_bytes"] > 0
+
+
+def test_param_nvme_step_time_is_the_gathers_reads_and_the_write_back_beyond_the_compute():
+    """--param-offload-nvme-path at ZeRO-3: a step reads every unit's shards at each gather (forward
+    and backward of each micro-batch) and writes them once; the planner charges what the compute
+    does not hide, and nothing on a disk fast enough."""
+    import torch
+
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.parallel.bucket_plan import param_region_bytes
+    from megatron_lite.planning.hardware import GPUS
+    from megatron_lite.planning.layout import Layout
+    from megatron_lite.planning.state import rank_buckets
+    from megatron_lite.planning.timing import step_time
+    from models.gpt_inventory import GPTInventory
+    from models.zoo import zoo
+
+    m = parse_args(["--model", "llama3-8b", "--bf16"], zoo()).model
+    hw, inventory = GPUS["H100"], GPTInventory(m, torch.bfloat16).chunk
+    lay = Layout(dp=8, zero_stage=3, seq_length=4096, global_batch_size=32, param_offload_nvme=True)
+    micro = lay.num_microbatches
+    file_bytes = sum(param_region_bytes(b) for b in rank_buckets(m.num_layers, lay, 0, inventory))
+    base = step_time(m, lay, hw, inventory)
+    assert base.detail["param_nvme_io_s"] == pytest.approx((2 * micro + 1) * file_bytes / (hw.nvme_gbps * 1e9))
+    slow = step_time(m, lay, hw.with_(nvme_gbps=(2 * micro + 1) * file_bytes / (2 * base.compute_s) / 1e9), inventory)
+    assert slow.nvme_s == pytest.approx(slow.compute_s)  # I/O of twice the compute: one compute's worth waits
+    fast = step_time(m, lay, hw.with_(nvme_gbps=1e6), inventory)
+    assert fast.nvme_s == 0.0 and fast.total_s == pytest.approx(slow.total_s - slow.compute_s)
+    once = step_time(m, lay.with_(reshard_after_forward=False), hw, inventory)
+    assert once.detail["param_nvme_io_s"] == pytest.approx(2 * file_bytes / (hw.nvme_gbps * 1e9))

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from ..config import ModelConfig
-from ..parallel.bucket_plan import UPDATE_RULES, nvme_bytes_per_step, region_bytes
+from ..parallel.bucket_plan import UPDATE_RULES, nvme_bytes_per_step, param_region_bytes, region_bytes
 from ..parallel.pipeline.partition import stage_sizes
 from ..parallel.pipeline.placement import StagePlacement
 from ..parallel.pipeline.schedules import compute_orders, schedule_placement
@@ -358,7 +358,7 @@ def step_time(cfg: ModelConfig, lay: Layout, hw: Hardware, inventory, pp_rank: i
     if offloaded:
         opt += offloaded * (4 + a) / (hw.host_link_gbps * 1e9) + offloaded / (hw.host_adam_gparams * 1e9)
     return StepTime(compute, bubble, tp, cp, ep, dp_s, opt, model_flops / 1e12, bubble_fraction, detail,
-                    nvme_seconds(lay, hw, plans, compute, opt, detail))
+                    nvme_seconds(lay, hw, plans, compute, opt, detail) + param_nvme_seconds(lay, hw, plans, compute, detail))
 
 
 def nvme_seconds(lay: Layout, hw: Hardware, plans, compute: float, optimizer: float,
@@ -380,3 +380,17 @@ def nvme_seconds(lay: Layout, hw: Hardware, plans, compute: float, optimizer: fl
     phase = first_read + max(optimizer, io - last_write - first_read)
     detail["nvme_io_s"] = io
     return phase - optimizer + max(0.0, last_write - compute)
+
+
+def param_nvme_seconds(lay: Layout, hw: Hardware, plans, compute: float, detail: Dict[str, float]) -> float:
+    """--param-offload-nvme-path (parallel/param_offload.py): every ZeRO-3 gather of a unit reads its
+    shards from the file (forward and backward of each micro-batch, or once a step without
+    resharding), the I/O thread reading the next unit while this one computes, and the optimizer
+    writes each shard back once behind the step: what of that the compute does not cover waits."""
+    if not lay.param_offload_nvme or not plans:
+        return 0.0
+    gathers = 2 * lay.num_microbatches if lay.reshard_after_forward else 1
+    file_bytes = sum(param_region_bytes(b) for b in plans)
+    io = (gathers + 1) * file_bytes / (hw.nvme_gbps * 1e9)
+    detail["param_nvme_io_s"] = io
+    return max(0.0, io - compute)
