@@ -31,15 +31,16 @@ SCHEMES = {"fp32": ZERO1, "bf16": ZERO1 + ["--grad-comm-dtype", "bf16"],
            "fp8-e4m3": ZERO1 + ["--grad-comm-dtype", "fp8-e4m3"], "fp8-e5m2": ZERO1 + ["--grad-comm-dtype", "fp8-e5m2"],
            "adam-1bit": ["--optimizer", "adam-1bit"],  # (ZeRO 0, as DeepSpeed's; --freeze-step from the flag)
            "qwZ ZeRO-3": ["--zero-stage", "3", "--zeropp-quantized-weights"],
-           "qwZ+qgZ ZeRO-3": ["--zero-stage", "3", "--zeropp-quantized-weights", "--zeropp-quantized-gradients"],
-           "qgZ ZeRO-3": ["--zero-stage", "3", "--zeropp-quantized-gradients"],
+           "qwZ+qgZ ZeRO-3": ["--zero-stage", "3", "--zeropp-quantized-weights", "--zeropp-quantized-gradients",
+                              "--zeropp-qgz-error-feedback"],
+           # ("qgZ": with error feedback, as these studies ran it; "no-EF": the default, DeepSpeed's qgZ)
+           "qgZ ZeRO-3": ["--zero-stage", "3", "--zeropp-quantized-gradients", "--zeropp-qgz-error-feedback"],
            # (nodes of 2 DP ranks: two hops at --dp 4, one at --dp 2)
-           "qgZ 2-hop ZeRO-3": ["--zero-stage", "3", "--zeropp-quantized-gradients",
+           "qgZ 2-hop ZeRO-3": ["--zero-stage", "3", "--zeropp-quantized-gradients", "--zeropp-qgz-error-feedback",
                                 "--zeropp-hpz-partition-size", "2"],
-           # (DeepSpeed's qgZ: no error feedback at either hop)
-           "qgZ no-EF ZeRO-3": ["--zero-stage", "3", "--zeropp-quantized-gradients", "--no-zeropp-qgz-error-feedback"],
+           "qgZ no-EF ZeRO-3": ["--zero-stage", "3", "--zeropp-quantized-gradients"],
            "qgZ 2-hop no-EF ZeRO-3": ["--zero-stage", "3", "--zeropp-quantized-gradients",
-                                      "--no-zeropp-qgz-error-feedback", "--zeropp-hpz-partition-size", "2"]}
+                                      "--zeropp-hpz-partition-size", "2"]}
 INTER_NODE = "all_to_all_inter_node"
 
 

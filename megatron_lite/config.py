@@ -72,11 +72,12 @@ class ParallelConfig:
                "backward compute with the dequantized weights, the shards stay exact", store="true")
     zeropp_quantized_gradients: bool = arg(
         False, "ZeRO-3: reduce-scatter gradients as int4 blocks of 256 (fp32 scales) by all-to-all, summed in fp32 "
-               "(ZeRO++'s qgZ), error feedback as --grad-comm-dtype; two hops when DP spans nodes", store="true")
+               "(ZeRO++'s qgZ; no error feedback unless --zeropp-qgz-error-feedback); two hops when DP spans nodes",
+        store="true")
     zeropp_qgz_error_feedback: bool = arg(
-        True, "--zeropp-quantized-gradients without error feedback (DeepSpeed's qgZ): no fp32 error per bucket "
-              "(4 bytes a parameter), the int4 rounding of each step is lost instead of joining the next gradient",
-        flag="--no-zeropp-qgz-error-feedback", store="false")
+        False, "--zeropp-quantized-gradients with error feedback at both hops: each rank's int4 rounding joins its "
+               "next gradient, at the cost of an fp32 error per bucket (4 bytes a parameter); off: DeepSpeed's qgZ",
+        store="true")
     zeropp_hpz_partition_size: int = arg(
         1, "ZeRO-3: after each forward keep a secondary partition of the parameters within groups of this many "
            "consecutive DP ranks (a node), from which backward re-gathers them (ZeRO++'s hpZ); 1: off")
@@ -193,8 +194,8 @@ class ParallelConfig:
                  "--zeropp-quantized-weights quantizes ZeRO-3's parameter all-gather: add --zero-stage 3")
         _require(not self.zeropp_quantized_gradients or self.zero_stage == 3,
                  "--zeropp-quantized-gradients quantizes ZeRO-3's gradient reduce-scatter: add --zero-stage 3")
-        _require(self.zeropp_qgz_error_feedback or self.zeropp_quantized_gradients,
-                 "--no-zeropp-qgz-error-feedback turns off qgZ's error feedback: add --zeropp-quantized-gradients")
+        _require(not self.zeropp_qgz_error_feedback or self.zeropp_quantized_gradients,
+                 "--zeropp-qgz-error-feedback adds error feedback to qgZ: add --zeropp-quantized-gradients")
         _require(not (self.zeropp_quantized_gradients and (self.grad_comm_dtype or self.grad_reduce_in_bf16)),
                  "--zeropp-quantized-gradients sends fp32 gradient buffers as int4: drop --grad-comm-dtype and "
                  "--grad-reduce-in-bf16")

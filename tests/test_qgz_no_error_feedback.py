@@ -1,4 +1,4 @@
-"""qgZ without error feedback (--no-zeropp-qgz-error-feedback, DeepSpeed's qgZ): each reduced
+"""qgZ without error feedback (the default, DeepSpeed's qgZ; --zeropp-qgz-error-feedback adds it): each reduced
 gradient within int4's rounding of the fp32 reduce-scatter's and independent of the steps before
 (a step's gradients reduced again give the same values, bitwise), the same bytes on the wire as with error
 feedback, no error tensor held at either hop, an idle bucket reduced to exact zeros, and the
@@ -129,16 +129,15 @@ def test_checkpoints_cross_between_runs_with_and_without_error_feedback(tmp_path
     first step applies its residual once (none pending after); that run's checkpoint has no
     grad_residual and loads into a run with error feedback (zeros: nothing pending)."""
     from megatron_lite.checkpoint.offline import open_checkpoint
-    argv = TINY + ["--zero-stage", "3", "--zeropp-quantized-gradients"]
-    losses_of(run_distributed(train_in_process, 2, argv + ["--train-iters", "3", "--save", str(tmp_path / "ef")],
+    argv, ef = TINY + ["--zero-stage", "3", "--zeropp-quantized-gradients"], ["--zeropp-qgz-error-feedback"]
+    losses_of(run_distributed(train_in_process, 2, argv + ef + ["--train-iters", "3", "--save", str(tmp_path / "ef")],
                               timeout=240))
-    runs = run_distributed(_residual_then_steps, 2, argv + ["--no-zeropp-qgz-error-feedback", "--train-iters", "5",
-                                                            "--load", str(tmp_path / "ef"),
+    runs = run_distributed(_residual_then_steps, 2, argv + ["--train-iters", "5", "--load", str(tmp_path / "ef"),
                                                             "--save", str(tmp_path / "no-ef")], timeout=240)
     assert all(pending > 0 and left == 0 for pending, left, _ in runs)
     with open_checkpoint(str(tmp_path / "no-ef"), 5) as reader:
         assert reader.pieces and not [k for k in reader.pieces if k.endswith("/grad_residual")]
-    back = run_distributed(_residual_then_steps, 2, argv + ["--train-iters", "7", "--load", str(tmp_path / "no-ef")],
-                           timeout=240)
+    back = run_distributed(_residual_then_steps, 2, argv + ef + ["--train-iters", "7", "--load",
+                                                                 str(tmp_path / "no-ef")], timeout=240)
     assert all(pending == 0 and left == 0 for pending, left, _ in back)
     assert all(torch.isfinite(torch.tensor(r["lm_loss"])).all() for _, _, h in back for r in h if r["lm_loss"])

@@ -166,7 +166,7 @@ def test_two_hop_errors_checkpoint_resume_exactly_and_reshard_to_one_hop(tmp_pat
     from megatron_lite.checkpoint.offline import open_checkpoint
     from test_compression import TINY, _loaded_residual
     from training_utils import losses_of, train_in_process
-    argv = TINY + ["--train-iters", "6", "--zero-stage", "3", "--zeropp-quantized-gradients"]
+    argv = TINY + ["--train-iters", "6", "--zero-stage", "3", "--zeropp-quantized-gradients", "--zeropp-qgz-error-feedback"]
     dp4 = ["--global-batch-size", "8", "--zeropp-hpz-partition-size", "2"]
 
     def losses(extra):

@@ -22,9 +22,10 @@ live state as well, so a resumed run continues exactly); it reshards like the op
 a load adds it to the next reduced gradient. Without --grad-comm-dtype, PlainReducer runs,
 unchanged.
 
---no-zeropp-qgz-error-feedback (DeepSpeed's qgZ) keeps no error at either hop: each step's int4
-rounding is lost rather than delayed, and no fp32 copy of the buckets is held. Such a run writes no
-residual to its checkpoints; one it loads (written with error feedback) is applied once.
+qgZ keeps no error at either hop unless --zeropp-qgz-error-feedback (DeepSpeed's qgZ keeps none):
+each step's int4 rounding is lost rather than delayed, and no fp32 copy of the buckets is held.
+Such a run writes no residual to its checkpoints; one it loads (written with error feedback) is
+applied once.
 """
 from __future__ import annotations
 
@@ -429,10 +430,10 @@ class CompressedReducer:
 
 
 def build_reducer(comm: Communicator, fmt: Optional[str], quantized_gradients: bool = False,
-                  hops: Optional[NodeHops] = None, qgz_error_feedback: bool = True):
-    """--grad-comm-dtype's reducer, or --zeropp-quantized-gradients' (int4 blocks; in two `hops`
-    when DP spans nodes; error feedback unless --no-zeropp-qgz-error-feedback); None: GradientSync's
-    default PlainReducer."""
+                  hops: Optional[NodeHops] = None, qgz_error_feedback: bool = False):
+    """--grad-comm-dtype's reducer (error feedback), or --zeropp-quantized-gradients' (int4 blocks; in
+    two `hops` when DP spans nodes; error feedback with --zeropp-qgz-error-feedback); None:
+    GradientSync's default PlainReducer."""
     if quantized_gradients:
         return CompressedReducer(comm, "int4-blocks", hops, error_feedback=qgz_error_feedback)
     return None if fmt is None else CompressedReducer(comm, fmt)

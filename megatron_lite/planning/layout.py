@@ -48,7 +48,7 @@ class Layout:
     optimizer: str = "adam"  # --optimizer (bucket_plan.UPDATE_RULES: its states and error feedback)
     grad_comm_dtype: Optional[str] = None  # --grad-comm-dtype: error feedback per bucket
     zeropp_quantized_gradients: bool = False  # qgZ: int4 blocks, error feedback per bucket
-    zeropp_qgz_error_feedback: bool = True  # False: --no-zeropp-qgz-error-feedback, qgZ keeps no error
+    zeropp_qgz_error_feedback: bool = False  # --zeropp-qgz-error-feedback: qgZ keeps an error per bucket
     zeropp_quantized_weights: bool = False  # qwZ: keeps nothing between its gathers
     zeropp_hpz_partition_size: int = 1  # hpZ: a secondary partition of 1/N of the dense buckets
     split: LayerSplit = LayerSplit()  # layers per virtual stage when not even
@@ -85,7 +85,7 @@ class Layout:
     @property
     def grad_codec(self) -> Optional[str]:
         """The format gradients are reduced in with error feedback (compression.build_reducer's); None
-        where no error is kept (qgZ with --no-zeropp-qgz-error-feedback)."""
+        where no error is kept (qgZ without --zeropp-qgz-error-feedback)."""
         if self.zeropp_quantized_gradients:
             return "int4-blocks" if self.zeropp_qgz_error_feedback else None
         return self.grad_comm_dtype
@@ -119,7 +119,7 @@ class Layout:
         if self.grad_comm_dtype:
             parts.append(f"grads sent as {self.grad_comm_dtype}")
         hpz = self.zeropp_hpz_partition_size
-        qgz = "qgZ" if self.zeropp_qgz_error_feedback else "qgZ (no error feedback)"
+        qgz = "qgZ + error feedback" if self.zeropp_qgz_error_feedback else "qgZ"
         parts += [name for name, on in ((qgz, self.zeropp_quantized_gradients),
                                         ("qwZ", self.zeropp_quantized_weights), (f"hpZ{hpz}", hpz > 1),
                                         ("optimizer on NVMe", self.optimizer_offload_nvme)) if on]
