@@ -1,10 +1,11 @@
 """Convergence of compressed communication on the built-in corpus: llama-tiny at DP2 for --iters
 iterations, uncompressed (the baseline, ZeRO-1), with each --grad-comm-dtype (ZeRO-1, error
 feedback on), with 1-bit Adam (ZeRO 0, --freeze-step warm-up), 0/1 Adam (ZeRO 0,
---var-freeze-step) and with ZeRO++'s quantized weights / gradients (ZeRO-3; hpZ changes no value),
-same seed and data. DP bytes: the reduction's and the parameter all-gather's (counted buffers). The
-global batch is 4 whatever --dp (micro-batches of 4 / dp: the same data); at --dp 4 "qgZ 2-hop"
-reduces the int4 gradients in nodes of 2 (hpZ's partition): its cross-node bytes are reported apart.
+--var-freeze-step) and with ZeRO++'s quantized weights / gradients (ZeRO-3, qgZ with and without
+error feedback; hpZ changes no value), same seed (--seed: another for every scheme) and data. DP
+bytes: the reduction's and the parameter all-gather's (counted buffers). The global batch is 4
+whatever --dp (micro-batches of 4 / dp: the same data); at --dp 4 "qgZ 2-hop" reduces the int4
+gradients in nodes of 2 (hpZ's partition): its cross-node bytes are reported apart.
 
 Writes OUT/<scheme>.jsonl, OUT/summary.json, a Markdown table on stdout (final loss = mean of
 the last --tail iterations, and its difference from the baseline; gradient bytes per step from
@@ -31,11 +32,16 @@ SCHEMES = {"fp32": ZERO1, "bf16": ZERO1 + ["--grad-comm-dtype", "bf16"],
            "adam-1bit": ["--optimizer", "adam-1bit"],  # (ZeRO 0, as DeepSpeed's; --freeze-step from the flag)
            "adam-01": ["--optimizer", "adam-01"],  # (ZeRO 0; --var-freeze-step from the flag)
            "qwZ ZeRO-3": ["--zero-stage", "3", "--zeropp-quantized-weights"],
-           "qwZ+qgZ ZeRO-3": ["--zero-stage", "3", "--zeropp-quantized-weights", "--zeropp-quantized-gradients"],
-           "qgZ ZeRO-3": ["--zero-stage", "3", "--zeropp-quantized-gradients"],
+           "qwZ+qgZ ZeRO-3": ["--zero-stage", "3", "--zeropp-quantized-weights", "--zeropp-quantized-gradients",
+                              "--zeropp-qgz-error-feedback"],
+           # ("qgZ": with error feedback, as these studies ran it; "no-EF": the default, DeepSpeed's qgZ)
+           "qgZ ZeRO-3": ["--zero-stage", "3", "--zeropp-quantized-gradients", "--zeropp-qgz-error-feedback"],
            # (nodes of 2 DP ranks: two hops at --dp 4, one at --dp 2)
-           "qgZ 2-hop ZeRO-3": ["--zero-stage", "3", "--zeropp-quantized-gradients",
-                                "--zeropp-hpz-partition-size", "2"]}
+           "qgZ 2-hop ZeRO-3": ["--zero-stage", "3", "--zeropp-quantized-gradients", "--zeropp-qgz-error-feedback",
+                                "--zeropp-hpz-partition-size", "2"],
+           "qgZ no-EF ZeRO-3": ["--zero-stage", "3", "--zeropp-quantized-gradients"],
+           "qgZ 2-hop no-EF ZeRO-3": ["--zero-stage", "3", "--zeropp-quantized-gradients",
+                                      "--zeropp-hpz-partition-size", "2"]}
 INTER_NODE = "all_to_all_inter_node"
 
 
@@ -44,7 +50,7 @@ def run(scheme, args):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.dp}",
            os.path.join(ROOT, "pretrain_gpt.py"), *SHAPE, *SCHEMES[scheme], "--train-iters", str(args.iters),
            "--micro-batch-size", str(GLOBAL_BATCH // args.dp),
-           "--freeze-step", str(args.freeze_step),
+           "--freeze-step", str(args.freeze_step), *(["--seed", str(args.seed)] if args.seed is not None else []),
            "--metrics-file", metrics]
     if scheme == "adam-01":
         cmd += ["--var-freeze-step", str(args.var_freeze_step)]
@@ -66,6 +72,7 @@ def main():
     ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--freeze-step", type=int, default=100, help="1-bit Adam's warm-up (a third of the default run)")
     ap.add_argument("--var-freeze-step", type=int, default=100, help="0/1 Adam's last variance step")
+    ap.add_argument("--seed", type=int, default=None, help="pretrain_gpt's --seed for every run (default: its own)")
     add_study_args(ap)
     args = ap.parse_args()
     if GLOBAL_BATCH % args.dp:

@@ -73,7 +73,12 @@ class ParallelConfig:
                "backward compute with the dequantized weights, the shards stay exact", store="true")
     zeropp_quantized_gradients: bool = arg(
         False, "ZeRO-3: reduce-scatter gradients as int4 blocks of 256 (fp32 scales) by all-to-all, summed in fp32 "
-               "(ZeRO++'s qgZ), error feedback as --grad-comm-dtype; two hops when DP spans nodes", store="true")
+               "(ZeRO++'s qgZ; no error feedback unless --zeropp-qgz-error-feedback); two hops when DP spans nodes",
+        store="true")
+    zeropp_qgz_error_feedback: bool = arg(
+        False, "--zeropp-quantized-gradients with error feedback at both hops: each rank's int4 rounding joins its "
+               "next gradient, at the cost of an fp32 error per bucket (4 bytes a parameter); off: DeepSpeed's qgZ",
+        store="true")
     zeropp_hpz_partition_size: int = arg(
         1, "ZeRO-3: after each forward keep a secondary partition of the parameters within groups of this many "
            "consecutive DP ranks (a node), from which backward re-gathers them (ZeRO++'s hpZ); 1: off")
@@ -190,6 +195,8 @@ class ParallelConfig:
                  "--zeropp-quantized-weights quantizes ZeRO-3's parameter all-gather: add --zero-stage 3")
         _require(not self.zeropp_quantized_gradients or self.zero_stage == 3,
                  "--zeropp-quantized-gradients quantizes ZeRO-3's gradient reduce-scatter: add --zero-stage 3")
+        _require(not self.zeropp_qgz_error_feedback or self.zeropp_quantized_gradients,
+                 "--zeropp-qgz-error-feedback adds error feedback to qgZ: add --zeropp-quantized-gradients")
         _require(not (self.zeropp_quantized_gradients and (self.grad_comm_dtype or self.grad_reduce_in_bf16)),
                  "--zeropp-quantized-gradients sends fp32 gradient buffers as int4: drop --grad-comm-dtype and "
                  "--grad-reduce-in-bf16")

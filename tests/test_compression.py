@@ -318,7 +318,7 @@ def test_zeropp_quantized_weights_and_gradients_move_int8_and_int4_blocks_and_tr
     blocks) instead of the fp32 bucket; with --zeropp-quantized-gradients as well, the gradient
     reduce-scatter becomes one all-to-all of N int4 rows (half a byte a value, a scale per 256).
     The losses stay within 1 % of plain ZeRO-3's (int8 weights: 0.4 % of a block's largest
-    value; int4 gradients with error feedback) yet differ, and gathered_params() still returns
+    value; int4 gradients, without error feedback by default) yet differ, and gathered_params() still returns
     the exact shards."""
     argv = TINY + ["--train-iters", "4", "--zero-stage", "3", "--log-comm-volume"]
     qw, qg = ["--zeropp-quantized-weights"], ["--zeropp-quantized-gradients"]

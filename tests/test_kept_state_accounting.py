@@ -12,8 +12,10 @@ from tests.planner_harness import GBS8, MODEL_A, MODEL_B, measure_layouts, predi
 # (name, world size, flags, the keys the feature must add)
 FEEDBACK, HPZ = "error_feedback_bytes", "hpz_secondary_bytes"
 ZERO3_PLUS = ("A  DP2 ZeRO-3 qgZ + qwZ + hpZ2, 2 micro-batches", 2, MODEL_A + [
-    "--zero-stage", "3", "--zeropp-quantized-gradients", "--zeropp-quantized-weights",
+    "--zero-stage", "3", "--zeropp-quantized-gradients", "--zeropp-qgz-error-feedback", "--zeropp-quantized-weights",
     "--zeropp-hpz-partition-size", "2"] + GBS8, (FEEDBACK, HPZ))
+QGZ_NO_EF = ("A  DP2 ZeRO-3 qgZ without error feedback + hpZ2 keeps no error", 2, MODEL_A + [
+    "--zero-stage", "3", "--zeropp-quantized-gradients", "--zeropp-hpz-partition-size", "2"] + GBS8, (HPZ,))
 CELLS = [
     ("A  DP2 ZeRO-0 grads as bf16 (worker + server errors)", 2, MODEL_A + ["--zero-stage", "0", "--grad-comm-dtype",
                                                                            "bf16"], (FEEDBACK,)),
@@ -22,8 +24,11 @@ CELLS = [
     ("A  DP2 adam-1bit after its freeze", 2, MODEL_A + ["--optimizer", "adam-1bit", "--freeze-step", "1"],
      (FEEDBACK,)),
     ("A  DP2 ZeRO-3 qwZ alone keeps nothing", 2, MODEL_A + ["--zero-stage", "3", "--zeropp-quantized-weights"], ()),
-    ("B  DP4 ZeRO-3 qgZ + hpZ2", 4, MODEL_B + ["--zero-stage", "3", "--zeropp-quantized-gradients",
+    ("B  DP4 ZeRO-3 qgZ with error feedback + hpZ2", 4, MODEL_B + ["--zero-stage", "3", "--zeropp-quantized-gradients",
+                                                                   "--zeropp-qgz-error-feedback",
                                                "--zeropp-hpz-partition-size", "2"] + GBS8, (FEEDBACK, HPZ)),
+    ("B  DP4 ZeRO-3 two-hop qgZ without error feedback", 4, MODEL_B + [
+        "--zero-stage", "3", "--zeropp-quantized-gradients", "--zeropp-hpz-partition-size", "2"] + GBS8, (HPZ,)),
     ("B  DP4 adam-1bit after its freeze, odd vocabulary (padded rows)", 4, MODEL_B + [
         "--vocab-size", "999", "--optimizer", "adam-1bit", "--freeze-step", "1"], (FEEDBACK,)),
     ("B  DP4 MoE EP2 ZeRO-2 grads as fp8-e5m2 (expert buckets over EDP2)", 4, MODEL_B + [
@@ -47,7 +52,7 @@ def _check(cells):
 
 
 def test_compression_and_zeropp_state_is_counted_as_held():
-    _check([ZERO3_PLUS])
+    _check([ZERO3_PLUS, QGZ_NO_EF])
 
 
 @pytest.mark.slow

@@ -43,7 +43,7 @@ def test_metrics_curves_overlay_two_runs(tmp_path):
 
 
 @pytest.mark.parametrize("extra", [[], ["--zero-stage", "3", "--zeropp-quantized-gradients",
-                                         "--zeropp-hpz-partition-size", "2"]])
+                                         "--zeropp-qgz-error-feedback", "--zeropp-hpz-partition-size", "2"]])
 def test_plan_memory_stacked_bars_sum_to_device_bytes(tmp_path, extra):
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):

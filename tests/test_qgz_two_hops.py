@@ -34,23 +34,31 @@ def test_node_size_rule():
     assert qgz_node_size(dp=8, tp=3, hpz=1, local_world_size=8) == 8  # TP across nodes
 
 
+def zero3_reduce_steps(make_reducer):
+    """ZeRO-3 GradientSync over this world's DP group with `make_reducer(dims)`'s reducer (None:
+    plain), STEPS steps of gradients reduced: (dims, chunks, sync, every step's shards, bytes)."""
+    dims = ParallelDims.from_world()
+    dims.comm_counter = comm.CommCounter()
+    chunks = build_model(ModelConfig(**MODEL), dims, seed=5)
+    sync = GradientSync(chunks, dims, zero_stage=3, bucket_size=3000, overlap_grad_reduce=True,
+                        units=[c.sharding_units() for c in chunks], reducer=make_reducer(dims))
+    shards, volume = [], []
+    for step in range(STEPS):
+        reduce_step(sync, chunks, make_batches(step, dims, 1, MODEL["vocab_size"]))
+        shards.append([b.grad_shard_view().clone() for b in sync.buckets])
+        volume.append(dims.comm_counter.reset())
+        sync.zero_grad()
+    return dims, chunks, sync, shards, volume
+
+
 def _reduce_steps(rank, world, node):
     """Per reducer (PlainReducer, two-hop int4): every step's reduced shards and bytes, the
     residual the errors fold into; and whether node size = DP gives no second hop."""
     out = {}
     for name in ("plain", "two-hop"):
-        dims = ParallelDims.from_world()
-        dims.comm_counter = comm.CommCounter()
-        chunks = build_model(ModelConfig(**MODEL), dims, seed=5)
-        reducer = None if name == "plain" else CompressedReducer(dims.comm, "int4-blocks", node_hops(dims, node))
-        sync = GradientSync(chunks, dims, zero_stage=3, bucket_size=3000, overlap_grad_reduce=True,
-                            units=[c.sharding_units() for c in chunks], reducer=reducer)
-        shards, volume = [], []
-        for step in range(STEPS):
-            reduce_step(sync, chunks, make_batches(step, dims, 1, MODEL["vocab_size"]))
-            shards.append([b.grad_shard_view().clone() for b in sync.buckets])
-            volume.append(dims.comm_counter.reset())
-            sync.zero_grad()
+        dims, chunks, sync, shards, volume = zero3_reduce_steps(
+            lambda dims: None if name == "plain" else CompressedReducer(dims.comm, "int4-blocks", node_hops(dims, node)))
+        reducer = sync.reducer if name != "plain" else None
         residual = [reducer.fold_for_checkpoint(b).clone() for b in sync.buckets] if reducer else None
         theory = [(b.numel, b.group_size) for b in sync.buckets]
         out[name] = shards, volume, residual, theory
@@ -158,7 +166,7 @@ def test_two_hop_errors_checkpoint_resume_exactly_and_reshard_to_one_hop(tmp_pat
     from megatron_lite.checkpoint.offline import open_checkpoint
     from test_compression import TINY, _loaded_residual
     from training_utils import losses_of, train_in_process
-    argv = TINY + ["--train-iters", "6", "--zero-stage", "3", "--zeropp-quantized-gradients"]
+    argv = TINY + ["--train-iters", "6", "--zero-stage", "3", "--zeropp-quantized-gradients", "--zeropp-qgz-error-feedback"]
     dp4 = ["--global-batch-size", "8", "--zeropp-hpz-partition-size", "2"]
 
     def losses(extra):

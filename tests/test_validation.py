@@ -174,6 +174,7 @@ CASES = [
     (2, ["--zeropp-quantized-gradients", "--zero-stage", "2"], ["--zeropp-quantized-gradients", "--zero-stage 3"]),
     (2, ["--zeropp-quantized-gradients", "--zero-stage", "3", "--grad-comm-dtype", "bf16"],
      ["--zeropp-quantized-gradients", "drop --grad-comm-dtype"]),
+    (2, ["--zeropp-qgz-error-feedback", "--zero-stage", "3"], ["--zeropp-qgz-error-feedback", "add --zeropp-quantized-gradients"]),
 ]
 
 

@@ -421,7 +421,8 @@ class DistributedOptimizer:
         """What of compression, ZeRO++ and the update rule bucket_plan.kept_bytes accounts here."""
         exchange = getattr(self.sync.reducer, "exchange", None)  # CompressedReducer's error feedback
         zero3, hops = self.sync.zero3, getattr(self.sync.reducer, "hops", None)
-        return KeptFeatures(grad_codec=exchange.codec.name if exchange is not None else None,
+        keeps_errors = exchange is not None and exchange.error_feedback
+        return KeptFeatures(grad_codec=exchange.codec.name if keeps_errors else None,
                             optimizer=self.tcfg.optimizer, hpz=zero3.hpz if zero3 is not None else 1,
                             group_sizes=tuple(b.group_size for b in self.sync.buckets),
                             qgz_nodes=hops.nodes if hops is not None else 1)
@@ -429,7 +430,8 @@ class DistributedOptimizer:
     def _held_kept_bytes(self) -> Dict[str, int]:
         """kept_bytes() measured: the error tensors of every exchange, hpZ's most secondary held at once."""
         out = {}
-        exchanges = [h.exchange for h in (self.sync.reducer, self.rule) if hasattr(h, "exchange")]
+        exchanges = [h.exchange for h in (self.sync.reducer, self.rule)
+                     if hasattr(h, "exchange") and h.exchange.error_feedback]
         if exchanges:
             stores = [s for ex in exchanges for s in (ex.worker, ex.server)]
             stores += [getattr(self.sync.reducer, "node_error", {})]  # two-hop qgZ's second hop
@@ -465,7 +467,8 @@ class DistributedOptimizer:
         in place: states kept in low precision come as fp32 copies, which `for_loading` keeps
         until `commit_loaded_state()` stores them."""
         out = []
-        feedback = [h for h in (self.sync.reducer, self.rule) if hasattr(h, "fold_for_checkpoint")]
+        feedback = [h for h in (self.sync.reducer, self.rule) if hasattr(h, "fold_for_checkpoint")
+                    and (for_loading or getattr(h, "checkpoints_residual", True))]  # (no-EF qgZ: loads one only)
         for s in self.shards:
             tensors = {k: v for k, v in s.tensors().items() if k != "main" or s.owns_main}
             if for_loading and self.spill is not None:  # NVMe: fp32 copies, written to the file on commit

@@ -51,7 +51,8 @@ def build_optimizer(chunks: List[nn.Module], dims: ParallelDims, tcfg: TrainingC
     onebit = tcfg.optimizer in ("adam-1bit", "adam-01")
     reducer = OneBitReducer(dims.comm) if onebit else build_reducer(dims.comm, pcfg.grad_comm_dtype,
                                                                         pcfg.zeropp_quantized_gradients,
-                                                                        qgz_hops(dims, pcfg))
+                                                                        qgz_hops(dims, pcfg),
+                                                                        pcfg.zeropp_qgz_error_feedback)
     grad_sync = GradientSync(chunks, dims, zero_stage=pcfg.zero_stage, bucket_size=pcfg.ddp_bucket_size,
                              overlap_grad_reduce=pcfg.overlap_grad_reduce,
                              grad_reduce_once_per_step=pcfg.grad_reduce_once_per_step,

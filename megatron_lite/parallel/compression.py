@@ -21,6 +21,11 @@ each shard (fold_for_checkpoint: a reduce-scatter of the worker errors, collecti
 live state as well, so a resumed run continues exactly); it reshards like the optimizer state and
 a load adds it to the next reduced gradient. Without --grad-comm-dtype, PlainReducer runs,
 unchanged.
+
+qgZ keeps no error at either hop unless --zeropp-qgz-error-feedback (DeepSpeed's qgZ keeps none):
+each step's int4 rounding is lost rather than delayed, and no fp32 copy of the buckets is held.
+Such a run writes no residual to its checkpoints; one it loads (written with error feedback) is
+applied once.
 """
 from __future__ import annotations
 
@@ -198,10 +203,11 @@ class ErrorFeedbackExchange:
     [r * shard, (r + 1) * shard) (shard = ceil(numel / N): a ZeRO shard), each row padded to whole
     blocks of the codec (n elements). `scatter` encodes the rows + the worker error and all-to-alls
     them (each rank gets every rank's copy of its row, which `land` decodes and sums in fp32);
-    `gather` encodes a summed row + the server error and all-gathers it to every rank."""
+    `gather` encodes a summed row + the server error and all-gathers it to every rank.
+    Without `error_feedback` the rows are encoded as they are and no error is kept."""
 
-    def __init__(self, comm: Communicator, fmt: str):
-        self.comm, self.codec = comm, codec(fmt)
+    def __init__(self, comm: Communicator, fmt: str, error_feedback: bool = True):
+        self.comm, self.codec, self.error_feedback = comm, codec(fmt), error_feedback
         self.worker: Dict[int, torch.Tensor] = {}  # [N, n] per key
         self.server: Dict[int, torch.Tensor] = {}  # [n] per key
 
@@ -230,6 +236,8 @@ class ErrorFeedbackExchange:
         """(the encoded rows [ranks, bytes], row length n) of x (flat fp32) plus the worker error,
         which keeps what the encoding lost."""
         y = self.to_rows(x, ranks)
+        if not self.error_feedback:
+            return self.codec.encode(y)[0], y.shape[1]
         error = self.error(self.worker, key, y.shape, x.device)
         y.add_(error)
         payload, sent = self.codec.encode(y)
@@ -326,12 +334,16 @@ class CompressedReducer:
     ranks at its place in every node; it decodes and sums them in fp32 (one row per node),
     re-encodes them with an error feedback of their own (`node_error`, [nodes, n] per bucket) and an
     all-to-all across nodes delivers each row to its owner. Cross-node bytes are 1/size of one hop's;
-    the owner of each element is the same (row r: rank r's ZeRO shard)."""
+    the owner of each element is the same (row r: rank r's ZeRO shard).
+
+    Without `error_feedback` neither hop keeps an error, and checkpoints get no residual from it
+    (`checkpoints_residual`); a residual loaded from one written with error feedback is applied once."""
 
     residual_name = RESIDUAL
 
-    def __init__(self, comm: Communicator, fmt: str, hops: Optional[NodeHops] = None):
-        self.comm, self.exchange, self.hops = comm, ErrorFeedbackExchange(comm, fmt), hops
+    def __init__(self, comm: Communicator, fmt: str, hops: Optional[NodeHops] = None, error_feedback: bool = True):
+        self.comm, self.exchange, self.hops = comm, ErrorFeedbackExchange(comm, fmt, error_feedback), hops
+        self.checkpoints_residual = error_feedback
         self.residual: Dict[int, torch.Tensor] = {}
         self.node_error: Dict[int, torch.Tensor] = {}
 
@@ -365,10 +377,12 @@ class CompressedReducer:
 
         def land():  # (collective: the cross-node all-to-all, issued at the same wait on every rank)
             per_node = ex.codec.decode(received, n).view(h.size, h.nodes, n).sum(dim=0)  # row m: rank (m, mine)'s
-            error = ex.error(self.node_error, b.index, per_node.shape, per_node.device)
-            per_node.add_(error)
+            if ex.error_feedback:
+                error = ex.error(self.node_error, b.index, per_node.shape, per_node.device)
+                per_node.add_(error)
             payload2, sent = ex.codec.encode(per_node)
-            error.copy_(per_node - sent)
+            if ex.error_feedback:
+                error.copy_(per_node - sent)
             got = torch.empty_like(payload2)
             self.comm.all_to_all(got, payload2, h.inter, kind="all_to_all_inter_node")
             out.copy_(ex.land(got, n, shard))
@@ -416,11 +430,12 @@ class CompressedReducer:
 
 
 def build_reducer(comm: Communicator, fmt: Optional[str], quantized_gradients: bool = False,
-                  hops: Optional[NodeHops] = None):
-    """--grad-comm-dtype's reducer, or --zeropp-quantized-gradients' (int4 blocks; in two `hops`
-    when DP spans nodes); None: GradientSync's default PlainReducer."""
+                  hops: Optional[NodeHops] = None, qgz_error_feedback: bool = False):
+    """--grad-comm-dtype's reducer (error feedback), or --zeropp-quantized-gradients' (int4 blocks; in
+    two `hops` when DP spans nodes; error feedback with --zeropp-qgz-error-feedback); None:
+    GradientSync's default PlainReducer."""
     if quantized_gradients:
-        return CompressedReducer(comm, "int4-blocks", hops)
+        return CompressedReducer(comm, "int4-blocks", hops, error_feedback=qgz_error_feedback)
     return None if fmt is None else CompressedReducer(comm, fmt)
 
 

@@ -48,6 +48,7 @@ class Layout:
     optimizer: str = "adam"  # --optimizer (bucket_plan.UPDATE_RULES: its states and error feedback)
     grad_comm_dtype: Optional[str] = None  # --grad-comm-dtype: error feedback per bucket
     zeropp_quantized_gradients: bool = False  # qgZ: int4 blocks, error feedback per bucket
+    zeropp_qgz_error_feedback: bool = False  # --zeropp-qgz-error-feedback: qgZ keeps an error per bucket
     zeropp_quantized_weights: bool = False  # qwZ: keeps nothing between its gathers
     zeropp_hpz_partition_size: int = 1  # hpZ: a secondary partition of 1/N of the dense buckets
     param_offload_nvme: bool = False  # --param-offload-nvme-path: ZeRO-3's param shards in a file, two staging buffers
@@ -84,8 +85,11 @@ class Layout:
 
     @property
     def grad_codec(self) -> Optional[str]:
-        """The format gradients are reduced in with error feedback (compression.build_reducer's)."""
-        return "int4-blocks" if self.zeropp_quantized_gradients else self.grad_comm_dtype
+        """The format gradients are reduced in with error feedback (compression.build_reducer's); None
+        where no error is kept (qgZ without --zeropp-qgz-error-feedback)."""
+        if self.zeropp_quantized_gradients:
+            return "int4-blocks" if self.zeropp_qgz_error_feedback else None
+        return self.grad_comm_dtype
 
     @property
     def buckets(self) -> int:
@@ -116,7 +120,8 @@ class Layout:
         if self.grad_comm_dtype:
             parts.append(f"grads sent as {self.grad_comm_dtype}")
         hpz = self.zeropp_hpz_partition_size
-        parts += [name for name, on in (("qgZ", self.zeropp_quantized_gradients),
+        qgz = "qgZ + error feedback" if self.zeropp_qgz_error_feedback else "qgZ"
+        parts += [name for name, on in ((qgz, self.zeropp_quantized_gradients),
                                         ("qwZ", self.zeropp_quantized_weights), (f"hpZ{hpz}", hpz > 1),
                                         ("optimizer on NVMe", self.optimizer_offload_nvme)) if on]
         if self.pp > 1:
@@ -154,6 +159,7 @@ def from_config(cfg: Config, world_size: int) -> Layout:
                   optimizer_offload_nvme=bool(t.optimizer_offload_nvme_path),
                   optimizer=t.optimizer, grad_comm_dtype=p.grad_comm_dtype,
                   zeropp_quantized_gradients=p.zeropp_quantized_gradients,
+                  zeropp_qgz_error_feedback=p.zeropp_qgz_error_feedback,
                   zeropp_quantized_weights=p.zeropp_quantized_weights,
                   zeropp_hpz_partition_size=p.zeropp_hpz_partition_size,
                   param_offload_nvme=bool(t.param_offload_nvme_path),
