@@ -85,7 +85,7 @@ class OneBitAdam:
     def compressed_sum_(self, b, x: torch.Tensor) -> None:
         """x := its sum over b's ranks through the compressed all-reduce (in place)."""
         if self.per_tensor_scales:
-            self.exchange.scale_per_tensor(b.index, b.offsets, b.numel, b.group_size, x.device)
+            self.exchange.scale_per_tensor(b.index, b.offsets, b.numel, b.group_size)
         self.exchange.all_reduce(b.index, x, b.group, b.group_size)
 
     @torch.no_grad()

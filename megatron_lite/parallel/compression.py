@@ -78,6 +78,15 @@ class Codec:
 _BITS = 1 << torch.arange(8, dtype=torch.uint8)
 
 
+def _per_element(values: torch.Tensor, runs: torch.Tensor, n: int) -> torch.Tensor:
+    """[k, n]: each run of each row (runs [k, r], CPU) filled with its value (values [k, r]); a
+    fill per run (a few per row) is faster here than repeat_interleave."""
+    out = torch.empty(values.shape[0] * n, dtype=values.dtype, device=values.device)
+    for piece, value in zip(out.split(runs.reshape(-1).tolist()), values.reshape(-1)):
+        piece.copy_(value)
+    return out.view(-1, n)
+
+
 class SignCodec:
     """1-bit Adam's format (DeepSpeed's compressed all-reduce): each value's sign (0 counts as +)
     packed 8 to a byte, and its scale: an RMS (the norm over sqrt(elements)), so that the decoded
@@ -98,10 +107,10 @@ class SignCodec:
             payload = torch.cat([packed, scale.view(torch.uint8)], dim=1)
             return payload, torch.where(positive, scale, -scale)
         pieces = x.reshape(-1).split(runs.reshape(-1).tolist())
-        scales = torch.stack(torch._foreach_norm(pieces)).view(k, -1) / runs.clamp(min=1).float().sqrt()
+        scales = torch.stack(torch._foreach_norm(pieces)).view(k, -1) / runs.clamp(min=1).float().sqrt().to(x.device)
         scales[:, -1] = 0.0
         payload = torch.cat([packed, scales[:, :-1].contiguous().view(torch.uint8)], dim=1)
-        each = scales.reshape(-1).repeat_interleave(runs.reshape(-1)).view(k, n)
+        each = _per_element(scales, runs, n)
         return payload, torch.where(positive, each, -each)
 
     def decode(self, payload: torch.Tensor, n: int, runs: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -109,8 +118,7 @@ class SignCodec:
         bits = (payload[:, :n // 8].unsqueeze(2) & _BITS.to(payload.device)).ne(0).view(k, n)
         scale = payload[:, n // 8:].contiguous().view(torch.float32)
         if runs is not None:  # (the padding's scale 0 appended)
-            scale = torch.cat([scale, torch.zeros_like(scale[:, :1])], dim=1)
-            scale = scale.reshape(-1).repeat_interleave(runs.reshape(-1)).view(k, n)
+            scale = _per_element(torch.cat([scale, torch.zeros_like(scale[:, :1])], dim=1), runs, n)
         return torch.where(bits, scale, -scale)
 
 
@@ -213,9 +221,9 @@ class ErrorFeedbackExchange:
         self.comm, self.codec = comm, codec(fmt)
         self.worker: Dict[int, torch.Tensor] = {}  # [N, n] per key
         self.server: Dict[int, torch.Tensor] = {}  # [n] per key
-        self.runs: Dict[int, torch.Tensor] = {}  # per key: [N, scales per row + 1] elements per scale
+        self.runs: Dict[int, torch.Tensor] = {}  # per key: [N, scales per row + 1] elements per scale (CPU)
 
-    def scale_per_tensor(self, key: int, offsets, numel: int, ranks: int, device) -> None:
+    def scale_per_tensor(self, key: int, offsets, numel: int, ranks: int) -> None:
         """Key's sign scales: one per tensor (`offsets`: their [lo, hi) in the flat layout, in
         order) within each row, where DeepSpeed compresses each tensor apart (a scale over it at
         the worker, one per piece at the server); each row carries as many as the most any row
@@ -233,7 +241,7 @@ class ErrorFeedbackExchange:
         for r, c in enumerate(counts):
             runs[r, :len(c)] = torch.tensor(c, dtype=torch.long)
             runs[r, per_row] = n - sum(c)  # (the padding: scale 0)
-        self.runs[key] = runs.to(device)
+        self.runs[key] = runs  # (on the CPU: the runs' lengths are read as a list)
 
     def _runs(self, key: int, rows=slice(None)) -> tuple:
         """The sign codec's `runs` for `rows` of key's layout; () if it has one scale."""
