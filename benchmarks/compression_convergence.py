@@ -71,7 +71,9 @@ def main():
     ap.add_argument("--dp", type=int, default=2)
     ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--freeze-step", type=int, default=100, help="1-bit Adam's warm-up (a third of the default run)")
-    ap.add_argument("--var-freeze-step", type=int, default=100, help="0/1 Adam's last variance step")
+    ap.add_argument("--var-freeze-step", type=int, default=100,
+                    help="0/1 Adam's last variance step (DeepSpeed: the end of the LR warm-up; this study has none, "
+                         "LR decays from iteration 1: a third of the run, as --freeze-step)")
     ap.add_argument("--seed", type=int, default=None, help="pretrain_gpt's --seed for every run (default: its own)")
     add_study_args(ap)
     args = ap.parse_args()

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from megatron_lite.optim.zero_one_adam import local_interval, variance_schedule
-from megatron_lite.parallel.compression import codec as make_codec
 from megatron_lite.testing import run_distributed
 from test_compression import _resumed_exactly_and_saved, _train_with_params
 from training_utils import TINY
@@ -64,7 +63,7 @@ def _recorded(rank, world, argv):
     def recording(s, grad, lr_of, weight_decay, step):
         main = s.store.tensors["main"]
         rec = dict(step=step, bucket=s.bucket.index, grad=grad.clone(), lr=lr_of("default"), wd=weight_decay,
-                   decay=list(s.decay), before=main.clone(), ranks=s.bucket.group_size,
+                   decay=list(s.decay), offsets=list(s.bucket.offsets), before=main.clone(), ranks=s.bucket.group_size,
                    m=s.store.tensors["exp_avg"].clone(), v=s.store.tensors["exp_avg_sq"].clone())
         update(s, grad, lr_of, weight_decay, step)
         steps.append(dict(rec, after=main.clone()))
@@ -73,32 +72,49 @@ def _recorded(rank, world, argv):
     return history, steps
 
 
-def _compressed_mean(xs, worker, server, dead):
-    """The mean over ranks of xs through DeepSpeed's compressed all-reduce as written in the paper:
-    each rank's tensor + its worker error cut into N rows (padded to bytes of signs), every row's
-    signs and the rank's one scale to the row's owner, which sums them, adds its server error and
-    sends that back as signs and one scale; no error kept where `dead` (or in the padding)."""
-    sign, ranks, numel = make_codec("sign"), len(xs), xs[0].numel()
+def _signs(y, owners):
+    """Each row of y as signs times one scale per tensor in the row, the RMS of the row's elements
+    of that tensor (owners: the tensor of each element, -1 for padding, sent as 0)."""
+    out = torch.zeros_like(y)
+    for r in range(y.shape[0]):
+        for i in owners[r].unique().tolist():
+            if i >= 0:
+                mine = owners[r] == i
+                scale = y[r][mine].norm() / math.sqrt(mine.sum())
+                out[r][mine] = torch.where(y[r][mine] >= 0, scale, -scale)
+    return out
+
+
+def _compressed_mean(xs, worker, server, dead, offsets):
+    """The mean over ranks of xs through DeepSpeed's compressed all-reduce, with DeepSpeed's one
+    scale per tensor (`offsets`: each one's [lo, hi) in the bucket): each rank's tensor + its worker
+    error cut into N rows (padded to bytes of signs), every row as signs with a scale per tensor in
+    it to the row's owner, which sums them, adds its server error and sends that back the same
+    way; no error kept where `dead` (or in the padding)."""
+    ranks, numel = len(xs), xs[0].numel()
     shard = -(-numel // ranks)
     width = -(-shard // 8) * 8
 
-    def rows(x):
-        out = torch.zeros(ranks, width)
-        out[:, :shard] = torch.cat([x, torch.zeros(ranks * shard - numel)]).view(ranks, shard)
+    def rows(x, fill=0.0):
+        out = torch.full((ranks, width), fill)
+        out[:, :shard] = torch.cat([x, torch.full((ranks * shard - numel,), fill)]).view(ranks, shard)
         return out
+    owners = torch.full((numel,), -1.0)
+    for i, (lo, hi) in enumerate(offsets):
+        owners[lo:hi] = i
+    owners = rows(owners, -1.0).long()
     live = rows((~dead).float()) != 0
     sums = torch.zeros(ranks, width)
     for r, x in enumerate(xs):
         y = rows(x) + worker[r]
-        payload, sent = sign.encode(y)
+        sent = _signs(y, owners)
         worker[r] = (y - sent) * live
-        sums += sign.decode(payload, width)
+        sums += sent
     out = torch.zeros(ranks, width)
     for j in range(ranks):
         z = sums[j] + server[j]
-        payload, sent = sign.encode(z.view(1, width))
-        server[j] = (z - sent.view(-1)) * live[j]
-        out[j] = sign.decode(payload, width)
+        out[j] = _signs(z.view(1, width), owners[j:j + 1]).view(-1)
+        server[j] = (z - out[j]) * live[j]
     return out[:, :shard].reshape(-1)[:numel] / ranks
 
 
@@ -113,6 +129,7 @@ def _reference(per_rank, argv_schedule, start, beta1=0.9, beta2=0.999, eps=1e-8)
     counters = _deepspeed_counters(len(per_rank[0]), k, freeze, s, h)[start - 1:]
     per_rank = [recs[start - 1:] for recs in per_rank]
     ranks, first = len(per_rank), per_rank[0][0]
+    offsets = first["offsets"]
     n = first["before"].numel()
     decayed = torch.zeros(n, dtype=torch.bool)
     for lo, hi in first["decay"]:
@@ -134,7 +151,7 @@ def _reference(per_rank, argv_schedule, start, beta1=0.9, beta2=0.999, eps=1e-8)
             v = torch.addcmul(v * beta2, g, g, value=1 - beta2)
         elif t <= freeze:
             xs = [torch.where(dead, 0.0, g / denom) for g in grads]  # (sent as the update it makes)
-            g = (_compressed_mean(xs, worker, server, dead) if ranks > 1 else xs[0]) * denom
+            g = (_compressed_mean(xs, worker, server, dead, offsets) if ranks > 1 else xs[0]) * denom
             m = [torch.where(dead, 0.0, torch.lerp(mr, g, 1 - beta1)) for mr in m]
         else:
             if t == freeze + 1:
@@ -148,7 +165,7 @@ def _reference(per_rank, argv_schedule, start, beta1=0.9, beta2=0.999, eps=1e-8)
             anchor, lrs = torch.where(decayed, anchor * (1 - lr * wd), anchor), lrs + lr
             if sync:
                 moves = [anchor - pr for pr in p]
-                moved = torch.where(dead, 0.0, _compressed_mean(moves, worker, server, dead) if ranks > 1 else moves[0])
+                moved = torch.where(dead, 0.0, _compressed_mean(moves, worker, server, dead, offsets) if ranks > 1 else moves[0])
                 anchor = anchor - moved
                 p = [anchor.clone() for _ in p]
                 m = [moved * denom * ((1 - beta1 ** t) / lrs) for _ in m]
@@ -175,8 +192,8 @@ def test_one_rank_equals_the_reference():
 def test_two_ranks_equal_the_reference_and_move_the_bytes_of_each_step():
     """DP2: every rank's params after every step equal the reference's simulation of both ranks
     with the sign codec to 1e-6; the first two steps are AdamW's bit for bit; bytes per step: the
-    fp32 all-reduce of P at variance steps, signs both ways (N rows of P / 8N bytes plus a 4-byte
-    scale each, twice) at 1-bit and synchronising steps, nothing at local steps between; the
+    fp32 all-reduce of P at variance steps, signs both ways (N rows of P / 8N bytes plus 4-byte
+    scales, as many per row as the most tensors a row meets, twice) at 1-bit and synchronising steps, nothing at local steps between; the
     replicas agree bit for bit after each synchronisation; a step on local gradients clips (and
     reports) the norm of the ranks' estimates of the whole, N_dp x their parts (their RMS)."""
     runs = run_distributed(_recorded, 2, RUN, timeout=240)
@@ -194,7 +211,10 @@ def test_two_ranks_equal_the_reference_and_move_the_bytes_of_each_step():
         rms = (sum(e.norm() ** 2 for e in estimates) / 2).sqrt().item()
         assert rms == pytest.approx(rec["grad_norm"] * min(1.0, 1.0 / (rec["grad_norm"] + 1e-6)), rel=1e-5), step
     psi, ranks = runs[0][1][0]["before"].numel(), 2
-    signs = ranks * (-(-psi // (8 * ranks)) + 4)
+    shard = -(-psi // ranks)
+    tensors_per_row = max(sum(max(lo, r * shard) < min(hi, (r + 1) * shard) for lo, hi in runs[0][1][0]["offsets"])
+                          for r in range(ranks))
+    signs = ranks * (-(-shard // 8) + 4 * tensors_per_row)
     kinds = {1: "variance", 2: "variance", 4: "variance", 6: "variance", 3: "signs", 5: "signs", 7: "signs",
              8: "signs", 9: "signs", 10: "signs", 12: "signs", 16: "signs"}
     comm = [rec["comm_bytes"] for rec in runs[0][0]]

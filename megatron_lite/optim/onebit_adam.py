@@ -5,9 +5,10 @@ Warm-up: the first N steps are our AdamW exactly (the gradients all-reduced in f
 update). Then the variance is frozen (v and its bias correction as they were after step N) and
 the gradients are no longer all-reduced: each rank folds its own gradient into the momentum,
 and the momenta are averaged by DeepSpeed's compressed all-reduce: signs packed 8 to a byte with
-one scale (the RMS), with error feedback on the sending rank (worker error) and on the rank that
-sums each piece (server error; none kept where the momentum is masked, below); see
-parallel/compression.py. The update is then
+a scale (the RMS) per tensor in each rank's piece of the bucket (DeepSpeed compresses each tensor
+apart: one scale per bucket gives a tensor of small values the bucket's typical one), with
+error feedback on the sending rank (worker error) and on the rank that sums each piece (server
+error; none kept where the momentum is masked, below); see parallel/compression.py. The update is then
 p -= lr * (m / bc1) / (sqrt(v / bc2(N)) + eps), after decoupled weight decay. Elements whose
 frozen variance is 0 (no gradient ever, e.g. padded vocabulary rows) keep a zero momentum
 (DeepSpeed's momentum mask): a sign cannot say 0.
@@ -70,6 +71,7 @@ class OneBitAdam:
     """An update rule over whole shards (see DistributedOptimizer's `update_shard_` rules)."""
     state_names = AdamW.state_names
     residual_name = "exp_avg_residual"
+    per_tensor_scales = True  # one sign scale per tensor within each bucket row (False: one per bucket)
 
     def __init__(self, adam: AdamW, freeze_step: int, comm: Communicator):
         self.adam, self.freeze_step = adam, freeze_step
@@ -79,6 +81,12 @@ class OneBitAdam:
     def apply_loaded(self, b) -> None:
         if b.index in self.loaded:
             self.exchange.set_worker(b.index, self.loaded.pop(b.index), b.group_size)
+
+    def compressed_sum_(self, b, x: torch.Tensor) -> None:
+        """x := its sum over b's ranks through the compressed all-reduce (in place)."""
+        if self.per_tensor_scales:
+            self.exchange.scale_per_tensor(b.index, b.offsets, b.numel, b.group_size)
+        self.exchange.all_reduce(b.index, x, b.group, b.group_size)
 
     @torch.no_grad()
     def update_shard_(self, s, grad: torch.Tensor, lr_of, weight_decay: float, step: int) -> None:
@@ -92,7 +100,7 @@ class OneBitAdam:
         m.lerp_(grad * b.group_size, 1.0 - beta1)
         dead = v == 0
         if b.group_size > 1:
-            self.exchange.all_reduce(b.index, m, b.group, b.group_size)
+            self.compressed_sum_(b, m)
             m.div_(b.group_size)
             self._clear_dead_errors(b, dead)
         m.masked_fill_(dead, 0.0)

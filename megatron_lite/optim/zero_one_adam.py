@@ -22,10 +22,11 @@ Where we differ from DeepSpeed, and why:
 - What is compressed: the update each tensor makes, the gradient divided by denom =
   sqrt(v / bias correction) + eps (multiplied back after the average; v is the same on every
   rank) and the params' move, where DeepSpeed compresses the gradient and u x denom (momentum
-  units). One sign scale (the RMS) per bucket makes elements with a small variance take the
-  bucket's typical gradient, which their small denom turns into a huge step: params of 100s
+  units). With one sign scale (the RMS) per bucket, elements with a small variance took the
+  bucket's typical gradient, which their small denom turned into a huge step: params of 100s
   within steps, +11 % final loss in the 300-iteration study (benchmarks/RESULTS.md) against +2.3 %
-  in update units, where every element's step is of the same order.
+  in update units, where every element's step is of the same order. The scales are now per
+  tensor (within each rank's piece of the bucket, as 1-bit Adam's), as DeepSpeed's.
 - Decoupled weight decay (p *= 1 - lr wd first, as our AdamW and 1-bit Adam; DeepSpeed adds wd p
   to the update, and so to the momentum it resets); bias correction m / (1 - beta1^t) and
   v / (1 - beta2^k), k the variance updates so far (DeepSpeed has none), so that steps 1..K are
@@ -155,7 +156,7 @@ class ZeroOneAdam(OneBitAdam):
         exactly x, plus a loaded residual once."""
         self.apply_loaded(b)
         if b.group_size > 1:
-            self.exchange.all_reduce(b.index, x, b.group, b.group_size)
+            self.compressed_sum_(b, x)
             x.div_(b.group_size)
             self._clear_dead_errors(b, dead)
         elif b.index in self.exchange.worker:

@@ -35,7 +35,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from .bucket_plan import feedback_rows
-from .comm import Communicator, group_size
+from .comm import Communicator, group_rank, group_size
 from .state import partial_dp_groups
 
 FORMATS = {"bf16": torch.bfloat16, "fp8-e4m3": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2}
@@ -87,27 +87,47 @@ class Codec:
 _BITS = 1 << torch.arange(8, dtype=torch.uint8)
 
 
+def _per_element(values: torch.Tensor, runs: torch.Tensor, n: int) -> torch.Tensor:
+    """[k, n]: each run of each row (runs [k, r], CPU) filled with its value (values [k, r]); a
+    fill per run (a few per row) is faster here than repeat_interleave."""
+    out = torch.empty(values.shape[0] * n, dtype=values.dtype, device=values.device)
+    for piece, value in zip(out.split(runs.reshape(-1).tolist()), values.reshape(-1)):
+        piece.copy_(value)
+    return out.view(-1, n)
+
+
 class SignCodec:
     """1-bit Adam's format (DeepSpeed's compressed all-reduce): each value's sign (0 counts as +)
-    packed 8 to a byte, and one scale for all the rows encoded together, their RMS (the norm over
-    sqrt(elements)), so that the decoded values keep the input's norm."""
+    packed 8 to a byte, and its scale: an RMS (the norm over sqrt(elements)), so that the decoded
+    values keep the input's norm. Without `runs`, one scale for all the rows encoded together;
+    with `runs` ([k, s + 1]: the lengths of consecutive runs of each row, the last its padding),
+    one per run, the s of each row after its signs (the padding's scale is 0, never sent)."""
     name, align = "sign", 8
 
-    def row_bytes(self, n: int) -> int:
-        return n // 8 + _SCALE_BYTES
+    def row_bytes(self, n: int, per_row: int = 1) -> int:
+        return n // 8 + per_row * _SCALE_BYTES
 
-    def encode(self, x: torch.Tensor):
+    def encode(self, x: torch.Tensor, runs: Optional[torch.Tensor] = None):
         k, n = x.shape
         positive = x >= 0
         packed = (positive.view(k, n // 8, 8).to(torch.uint8) * _BITS.to(x.device)).sum(dim=2, dtype=torch.uint8)
-        scale = (x.norm() / math.sqrt(x.numel())).reshape(1, 1).expand(k, 1).contiguous()
-        payload = torch.cat([packed, scale.view(torch.uint8)], dim=1)
-        return payload, torch.where(positive, scale, -scale)
+        if runs is None:
+            scale = (x.norm() / math.sqrt(x.numel())).reshape(1, 1).expand(k, 1).contiguous()
+            payload = torch.cat([packed, scale.view(torch.uint8)], dim=1)
+            return payload, torch.where(positive, scale, -scale)
+        pieces = x.reshape(-1).split(runs.reshape(-1).tolist())
+        scales = torch.stack(torch._foreach_norm(pieces)).view(k, -1) / runs.clamp(min=1).float().sqrt().to(x.device)
+        scales[:, -1] = 0.0
+        payload = torch.cat([packed, scales[:, :-1].contiguous().view(torch.uint8)], dim=1)
+        each = _per_element(scales, runs, n)
+        return payload, torch.where(positive, each, -each)
 
-    def decode(self, payload: torch.Tensor, n: int) -> torch.Tensor:
+    def decode(self, payload: torch.Tensor, n: int, runs: Optional[torch.Tensor] = None) -> torch.Tensor:
         k = payload.shape[0]
         bits = (payload[:, :n // 8].unsqueeze(2) & _BITS.to(payload.device)).ne(0).view(k, n)
         scale = payload[:, n // 8:].contiguous().view(torch.float32)
+        if runs is not None:  # (the padding's scale 0 appended)
+            scale = _per_element(torch.cat([scale, torch.zeros_like(scale[:, :1])], dim=1), runs, n)
         return torch.where(bits, scale, -scale)
 
 
@@ -203,13 +223,39 @@ class ErrorFeedbackExchange:
     [r * shard, (r + 1) * shard) (shard = ceil(numel / N): a ZeRO shard), each row padded to whole
     blocks of the codec (n elements). `scatter` encodes the rows + the worker error and all-to-alls
     them (each rank gets every rank's copy of its row, which `land` decodes and sums in fp32);
-    `gather` encodes a summed row + the server error and all-gathers it to every rank.
+    `gather` encodes a summed row + the server error and all-gathers it to every rank. With the
+    sign codec a key may have one scale per tensor within each row (`scale_per_tensor`).
     Without `error_feedback` the rows are encoded as they are and no error is kept."""
 
     def __init__(self, comm: Communicator, fmt: str, error_feedback: bool = True):
         self.comm, self.codec, self.error_feedback = comm, codec(fmt), error_feedback
         self.worker: Dict[int, torch.Tensor] = {}  # [N, n] per key
         self.server: Dict[int, torch.Tensor] = {}  # [n] per key
+        self.runs: Dict[int, torch.Tensor] = {}  # per key: [N, scales per row + 1] elements per scale (CPU)
+
+    def scale_per_tensor(self, key: int, offsets, numel: int, ranks: int) -> None:
+        """Key's sign scales: one per tensor (`offsets`: their [lo, hi) in the flat layout, in
+        order) within each row, where DeepSpeed compresses each tensor apart (a scale over it at
+        the worker, one per piece at the server); each row carries as many as the most any row
+        meets (its tensors in order, then unused ones). Kept as run lengths per row (the tensors
+        of a row are consecutive, the padding last), not as an index per element."""
+        if key in self.runs:
+            return
+        shard, n = self.layout(numel, ranks)
+        counts = []
+        for r in range(ranks):
+            lo, hi = r * shard, (r + 1) * shard
+            counts.append([min(e, hi) - max(s, lo) for s, e in offsets if max(s, lo) < min(e, hi)])
+        per_row = max(1, max(len(c) for c in counts))
+        runs = torch.zeros(ranks, per_row + 1, dtype=torch.long)
+        for r, c in enumerate(counts):
+            runs[r, :len(c)] = torch.tensor(c, dtype=torch.long)
+            runs[r, per_row] = n - sum(c)  # (the padding: scale 0)
+        self.runs[key] = runs  # (on the CPU: the runs' lengths are read as a list)
+
+    def _runs(self, key: int, rows=slice(None)) -> tuple:
+        """The sign codec's `runs` for `rows` of key's layout; () if it has one scale."""
+        return (self.runs[key][rows],) if key in self.runs else ()
 
     def layout(self, numel: int, ranks: int) -> Tuple[int, int]:
         """(shard, n): elements of each rank's row, and the row padded to whole codec blocks."""
@@ -237,10 +283,10 @@ class ErrorFeedbackExchange:
         which keeps what the encoding lost."""
         y = self.to_rows(x, ranks)
         if not self.error_feedback:
-            return self.codec.encode(y)[0], y.shape[1]
+            return self.codec.encode(y, *self._runs(key))[0], y.shape[1]
         error = self.error(self.worker, key, y.shape, x.device)
         y.add_(error)
-        payload, sent = self.codec.encode(y)
+        payload, sent = self.codec.encode(y, *self._runs(key))
         error.copy_(y - sent)
         return payload, y.shape[1]
 
@@ -250,9 +296,10 @@ class ErrorFeedbackExchange:
         received = torch.empty_like(payload)
         return received, self.comm.all_to_all(received, payload, group, async_op=async_op), n
 
-    def land(self, received: torch.Tensor, n: int, shard: int) -> torch.Tensor:
-        """This rank's row summed over ranks (its first `shard` elements)."""
-        return self.codec.decode(received, n).sum(dim=0)[:shard]
+    def land(self, received: torch.Tensor, n: int, shard: int, key: int = -1, rank: int = 0) -> torch.Tensor:
+        """This rank's row (`rank`'s of key's layout) summed over ranks (its first `shard` elements)."""
+        runs = [r.expand(received.shape[0], -1) for r in self._runs(key, slice(rank, rank + 1))]
+        return self.codec.decode(received, n, *runs).sum(dim=0)[:shard]
 
     def gather(self, key: int, piece: torch.Tensor, group, ranks: int, out: torch.Tensor) -> None:
         """out (flat) = every rank's summed row (plus its server error), as sent."""
@@ -260,18 +307,20 @@ class ErrorFeedbackExchange:
         error = self.error(self.server, key, (n,), piece.device)
         y = error.clone()
         y[:shard].add_(piece)
-        payload, sent = self.codec.encode(y.view(1, n))
+        rank = group_rank(group)
+        payload, sent = self.codec.encode(y.view(1, n), *self._runs(key, slice(rank, rank + 1)))
         error.copy_(y - sent.view(-1))
         gathered = torch.empty((ranks, payload.shape[1]), dtype=torch.uint8, device=piece.device)
         self.comm.all_gather(gathered, payload, group)
-        out.copy_(self.from_rows(self.codec.decode(gathered, n), out.numel()))
+        out.copy_(self.from_rows(self.codec.decode(gathered, n, *self._runs(key)), out.numel()))
 
     def all_reduce(self, key: int, x: torch.Tensor, group, ranks: int) -> None:
         """x = the sum over ranks of x, compressed both ways (in place, blocking)."""
         received, handle, n = self.scatter(key, x, group, ranks)
         if handle is not None:
             handle.wait()
-        self.gather(key, self.land(received, n, self.layout(x.numel(), ranks)[0]), group, ranks, x)
+        shard = self.layout(x.numel(), ranks)[0]
+        self.gather(key, self.land(received, n, shard, key, group_rank(group)), group, ranks, x)
 
     def summed_errors(self, key: int, numel: int, group, ranks: int, device) -> torch.Tensor:
         """Collective: every rank's worker error plus every server error, summed, over the flat
