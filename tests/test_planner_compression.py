@@ -3,17 +3,21 @@ step per collective kind are the bytes the trainer counts with --log-comm-volume
 ranks, the second step; a default cell for qgZ + qwZ, a slow matrix for the other schemes), and
 the bytes the codecs produce when they really encode the planner's buckets; and where DP
 communication is exposed the step time falls by the bytes saved on each link at its bandwidth."""
+import os
+from unittest import mock
+
 import pytest
 import torch
 
 from megatron_lite.parallel.compression import ErrorFeedbackExchange
 from megatron_lite.parallel.compression import codec as make_codec
-from megatron_lite.planning.dp_traffic import dp_bytes_per_step
+from megatron_lite.planning.dp_traffic import dp_bytes_per_step, wire_bytes_per_element
 from megatron_lite.planning.hardware import GPUS
+from megatron_lite.planning.layout import from_config
 from megatron_lite.planning.state import rank_buckets
 from megatron_lite.planning.timing import step_time
 from megatron_lite.testing import run_distributed
-from tests.planner_harness import GBS8, MODEL_A, MODEL_B, measure_layouts, predict
+from tests.planner_harness import GBS8, MODEL_A, MODEL_B, measure_layouts
 
 ZERO3 = ["--zero-stage", "3"] + GBS8
 QGZ, QWZ = ["--zeropp-quantized-gradients"], ["--zeropp-quantized-weights"]
@@ -34,23 +38,15 @@ SCALARS = 1024  # bytes of a step's scalar all-reduces (loss, token count, gradi
 
 def planned(argv, world, local_world_size=None):
     """(the planner's DP bytes of a step on pipeline rank 0 in nodes of `local_world_size`, the
-    layout, the model config, its inventory)."""
+    layout, the model config, its inventory), from the config pretrain_gpt.py resolves on `world`
+    ranks (e.g. its positions for the sequence)."""
     from models.gpt_inventory import GPTInventory
-    lay = predict(argv, world, 0, 0)["layout"]
-    model = _model(argv, world)
-    inventory = GPTInventory(model, lay.params_dtype).chunk
-    return dp_bytes_per_step(model.num_layers, lay, 0, inventory, local_world_size), lay, model, inventory
-
-
-def _model(argv, world):
-    """The model pretrain_gpt.py builds from `argv` on `world` ranks (its resolve(): e.g. positions
-    for the sequence)."""
-    import os
-    from unittest import mock
-
     from pretrain_gpt import resolve
     with mock.patch.dict(os.environ, {"WORLD_SIZE": str(world)}):
-        return resolve(argv)[0].model
+        cfg = resolve(argv)[0]
+    lay = from_config(cfg, world)
+    inventory = GPTInventory(cfg.model, lay.params_dtype).chunk
+    return dp_bytes_per_step(cfg.model.num_layers, lay, 0, inventory, local_world_size), lay, cfg.model, inventory
 
 
 def _check_against_trainer(schemes):
@@ -109,6 +105,10 @@ def test_planned_dp_bytes_are_the_codecs_encodings_of_the_buckets():
             want = {"all_to_all_intra_node": m * each("int4-blocks"), "all_to_all_inter_node": m * each("int4-blocks", 2),
                     "all_gather": m * each("int8-blocks"), "all_gather_hpz": m * params}
         assert got == want, (name, got, want)
+    # per element, at whole blocks: the values' bits and one fp32 scale a block (fp8: a row; signs: a row)
+    for fmt, per_element in (("int4-blocks", 0.5 + 4 / 256), ("int8-blocks", 1 + 4 / 256), ("bf16", 2),
+                             ("fp8-e5m2", 1 + 4 / 1024), ("sign", 1 / 8 + 4 / 1024)):
+        assert wire_bytes_per_element(fmt, 4 * 1024, 4) == per_element, fmt
 
 
 def _plain_and(argv, world, flags, hw):
