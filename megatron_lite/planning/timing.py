@@ -25,7 +25,9 @@ What overlaps (and so counts only where it sticks out):
   - the context-parallel ring: with the attention it feeds;
   - the column-parallel layers' input-gradient all-reduce / reduce-scatter: with the weight-gradient GEMMs.
 The other TP collectives, Ulysses and expert all-to-alls are on the critical path (this trainer has
-no TP communication overlap of Transformer Engine's userbuffers kind).
+no TP communication overlap of Transformer Engine's userbuffers kind), and so is 1-bit / 0/1 Adam's
+compressed momentum exchange in the optimizer step. dp_traffic.py gives each DP collective's bytes
+(compressed ones included) and group.
 """
 from __future__ import annotations
 
