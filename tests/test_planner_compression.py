@@ -30,6 +30,10 @@ SCHEMES = [
     ("A  DP2 adam-01 after its variance freeze", 2, MODEL_A + ["--optimizer", "adam-01", "--var-freeze-step", "1"]),
     ("B  DP4 ZeRO-3 two-hop qgZ + qwZ + hpZ2", 4, MODEL_B + ZERO3 + QGZ + QWZ + ["--zeropp-hpz-partition-size", "2"]),
 ]
+# (planner only: the trainer's count mixes the MoE dispatcher's all-to-alls with the gradients')
+MOE_FP8 = ("B  DP4 MoE EP2 ZeRO-2 grads as fp8-e5m2, 2 micro-batches", 4, MODEL_B + [
+    "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--zero-stage", "2",
+    "--grad-comm-dtype", "fp8-e5m2", "--global-batch-size", "16"])
 # Kinds DP communication uses besides the all-reduce (which the loss and norms' scalars share).
 DP_KINDS = ("reduce_scatter", "all_gather", "all_gather_hpz", "all_to_all", "all_to_all_intra_node",
             "all_to_all_inter_node")
@@ -82,23 +86,25 @@ def _encoded(fmt, numel, ranks, rows=None):
 def test_planned_dp_bytes_are_the_codecs_encodings_of_the_buckets():
     """For every scheme, the planner's bytes are those of the buckets' rows encoded by the codec
     (scales and block padding included): signs both ways for 1-bit / 0/1 Adam, bf16 rows both ways at
-    ZeRO 0, fp8 rows one way at ZeRO 1 beside the bf16 param gather, and at DP4 with hpZ2 two int4
+    ZeRO 0, fp8 rows one way at ZeRO 1-2 beside the param gather (MoE: the expert buckets' rows over
+    their expert-data-parallel pairs, every micro-batch at ZeRO-2), and at DP4 with hpZ2 two int4
     hops (4 rows inside the node, 2 across), int8 forward gathers and exact backward ones in pairs."""
-    for name, world, argv in SCHEMES:
+    for name, world, argv in SCHEMES + [MOE_FP8]:
         got, lay, model, inventory = planned(argv, world)
         buckets = rank_buckets(model.num_layers, lay, 0, inventory)
         n, m = lay.dp, lay.num_microbatches
         a = torch.empty((), dtype=lay.params_dtype).element_size()
 
         def each(fmt, rows=None):
-            return sum(_encoded(fmt, b.numel, n, rows) for b in buckets)
+            return sum(_encoded(fmt, b.numel, lay.edp if b.expert else n, rows) for b in buckets)
         params = sum(b.numel for b in buckets) * a
         if lay.optimizer != "adam":
             want = {"all_to_all": each("sign"), "all_gather": each("sign")}
         elif lay.zero_stage == 0:
             want = {"all_to_all": each("bf16"), "all_gather": each("bf16")}
-        elif lay.zero_stage == 1:
-            want = {"all_to_all": each("fp8-e4m3"), "all_gather": params}
+        elif lay.zero_stage in (1, 2):
+            rounds = m if lay.zero_stage == 2 else 1
+            want = {"all_to_all": rounds * each(lay.grad_comm_dtype), "all_gather": params}
         elif n == 2:
             want = {"all_to_all": m * each("int4-blocks"), "all_gather": 2 * m * each("int8-blocks")}
         else:
