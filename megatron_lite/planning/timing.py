@@ -25,7 +25,9 @@ What overlaps (and so counts only where it sticks out):
   - the context-parallel ring: with the attention it feeds;
   - the column-parallel layers' input-gradient all-reduce / reduce-scatter: with the weight-gradient GEMMs.
 The other TP collectives, Ulysses and expert all-to-alls are on the critical path (this trainer has
-no TP communication overlap of Transformer Engine's userbuffers kind).
+no TP communication overlap of Transformer Engine's userbuffers kind), and so is 1-bit / 0/1 Adam's
+compressed momentum exchange in the optimizer step. dp_traffic.py gives each DP collective's bytes
+(compressed ones included) and group.
 """
 from __future__ import annotations
 
@@ -46,7 +48,8 @@ from ..transformer.model_counts import MicroBatch, model_counts
 from .activations import element_size
 from .hardware import Hardware, all_to_all_seconds, p2p_seconds, ring_seconds
 from .layout import Layout
-from .state import gathered_bytes, rank_bucket_params, stage_chunks
+from .dp_traffic import GATHER, GATHER_BACKWARD, OPTIMIZER, REDUCE, rounds, transfers_of
+from .state import rank_bucket_params, stage_chunks
 
 SIM_MAX_MICROBATCHES = 64  # longer schedules: the idle time of a schedule with fewer (it stops growing)
 
@@ -265,44 +268,39 @@ def model_parallel_comm(cfg: ModelConfig, lay: Layout, hw: Hardware, rank_work: 
 def dp_comm(num_layers: int, lay: Layout, hw: Hardware, inventory, pp_rank: int, compute: float,
             detail: Dict[str, float]) -> Tuple[list, float]:
     """(this rank's buckets, exposed data-parallel seconds of a step): dense buckets over DP x CP,
-    expert buckets over the expert-data-parallel group, each ring priced by its placement."""
+    expert buckets over the expert-data-parallel group, each collective priced by its group's
+    placement with the bytes it really moves (dp_traffic.py: compressed gradients, ZeRO++'s qgZ in
+    one or two hops, qwZ and hpZ; 1-bit / 0/1 Adam in their steady state after the freeze, whose
+    momentum exchange in the optimizer step nothing hides)."""
     m = lay.num_microbatches
-    buckets = rank_bucket_params(num_layers, lay, pp_rank, inventory)
-    plans = [b for b, _ in buckets]
-    gathered = {id(b): gathered_bytes(b, params, lay.fp8_param_gather) for b, params in buckets}
-    d, g = lay.dp * lay.cp, element_size(lay.grad_dtype)
-    dense = [b for b in plans if not b.expert]
-    expert = [b for b in plans if b.expert]
+    bucket_params = rank_bucket_params(num_layers, lay, pp_rank, inventory)
+    plans = [b for b, _ in bucket_params]
+    transfers = transfers_of(lay, bucket_params, hw.gpus_per_node)
     dp_s = 0.0
     backward_last = compute * 2 / 3 / m
     forward_first = compute / 3 / m
-    for group, n, stride in ((dense, d, lay.tp), (expert, lay.edp, lay.etp * lay.ep)):
-        if n <= 1 or not group:
+    for expert in (False, True):
+        group = [ts for b, ts in zip(plans, transfers) if b.expert == expert and ts]
+        if not group:
             continue
-        grad_full = sum(b.numel for b in group) * g
-        param_full = sum(gathered[id(b)] for b in group)
-        frac = (n - 1) / n
-        if lay.zero_stage == 0:
-            reduce, gather = ring_seconds(hw, 2 * frac * grad_full, n, stride), 0.0
-        else:
-            reduce = ring_seconds(hw, frac * grad_full, n, stride)
-            gather = ring_seconds(hw, frac * param_full, n, stride)
+        seconds = {phase: sum(t.seconds(hw) for ts in group for t in ts if t.phase == phase)
+                   for phase in (REDUCE, GATHER, GATHER_BACKWARD, OPTIMIZER)}
+        reduce, gather = seconds[REDUCE], seconds[GATHER]
         last = reduce / len(group)
         exposed_reduce = max(reduce - backward_last, last) if lay.overlap_grad_reduce else reduce
-        rounds = m if lay.grad_reduce_per_microbatch else 1
-        reduce, exposed_reduce = rounds * reduce, rounds * exposed_reduce
-        gathers = (2 * m if lay.reshard_after_forward else 1) if lay.zero_stage == 3 else 1
+        reduce, exposed_reduce = rounds(lay, REDUCE) * reduce, rounds(lay, REDUCE) * exposed_reduce
+        gathers = rounds(lay, GATHER) * gather + rounds(lay, GATHER_BACKWARD) * seconds[GATHER_BACKWARD]
         if lay.zero_stage == 3:  # forward and backward gathers of every unit (or one per step), prefetched
-            exposed_gather = max(0.0, gather * gathers - compute)
+            exposed_gather = max(0.0, gathers - compute)
         elif lay.zero_stage >= 1:
             exposed_gather = max(gather - forward_first, gather / len(group)) if lay.overlap_param_gather else gather
         else:
             exposed_gather = 0.0
         exposed = exposed_reduce + exposed_gather
         if lay.zero_stage == 3:  # its gathers and reduce-scatters share the links: what compute cannot cover waits
-            exposed = max(exposed, gather * gathers + reduce - compute)
-        dp_s += exposed
-        detail[f"{'expert ' if group is expert else ''}dp_comm_s"] = reduce + gather * gathers
+            exposed = max(exposed, gathers + reduce - compute)
+        dp_s += exposed + seconds[OPTIMIZER]
+        detail[f"{'expert ' if expert else ''}dp_comm_s"] = reduce + gathers + seconds[OPTIMIZER]
 
     return plans, dp_s
 
