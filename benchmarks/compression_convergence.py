@@ -50,8 +50,9 @@ def run(scheme, args):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.dp}",
            os.path.join(ROOT, "pretrain_gpt.py"), *SHAPE, *SCHEMES[scheme], "--train-iters", str(args.iters),
            "--micro-batch-size", str(GLOBAL_BATCH // args.dp),
-           "--freeze-step", str(args.freeze_step), *(["--seed", str(args.seed)] if args.seed is not None else []),
-           "--metrics-file", metrics]
+           *(["--seed", str(args.seed)] if args.seed is not None else []), "--metrics-file", metrics]
+    if scheme == "adam-1bit":
+        cmd += ["--freeze-step", str(args.freeze_step)]
     if scheme == "adam-01":
         cmd += ["--var-freeze-step", str(args.var_freeze_step)]
     if not (args.reuse and os.path.exists(metrics) and len(_records(metrics)) == args.iters):

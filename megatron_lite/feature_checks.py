@@ -79,6 +79,8 @@ def validate_compressed_adam(t, zero_stage: int) -> None:
     if t.optimizer != "adam-01":
         changed = [flag for flag, v, default in zero_one if v != default]
         _require(not changed, f"{changed[0] if changed else ''} needs --optimizer adam-01")
+    _require(t.optimizer == "adam-1bit" or t.freeze_step == 100000,
+             "--freeze-step needs --optimizer adam-1bit (0/1 Adam's is --var-freeze-step)")
     if t.optimizer not in ("adam-1bit", "adam-01"):
         return
     why = {"--var-freeze-step": ": the variance is first set at step 1 (an element without one never moves)"}

@@ -177,3 +177,36 @@ def test_the_planner_counts_the_staging_buffers_and_the_file(tmp_path, flags, of
         planned = predict(argv, 2, got["pp_rank"], got["tp_rank"])["accounted"]
         assert got["accounted"] == got["held"] == planned, (got["accounted"], got["held"], planned)
         assert planned[offloaded] == 0 and planned[staging] > 0
+
+
+def _hold_nvme_file(directory, ready, done):
+    from megatron_lite.parallel.nvme_file import NvmeFile
+
+    held = NvmeFile(directory, "optimizer-state", 0, 4096, "--optimizer-offload-nvme-path", "optimizer state")
+    ready.set()
+    done.wait(60)
+    held.close()
+
+
+def test_a_second_job_on_the_same_directory_is_refused_until_the_first_is_gone(tmp_path):
+    """Two jobs given one --optimizer-offload-nvme-path (or --param-offload-nvme-path) would open the
+    same rank file and train on each other's state: the second is refused in one line while the
+    first runs; once the first is killed (-9: its lock goes with it) the directory is free again."""
+    import multiprocessing as mp
+
+    from megatron_lite.errors import ConfigError
+    from megatron_lite.parallel.nvme_file import NvmeFile
+
+    ctx = mp.get_context("fork")
+    ready, done = ctx.Event(), ctx.Event()
+    first = ctx.Process(target=_hold_nvme_file, args=(str(tmp_path), ready, done))
+    first.start()
+    try:
+        assert ready.wait(60)
+        with pytest.raises(ConfigError, match="in use by another running job: give each job its own directory"):
+            NvmeFile(str(tmp_path), "optimizer-state", 0, 4096, "--optimizer-offload-nvme-path", "optimizer state")
+    finally:
+        first.kill()
+        first.join()
+    again = NvmeFile(str(tmp_path), "optimizer-state", 0, 4096, "--optimizer-offload-nvme-path", "optimizer state")
+    again.close()

@@ -166,6 +166,7 @@ CASES = [
     (1, ["--optimizer", "adam-01", "--fp16"], ["--optimizer adam-01", "drop --fp16"]),
     (2, ["--optimizer", "adam-01", "--grad-comm-dtype", "fp8-e4m3"], ["drop --grad-comm-dtype fp8-e4m3"]),
     (1, ["--var-freeze-step", "10"], ["--var-freeze-step needs --optimizer adam-01"]),
+    (1, ["--freeze-step", "10"], ["--freeze-step needs --optimizer adam-1bit (0/1 Adam's is --var-freeze-step)"]),
     (2, ["--zeropp-quantized-weights", "--zero-stage", "2"], ["--zeropp-quantized-weights", "--zero-stage 3"]),
     (4, ["--zeropp-hpz-partition-size", "3", "--zero-stage", "3"], ["--zeropp-hpz-partition-size (3)", "(4)"]),
     (4, ["--zeropp-hpz-partition-size", "0", "--zero-stage", "3"], ["--zeropp-hpz-partition-size (0) must be >= 1"]),

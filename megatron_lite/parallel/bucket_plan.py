@@ -103,11 +103,11 @@ def state_bytes(buckets: Sequence[BucketPlan], stage: int, grad_dtype: torch.dty
       optimizer_nvme_bytes     the file (optim/nvme_store.py's layout)
     With `kept` (compression, ZeRO++, the update rule), what those keep besides: kept_bytes()."""
     kept = kept or KeptFeatures()
-    states = UPDATE_RULES[kept.optimizer].fp32_states
+    states, beside = UPDATE_RULES[kept.optimizer].fp32_states, UPDATE_RULES[kept.optimizer].fp32_beside
     if nvme:
         out = state_bytes(buckets, stage, grad_dtype, kept=kept)
         shards = [b.shard_numel for b in buckets]
-        out["optimizer_state_bytes"] = 0
+        out["optimizer_state_bytes"] = 4 * beside * sum(shards)  # (what the rule keeps outside the store)
         out["optimizer_staging_bytes"] = 2 * slot_bytes(shards, 1 + states)
         out["optimizer_nvme_bytes"] = sum(region_bytes(n, 1 + states) for n in shards)
         return out
@@ -118,6 +118,7 @@ def state_bytes(buckets: Sequence[BucketPlan], stage: int, grad_dtype: torch.dty
     for b, off in zip(buckets, offloaded):
         out["param_bytes"] += (b.shard_numel if stage == 3 else b.numel) * _bytes(b.dtype)
         out["grad_bytes"] += (b.shard_numel if stage >= 2 else b.numel) * g
+        out["optimizer_state_bytes"] += 4 * beside * b.shard_numel
         if off:
             host += 4 * (2 + states) * b.shard_numel  # main, the states, the gradient
         else:
@@ -135,12 +136,13 @@ class RuleState:
     """What an update rule (--optimizer) keeps per shard element beyond the main params."""
     fp32_states: int  # fp32 values in the optimizer state (AdamW: exp_avg, exp_avg_sq)
     momentum_codec: Optional[str] = None  # its momentum is all-reduced in this format with error feedback
+    fp32_beside: int = 0  # fp32 values it keeps on the device outside the state store (NVMe / host offload)
 
 
 # One entry per --optimizer. adam-1bit: sign-compressed momentum, worker + server error per bucket
 # (optim/onebit_adam.py; held from the freeze step on). Muon's momentum rides in AdamW's slots.
 UPDATE_RULES = {"adam": RuleState(2), "muon": RuleState(2), "adam-1bit": RuleState(2, "sign"),
-                "adam-01": RuleState(3, "sign")}  # 0/1 Adam: m, v and the anchor (optim/zero_one_adam.py)
+                "adam-01": RuleState(2, "sign", 1)}  # 0/1 Adam: m, v; its anchor beside (optim/zero_one_adam.py)
 
 
 @dataclass(frozen=True)

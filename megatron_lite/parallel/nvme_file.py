@@ -10,6 +10,7 @@ out and then read into again is safe without further waiting. The file's space i
 start-up (fallocate): a full disk is a one-line error there, not a failure mid-run."""
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import weakref
@@ -50,7 +51,7 @@ def _open(path: str, nbytes: int, flag: str, what: str):
     if free < nbytes:
         raise ConfigError(f"{flag} {os.path.dirname(path)} has {free / 2**20:.1f} MiB free but this rank's "
                           f"{what} needs {nbytes / 2**20:.1f} MiB there: free space or give another directory")
-    flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+    flags = os.O_RDWR | os.O_CREAT  # (truncated once locked: the file may be another live job's)
     for direct in (True, False):
         try:
             fd = os.open(path, flags | (getattr(os, "O_DIRECT", 0) if direct else 0), 0o600)
@@ -61,6 +62,13 @@ def _open(path: str, nbytes: int, flag: str, what: str):
         except OSError:
             if not direct:
                 raise
+    try:  # one job per file: two jobs given one DIR would read and write each other's state
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (released when the process dies: kill -9 included)
+    except OSError as e:
+        os.close(fd)
+        raise ConfigError(f"{flag} {os.path.dirname(path)}: {os.path.basename(path)} is in use by another "
+                          f"running job: give each job its own directory") from e
+    os.ftruncate(fd, 0)  # (a killed run's leftover file: scratch)
     try:
         os.posix_fallocate(fd, 0, nbytes)  # reserve the space now: a full disk fails here, not mid-run
     except OSError as e:
