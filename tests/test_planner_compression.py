@@ -14,7 +14,7 @@ from megatron_lite.parallel.compression import codec as make_codec
 from megatron_lite.planning.dp_traffic import dp_bytes_per_step, wire_bytes_per_element
 from megatron_lite.planning.hardware import GPUS
 from megatron_lite.planning.layout import from_config
-from megatron_lite.planning.state import rank_buckets
+from megatron_lite.planning.state import rank_bucket_params, rank_buckets
 from megatron_lite.planning.timing import step_time
 from megatron_lite.testing import run_distributed
 from tests.planner_harness import GBS8, MODEL_A, MODEL_B, measure_layouts
@@ -83,6 +83,15 @@ def _encoded(fmt, numel, ranks, rows=None):
     return make_codec(fmt).encode(rows_of[:rows])[0].numel()
 
 
+def _encoded_signs(sizes, numel, ranks):
+    """Bytes the sign codec really produces for a bucket of tensors of `sizes`: a scale per tensor
+    and row, as 1-bit / 0/1 Adam send it (OneBitAdam.compressed_sum_)."""
+    ex = ErrorFeedbackExchange(None, "sign", error_feedback=False)
+    ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
+    ex.scale_per_tensor(0, list(zip([0] + ends[:-1], ends)), numel, ranks)
+    return make_codec("sign").encode(ex.to_rows(torch.zeros(numel), ranks), ex.runs[0])[0].numel()
+
+
 def test_planned_dp_bytes_are_the_codecs_encodings_of_the_buckets():
     """For every scheme, the planner's bytes are those of the buckets' rows encoded by the codec
     (scales and block padding included): signs both ways for 1-bit / 0/1 Adam, bf16 rows both ways at
@@ -99,7 +108,9 @@ def test_planned_dp_bytes_are_the_codecs_encodings_of_the_buckets():
             return sum(_encoded(fmt, b.numel, lay.edp if b.expert else n, rows) for b in buckets)
         params = sum(b.numel for b in buckets) * a
         if lay.optimizer != "adam":
-            want = {"all_to_all": each("sign"), "all_gather": each("sign")}
+            signs = sum(_encoded_signs([p.numel for p in params], b.numel, n)
+                        for b, params in rank_bucket_params(model.num_layers, lay, 0, inventory))
+            want = {"all_to_all": signs, "all_gather": signs}
         elif lay.zero_stage == 0:
             want = {"all_to_all": each("bf16"), "all_gather": each("bf16")}
         elif lay.zero_stage in (1, 2):

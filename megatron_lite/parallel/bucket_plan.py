@@ -163,6 +163,15 @@ def feedback_rows(numel: int, ranks: int, align: int) -> Tuple[int, int]:
     return shard, -(-shard // align) * align
 
 
+def row_runs(offsets: Sequence[Tuple[int, int]], numel: int, ranks: int, align: int) -> List[List[int]]:
+    """Per row of an exchange over a flat tensor of `numel` (feedback_rows' layout), the lengths of
+    the tensors ([lo, hi) `offsets`, consecutive) it meets, in order: where the sign codec puts a
+    scale each (one per tensor and row, as DeepSpeed compresses each tensor apart)."""
+    shard, _ = feedback_rows(numel, ranks, align)
+    return [[min(e, (r + 1) * shard) - max(s, r * shard) for s, e in offsets
+             if max(s, r * shard) < min(e, (r + 1) * shard)] for r in range(ranks)]
+
+
 def feedback_bytes(numel: int, ranks: int, align: int, server: bool) -> int:
     """fp32 errors an exchange keeps for one tensor: the worker error of every row, plus the
     server error of this rank's row when the exchange is an all-reduce (it all-gathers its sums)."""

@@ -34,7 +34,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from .bucket_plan import feedback_rows
+from .bucket_plan import feedback_rows, row_runs
 from .comm import Communicator, group_rank, group_size
 from .state import partial_dp_groups
 
@@ -241,11 +241,8 @@ class ErrorFeedbackExchange:
         of a row are consecutive, the padding last), not as an index per element."""
         if key in self.runs:
             return
-        shard, n = self.layout(numel, ranks)
-        counts = []
-        for r in range(ranks):
-            lo, hi = r * shard, (r + 1) * shard
-            counts.append([min(e, hi) - max(s, lo) for s, e in offsets if max(s, lo) < min(e, hi)])
+        n = self.layout(numel, ranks)[1]
+        counts = row_runs(offsets, numel, ranks, self.codec.align)
         per_row = max(1, max(len(c) for c in counts))
         runs = torch.zeros(ranks, per_row + 1, dtype=torch.long)
         for r, c in enumerate(counts):

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from ..parallel.bucket_plan import feedback_rows
+from ..parallel.bucket_plan import feedback_rows, row_runs
 from ..parallel.compression import codec
 from .hardware import Hardware, all_to_all_seconds, ring_seconds
 from .layout import Layout
@@ -67,15 +67,25 @@ class Transfer:
         return ring_seconds(hw, factor * self.nbytes, self.size, self.stride)
 
 
+def sign_bytes(sizes: Sequence[int], numel: int, ranks: int) -> int:
+    """1-bit / 0/1 Adam's encoded rows of a bucket of tensors of `sizes` (laid back to back): each
+    row carries as many scales as the most tensors a row meets (SignCodec with runs)."""
+    c = codec("sign")
+    offsets = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(sizes))]
+    per_row = max(1, max(len(r) for r in row_runs(offsets, numel, ranks, c.align)))
+    return ranks * c.row_bytes(feedback_rows(numel, ranks, c.align)[1], per_row)
+
+
 def bucket_transfers(lay: Layout, numel: int, gathered: int, expert: bool,
-                     local_world_size: Optional[int]) -> List[Transfer]:
-    """The transfers of one bucket of `numel` elements (`gathered`: its plain all-gather's bytes)."""
+                     local_world_size: Optional[int], sizes: Sequence[int] = ()) -> List[Transfer]:
+    """The transfers of one bucket of `numel` elements (`gathered`: its plain all-gather's bytes;
+    `sizes`: its tensors' elements in bucket order)."""
     n, stride = (lay.edp, lay.etp * lay.ep) if expert else (lay.dp * lay.cp, lay.tp)
     if n <= 1:
         return []
     out: List[Transfer] = []
-    if lay.optimizer in ONE_BIT_OPTIMIZERS:  # (ZeRO 0 only)
-        signs = encoded_bytes("sign", numel, n)
+    if lay.optimizer in ONE_BIT_OPTIMIZERS:  # (ZeRO 0 only; a sign scale per tensor and row)
+        signs = sign_bytes(sizes, numel, n)
         return [Transfer("all_to_all", signs, n, stride, OPTIMIZER), Transfer("all_gather", signs, n, stride, OPTIMIZER)]
     fmt = "int4-blocks" if lay.zeropp_quantized_gradients else lay.grad_comm_dtype
     nodes = qgz_nodes(lay, local_world_size) if not expert and lay.zero_stage >= 1 else 1
@@ -119,7 +129,8 @@ def rounds(lay: Layout, phase: str) -> int:
 
 def transfers_of(lay: Layout, bucket_params, local_world_size: Optional[int]) -> List[List[Transfer]]:
     """Per bucket of state.rank_bucket_params' list: its transfers."""
-    return [bucket_transfers(lay, b.numel, gathered_bytes(b, params, lay.fp8_param_gather), b.expert, local_world_size)
+    return [bucket_transfers(lay, b.numel, gathered_bytes(b, params, lay.fp8_param_gather), b.expert, local_world_size,
+                             [p.numel for p in params])
             for b, params in bucket_params]
 
 
