@@ -93,6 +93,9 @@ def validate_compressed_adam(t, zero_stage: int) -> None:
     _require(not (t.fp16 or t.use_precision_aware_optimizer or t.optimizer_cpu_offload),
              f"--optimizer {t.optimizer} keeps fp32 state on the device and skips no steps: drop --fp16, "
              "--use-precision-aware-optimizer and --optimizer-cpu-offload")
+    _require(t.optimizer != "adam-01" or not t.optimizer_offload_nvme_path,
+             "--optimizer adam-01 with --optimizer-offload-nvme-path is not implemented (a checkpoint synchronises "
+             "pending local steps into the state, which would not reach the file): drop one of them")
 
 
 def require_nvme_dir(path: str, flag: str) -> None:

@@ -159,3 +159,34 @@ def test_hpz_with_param_offload_is_refused():
     with pytest.raises(ConfigError, match="--param-offload-nvme-path with --zeropp-hpz-partition-size is not "
                                           "implemented"):
         validate_param_offload(cfg)
+
+
+def test_virtual_pipeline_chunks_without_params_of_their_own_are_the_in_memory_run(tmp_path):
+    """PP2 x VPP2 over 4 layers: the middle chunks own no parameters outside their layers (no span
+    in the file), which once crashed at start-up; losses bitwise those of in-memory ZeRO-3."""
+    argv = [a if a != "2" or TINY[i - 1] != "--num-layers" else "4" for i, a in enumerate(TINY)]
+    argv += ["--zero-stage", "3", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
+             "1", "--train-iters", "3"]
+    plain = losses_of(run_distributed(train_in_process, 2, argv))
+    nvme = ["--param-offload-nvme-path", str(tmp_path)]
+    assert losses_of(run_distributed(train_in_process, 2, argv + nvme)) == plain
+
+
+def _memory_with_host_optimizer(rank, world, directory):
+    dims = ParallelDims.from_world(tp=1)
+    chunks = build_model_for(dims, torch.float32)
+    tcfg = TrainingConfig(lr=LR, clip_grad=1.0, param_offload_nvme_path=directory, optimizer_cpu_offload=True)
+    opt, sync = build_optimizer(chunks, dims, tcfg, ParallelConfig(zero_stage=3))
+    run_step(chunks, make_batches(0, dims, 1, MODEL["vocab_size"]), dims, opt, sync)
+    out = opt.memory_bytes(), opt.held_bytes()
+    sync.param_spill.close()
+    return out
+
+
+def test_with_the_optimizer_on_the_host_the_fp32_main_params_are_counted_there_only(tmp_path):
+    """fp32 params in the file and --optimizer-cpu-offload: the main params are the host's copy
+    (optimizer_host_bytes), not a second device copy: the memory line equals what is held."""
+    accounted, held = run_distributed(_memory_with_host_optimizer, 2, str(tmp_path), timeout=240)[0]
+    assert accounted["optimizer_host_bytes"] > 0
+    for key in ("optimizer_state_bytes", "optimizer_host_bytes", "param_bytes", "param_staging_bytes"):
+        assert accounted.get(key) == held.get(key), (key, accounted.get(key), held.get(key))

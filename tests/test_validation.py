@@ -167,6 +167,8 @@ CASES = [
     (2, ["--optimizer", "adam-01", "--grad-comm-dtype", "fp8-e4m3"], ["drop --grad-comm-dtype fp8-e4m3"]),
     (1, ["--var-freeze-step", "10"], ["--var-freeze-step needs --optimizer adam-01"]),
     (1, ["--freeze-step", "10"], ["--freeze-step needs --optimizer adam-1bit (0/1 Adam's is --var-freeze-step)"]),
+    (1, ["--optimizer", "adam-01", "--optimizer-offload-nvme-path", "/tmp"],
+     ["--optimizer adam-01 with --optimizer-offload-nvme-path is not implemented"]),
     (2, ["--zeropp-quantized-weights", "--zero-stage", "2"], ["--zeropp-quantized-weights", "--zero-stage 3"]),
     (4, ["--zeropp-hpz-partition-size", "3", "--zero-stage", "3"], ["--zeropp-hpz-partition-size (3)", "(4)"]),
     (4, ["--zeropp-hpz-partition-size", "0", "--zero-stage", "3"], ["--zeropp-hpz-partition-size (0) must be >= 1"]),

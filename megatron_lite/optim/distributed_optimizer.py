@@ -412,7 +412,8 @@ class DistributedOptimizer:
                           [s.store.on_host for s in self.shards], nvme=self.spill is not None,
                           kept=self.kept_features())
         if self.sync.param_spill is not None:
-            out = with_param_offload(out, self.sync.plans, optimizer_nvme=self.spill is not None)
+            out = with_param_offload(out, self.sync.plans, optimizer_nvme=self.spill is not None,
+                                     offloaded=[s.store.on_host for s in self.shards])
         if not self.precision.is_default:
             out["optimizer_state_bytes"] = sum(s.nbytes for s in self.shards if not s.store.on_host)
         return out

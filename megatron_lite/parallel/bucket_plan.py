@@ -248,15 +248,19 @@ def param_region_bytes(b: BucketPlan) -> int:
     return -(-b.shard_numel * _bytes(b.dtype) // NVME_ALIGN) * NVME_ALIGN
 
 
-def with_param_offload(acc: Dict[str, int], buckets: Sequence[BucketPlan], optimizer_nvme: bool) -> Dict[str, int]:
+def with_param_offload(acc: Dict[str, int], buckets: Sequence[BucketPlan], optimizer_nvme: bool,
+                       offloaded: Optional[Sequence[bool]] = None) -> Dict[str, int]:
     """state_bytes' figures `acc` under --param-offload-nvme-path: no param shard is held (param_bytes
     0); two staging buffers, each the largest unit's shards (param_staging_bytes); the file
     (param_nvme_bytes). The optimizer's fp32 main params are then a copy of fp32 params too, held in
-    memory unless `optimizer_nvme` put them in the optimizer's file."""
+    memory unless `optimizer_nvme` put them in the optimizer's file (or `offloaded` (per bucket,
+    --optimizer-cpu-offload) on the host, where optimizer_host_bytes counts them already)."""
     regions = [param_region_bytes(b) for b in buckets]
     out = dict(acc, param_bytes=0)
     if not optimizer_nvme:
-        out["optimizer_state_bytes"] += sum(4 * b.shard_numel for b in buckets if b.dtype == torch.float32)
+        on_host = offloaded or [False] * len(buckets)
+        out["optimizer_state_bytes"] += sum(4 * b.shard_numel for b, off in zip(buckets, on_host)
+                                            if b.dtype == torch.float32 and not off)
     out["param_staging_bytes"] = 2 * max((sum(regions[j] for j in span) for span in param_spans(buckets)), default=0)
     out["param_nvme_bytes"] = sum(regions)
     return out

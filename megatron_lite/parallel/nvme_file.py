@@ -81,10 +81,10 @@ def _open(path: str, nbytes: int, flag: str, what: str):
 
 def _close(fd: int, path: str, pool: ThreadPoolExecutor) -> None:
     pool.shutdown(wait=True)
+    if os.path.exists(path):  # before the close drops the lock: the name may be another job's after it
+        os.unlink(path)
     os.close(fd)
     _OPEN_PATHS.discard(path)
-    if os.path.exists(path):
-        os.unlink(path)
 
 
 class NvmeFile:

@@ -116,7 +116,7 @@ class ShardedParams:
             self._register(chain)
         self.spill = sync.param_spill  # --param-offload-nvme-path: shards are read from its file to gather
         if self.spill is not None:
-            for u in self.units:
+            for u in (u for u in self.units if u.parts):  # (a chunk may own no params of its own: no span)
                 u.span = self.spill.span_of[u.parts[0].bucket.index]
                 assert sorted(p.bucket.index for p in u.parts) == self.spill.spans[u.span], "a unit is one span"
         self.release_all()  # the shards were copied by GradientSync: drop the full params
@@ -171,7 +171,7 @@ class ShardedParams:
             if not part.bound:
                 part.bucket.bind_params(part.full)
                 part.bound = True
-        if self.spill is not None:  # the gathers read their shards: the buffer may take the next unit
+        if u.span is not None:  # the gathers read their shards: the buffer may take the next unit
             self.spill.release(u.span)
 
     def _release(self, u: _Unit, keep_secondary: bool = False) -> None:
@@ -193,7 +193,7 @@ class ShardedParams:
             for p in part.bucket.params:
                 p.data = torch.empty(0, dtype=part.bucket.dtype, device=part.bucket.device)
             part.full, part.bound = None, False
-        if self.spill is not None:
+        if u.span is not None:
             self.spill.release(u.span)
         u.arrived = 0
 

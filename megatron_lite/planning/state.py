@@ -72,4 +72,4 @@ def rank_state_bytes(num_layers: int, lay: Layout, pp_rank: int, inventory: Inve
                         qgz_nodes=qgz_nodes(lay, local_world_size))
     offloaded = offloaded_buckets([b.shard_numel for b in plans], fraction)
     out = state_bytes(plans, lay.zero_stage, lay.grad_dtype, offloaded, nvme=lay.optimizer_offload_nvme, kept=kept)
-    return with_param_offload(out, plans, lay.optimizer_offload_nvme) if lay.param_offload_nvme else out
+    return with_param_offload(out, plans, lay.optimizer_offload_nvme, offloaded) if lay.param_offload_nvme else out
