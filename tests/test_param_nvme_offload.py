@@ -190,3 +190,16 @@ def test_with_the_optimizer_on_the_host_the_fp32_main_params_are_counted_there_o
     assert accounted["optimizer_host_bytes"] > 0
     for key in ("optimizer_state_bytes", "optimizer_host_bytes", "param_bytes", "param_staging_bytes"):
         assert accounted.get(key) == held.get(key), (key, accounted.get(key), held.get(key))
+
+
+def test_a_checkpoint_of_the_param_file_loads_at_another_dp_size(tmp_path):
+    """Saved from the file at DP2, loaded at DP4 (micro-batches of 1, the same global batch): into
+    the file, the losses are bitwise those of loading the same checkpoint into memory at DP4."""
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(train_in_process, 2, Z3 + ["--param-offload-nvme-path", str(tmp_path / "a"), "--save", ckpt,
+                                                "--exit-interval", "3"])
+    dp4 = Z3 + ["--micro-batch-size", "1", "--load", ckpt]
+    in_memory = losses_of(run_distributed(train_in_process, 4, dp4))
+    assert len(in_memory) == 2
+    assert losses_of(run_distributed(train_in_process, 4, dp4 + ["--param-offload-nvme-path", str(tmp_path / "b")])) \
+        == in_memory

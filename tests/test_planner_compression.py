@@ -11,7 +11,7 @@ import torch
 
 from megatron_lite.parallel.compression import ErrorFeedbackExchange
 from megatron_lite.parallel.compression import codec as make_codec
-from megatron_lite.planning.dp_traffic import dp_bytes_per_step, wire_bytes_per_element
+from megatron_lite.planning.dp_traffic import dp_bytes_per_step, encoded_bytes
 from megatron_lite.planning.hardware import GPUS
 from megatron_lite.planning.layout import from_config
 from megatron_lite.planning.state import rank_bucket_params, rank_buckets
@@ -125,7 +125,7 @@ def test_planned_dp_bytes_are_the_codecs_encodings_of_the_buckets():
     # per element, at whole blocks: the values' bits and one fp32 scale a block (fp8: a row; signs: a row)
     for fmt, per_element in (("int4-blocks", 0.5 + 4 / 256), ("int8-blocks", 1 + 4 / 256), ("bf16", 2),
                              ("fp8-e5m2", 1 + 4 / 1024), ("sign", 1 / 8 + 4 / 1024)):
-        assert wire_bytes_per_element(fmt, 4 * 1024, 4) == per_element, fmt
+        assert encoded_bytes(fmt, 4 * 1024, 4) / (4 * 1024) == per_element, fmt
 
 
 def _plain_and(argv, world, flags, hw):

@@ -47,11 +47,6 @@ def encoded_bytes(fmt: str, numel: int, ranks: int, rows: Optional[int] = None) 
     return (ranks if rows is None else rows) * c.row_bytes(n)
 
 
-def wire_bytes_per_element(fmt: str, numel: int, ranks: int) -> float:
-    """encoded_bytes per element of the tensor (e.g. int4 blocks of 256: 0.5 + 4 / 256)."""
-    return encoded_bytes(fmt, numel, ranks) / numel
-
-
 @dataclass(frozen=True)
 class Transfer:
     kind: str  # CommCounter's name for it
