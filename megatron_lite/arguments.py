@@ -244,7 +244,7 @@ def _parallel_config(args: argparse.Namespace, model: ModelConfig) -> ParallelCo
                               f"virtual-stage flags {vpp}; drop --num-layers-per-virtual-pipeline-stage / "
                               f"--virtual-pipeline-model-parallel-size")
         given["virtual_pipeline_model_parallel_size"] = stages // pp
-    if (given.get("virtual_pipeline_model_parallel_size") or 1) <= 1:
+    if given.get("virtual_pipeline_model_parallel_size") == 1:  # (0 or less: refused by flag_rules)
         given.pop("virtual_pipeline_model_parallel_size", None)
     if args.data_parallel_sharding_strategy is not None and not args.use_megatron_fsdp:
         raise ConfigError("--data-parallel-sharding-strategy applies to --use-megatron-fsdp: add it (or give "

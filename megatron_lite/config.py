@@ -11,7 +11,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import List, Optional
 
-from . import feature_checks
+from . import feature_checks, flag_rules
 from .options import arg
 from .model_config import ModelConfig, _require  # noqa: F401  (re-exported: megatron_lite.config.ModelConfig)
 
@@ -727,6 +727,7 @@ class Config:
         return self
 
     def validate(self, world_size: int) -> None:
+        flag_rules.check_values(self)  # (first: a NaN or a zero size would mislead the checks below)
         self.model.validate(self.training.seq_length)
         self.parallel.validate(world_size, self.model, self.training.seq_length)
         dp = self.parallel.data_parallel_size(world_size)
@@ -756,6 +757,7 @@ class Config:
                  f"--main-grads-dtype {t.main_grads_dtype} (or --grad-comm-dtype)")
         feature_checks.validate_activation_memory(self)
         feature_checks.validate_param_offload(self)
+        flag_rules.check(self)
 
     def _validate_pipeline(self, num_microbatches: int) -> None:
         from .parallel.pipeline.partition import LayerSplit, layout_mtp_layers, stage_layer_ranges
