@@ -1,7 +1,7 @@
 """The shape of a command-line entry point run under torchrun (tools/generate.py, tools/evaluate.py).
 
 Flags are resolved first, on every rank alike, so a bad command line is one line on stderr and
-exit status 2 before any process group exists. Then the ranks join the world (NCCL on GPUs, gloo
+exit status 2 before any process group exists (printed by rank 0, which the other ranks wait for). Then the ranks join the world (NCCL on GPUs, gloo
 on CPU) and the work runs; a ConfigError found then is raised on every rank alike (loading goes
 through `agree_on_errors`), printed once, and every rank exits 2 together. A collective that fails
 because a peer died or did not answer in time ends each surviving rank with one line naming the
@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 from typing import Callable, Optional, TypeVar
 
 from .errors import ConfigError
@@ -23,6 +24,23 @@ T = TypeVar("T")
 def _report(error: ConfigError, rank: int) -> None:
     if rank == 0:
         print(f"error: {error}", file=sys.stderr, flush=True)
+
+
+UNEVEN_ERROR_WAIT_S = 60.0  # how long a rank waits for rank 0 to report a start-up error it found too
+
+
+def _report_before_world(error: ConfigError) -> None:
+    """A ConfigError found before the process group exists. Every rank resolves the same flags and
+    finds the same error, and rank 0 prints it. The others must not exit first: torchrun would end
+    rank 0 before it prints. So they wait, and torchrun ends them once rank 0 has printed and exited.
+    A rank still alive after the wait found an error rank 0 did not (a file missing on its node):
+    it prints that one itself, naming the rank."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if rank == 0 or world == 1:
+        _report(error, 0)
+        return
+    time.sleep(UNEVEN_ERROR_WAIT_S)
+    print(f"error: [rank {rank}] {error}", file=sys.stderr, flush=True)
 
 
 REPORT_WINDOW_S = 10.0  # at most this long a failed rank waits to hear which peers failed too
@@ -58,7 +76,7 @@ def launch(resolve: Callable[[], T], device_of: Callable[[T], Optional[str]], wo
     try:
         setup = resolve()
     except ConfigError as e:
-        _report(e, int(os.environ.get("RANK", "0")))
+        _report_before_world(e)
         return 2
     import torch.distributed as dist
 
