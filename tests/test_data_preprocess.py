@@ -157,3 +157,12 @@ def test_a_key_no_line_has_is_an_error_and_writes_nothing(tmp_path, capsys):
     assert err == (f"preprocess_data: error: --json-keys content: no line of {inp} gives a document for it "
                    f"(missing key 'content': 2); nothing written: name a key the lines have"), err
     assert not out.exists() or os.listdir(out) == []
+
+
+def test_an_unwritable_output_prefix_is_one_line(tmp_path, capsys):
+    """Issue 39: --output-prefix under /proc was an OSError traceback."""
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}])
+    assert preprocess_data.main(["--input", inp, "--output-prefix", "/proc/x/y", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("preprocess_data: error: --output-prefix /proc/x/y: cannot write there (") and \
+        err.endswith("give a writable location") and "\n" not in err, err

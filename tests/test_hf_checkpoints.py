@@ -217,6 +217,42 @@ def test_a_header_claiming_a_terabyte_is_one_line(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+def test_a_tensor_claiming_a_terabyte_is_one_line(tmp_path, capsys):
+    """Issue 39: a valid header whose one tensor's data_offsets claim 10^12 bytes was an allocation failure."""
+    import json
+    import struct
+
+    hf = tmp_path / "hf"
+    hf_model("llama_gqa").save_pretrained(hf)
+    path = hf / "model.safetensors"
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["data_offsets"] = [0, 10 ** 12]
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    capsys.readouterr()
+    assert _convert("hf-to-ml", "--hf-dir", hf, "--out", tmp_path / "o") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"convert_checkpoint.py hf-to-ml: error: {path} is not a readable safetensors file: tensor "
+                          f"{name} claims bytes [0, {10 ** 12})") and "\n" not in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_conversion_onto_its_own_input_is_one_line(tmp_path, capsys):
+    """Issue 39: reshard --load X --out X rewrote its own input in place."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "keep").write_text("x")
+    for command in ("reshard", "consolidate"):
+        assert _convert(command, "--load", ckpt, "--out", str(ckpt) + "/") == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"convert_checkpoint.py {command}: error: --out {ckpt}/ is the --load checkpoint: writing it "
+                       f"would replace its own input; give another --out directory"), err
+    assert os.listdir(ckpt) == ["keep"]
+
+
 # --- tokenizers: HF fine-tuning without guesses (issue 28, point 4) ----------------------------
 def _word_tokenizer(n: int):
     """A HF fast tokenizer of exactly n ids (w0 .. w{n-2}, then </s> as eos)."""

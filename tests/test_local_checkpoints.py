@@ -130,3 +130,20 @@ def test_bad_non_persistent_flags_are_one_line(extra, message):
     from pretrain_gpt import resolve
     with pytest.raises(ConfigError, match=message):
         resolve(TINY + extra)
+
+
+def test_a_damaged_local_file_without_a_global_checkpoint_stops_with_one_line(tmp_path, monkeypatch):
+    """As the README says: nothing to fall back to, so the run stops with the damaged file's line
+    rather than train from scratch; removing the local directory then starts from scratch."""
+    argv = flags(tmp_path, "one rank", iters=7)
+    argv[argv.index("--save-interval") + 1] = "100"  # no global checkpoint yet
+    killed(monkeypatch, "iteration:5:0", 1, argv)
+    assert read_tracker(str(tmp_path / "ckpt")) is None
+    shard = tmp_path / "local" / "0" / "iter_0000004" / "shard_00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(WorkerError, match=r"CheckpointError: checkpoint file \S*/local/0/iter_0000004/\S* is corrupted: .* fails its checksum"):
+        run(1, argv)
+    shutil.rmtree(tmp_path / "local")
+    assert len(run(1, argv)) == 7

@@ -697,6 +697,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.command in ("ml-to-hf", "ml-to-megatron") and not (args.load or args.ml_dir):
             raise CLIError("give the checkpoint to convert: --load CKPT (training) or --ml-dir DIR (full)")
+        if getattr(args, "load", None) and getattr(args, "out", None) and \
+                os.path.realpath(args.load) == os.path.realpath(args.out):
+            raise CLIError(f"--out {args.out} is the --load checkpoint: writing it would replace its own input; "
+                           f"give another --out directory")
         args.func(args)
     except USER_ERRORS as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -199,8 +199,12 @@ def run(args) -> dict:
         raise ConfigError(f"--input {args.input}: no such file")
     encoder = Encoder(args)  # also checks the tokenizer flags before any worker starts
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
-    os.makedirs(out_dir, exist_ok=True)
-    writers = {k: IndexedDatasetWriter(output_prefix(args, k), encoder.dtype) for k in args.json_keys}
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        writers = {k: IndexedDatasetWriter(output_prefix(args, k), encoder.dtype) for k in args.json_keys}
+    except OSError as e:
+        raise ConfigError(f"--output-prefix {args.output_prefix}: cannot write there ({e.strerror}: "
+                          f"{e.filename}); give a writable location") from None
     total_bytes = os.path.getsize(args.input)
     progress = Progress(total_bytes, not args.quiet)
     skipped, first_problem, lines, t0 = Counter(), None, 0, time.time()

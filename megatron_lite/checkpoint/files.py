@@ -25,6 +25,9 @@ DTYPE_CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
                torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 
+# bytes per element of safetensors' dtype names (a name not here: only the offsets' bounds are checked)
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
+               "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
 
 PIECES = "pieces"  # key of the piece index in each file's safetensors metadata
 FORMAT = "megatron-lite-checkpoint"
@@ -180,7 +183,26 @@ def read_header(path: str) -> Tuple[int, dict]:
         size = os.fstat(f.fileno()).st_size
         if n > size - 8:  # read nothing a damaged length claims (10^12 bytes: a MemoryError)
             raise ValueError(f"the header claims {n} bytes but the file has {size}")
-        return 8 + n, json.loads(f.read(n))
+        entries = json.loads(f.read(n))
+    _check_offsets(entries, size - 8 - n)
+    return 8 + n, entries
+
+
+def _check_offsets(entries: dict, data_bytes: int) -> None:
+    """Every tensor's data_offsets inside the data section, its bytes matching its shape and
+    dtype: a damaged entry would otherwise be an allocation of what it claims (10^12 bytes)."""
+    for name, e in entries.items():
+        if name == "__metadata__":
+            continue
+        try:
+            lo, hi = (int(x) for x in e["data_offsets"])
+            numel = math.prod(int(d) for d in e["shape"])
+            itemsize = DTYPE_BYTES.get(e["dtype"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"tensor {name}'s header entry is malformed: {e}") from None
+        if not 0 <= lo <= hi <= data_bytes or (itemsize is not None and hi - lo != numel * itemsize):
+            raise ValueError(f"tensor {name} claims bytes [{lo}, {hi}) for shape {e['shape']} {e['dtype']}, but "
+                             f"the data section has {data_bytes} bytes")
 
 
 class StreamingPieceFile:
