@@ -60,13 +60,20 @@ def _peer_failure(e: RuntimeError, timeout_minutes: Optional[float]) -> str:
     window = min(REPORT_WINDOW_S, 60 * timeout_minutes) if timeout_minutes else REPORT_WINDOW_S
     missing = not_heard_from(e.ranks, dist.get_rank(), e.entered, e.failed, window)
     if missing is None:
-        who = "a peer rank died or did not answer in time (--distributed-timeout-minutes)"
+        who = _store_lost()
     elif missing:
         who = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of the group did not answer "
                f"in time (dead, or hung past --distributed-timeout-minutes)")
     else:
         who = "every other rank of the group entered it in time and failed too"
     return f"a collective failed: {e}: {who}"
+
+
+def _store_lost() -> str:
+    """Who is gone when the job's store cannot be reached either: the store lives with rank 0 (its
+    process, or under torchrun its node's agent: node 0 of a static rendezvous, which holds rank 0)."""
+    where = f" ({os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']})" if "MASTER_ADDR" in os.environ else ""
+    return f"rank 0 did not answer: it died, with the job's store{where} that its node hosts"
 
 
 def launch(resolve: Callable[[], T], device_of: Callable[[T], Optional[str]], work: Callable[[T, object], None],

@@ -6,6 +6,11 @@ this rank had given up on it was late (a hang it woke from). gloo's and NCCL's o
 address at best, never a rank."""
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import sys
+import tempfile
 import time
 from typing import List, Optional
 
@@ -19,6 +24,11 @@ def not_heard_from(ranks: List[int], rank: int, entered: float, failed: float, w
     seconds, or entered the collective after `failed` (this rank's time of failure; wall clock, as
     `entered`); None when the store cannot be reached (e.g. it lived on the node that died). Each
     process reports once: it exits after a failed collective."""
+    with _without_store_noise():
+        return _not_heard_from(ranks, rank, entered, failed, window_s)
+
+
+def _not_heard_from(ranks, rank, entered, failed, window_s):
     try:
         store = dist.distributed_c10d._get_default_store()
         store.set(f"{KEY}/{rank}", repr(entered))
@@ -32,3 +42,30 @@ def not_heard_from(ranks: List[int], rank: int, entered: float, failed: float, w
         return sorted(missing + late)
     except Exception:  # noqa: BLE001 (any failure of the store: the answer is unknown)
         return None
+
+
+# What torch's C++ side writes to stderr when the store's host is gone: a c10d warning from
+# TCPStore.cpp with the exception's C++ stack ("Exception raised from sendBytes ...", frame #0-#22).
+_STORE_NOISE = re.compile(r"^(\[rank\d+\]:)?\[[WE]\d{4} .*(TCPStore|socket)\.cpp|^Exception raised from |^frame #\d+: "
+                          r"|^<omitting python frames>$|^$")
+
+
+@contextlib.contextmanager
+def _without_store_noise():
+    """Runs the block with the process's stderr (fd 2, where C++ logs) in a file, then writes back
+    what it caught except the store's C++ failure report: the error line names the lost rank."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [line for line in caught.read().decode(errors="replace").splitlines(keepends=True)
+                    if not _STORE_NOISE.match(line.rstrip("\n"))]
+            sys.stderr.write("".join(kept))
+            sys.stderr.flush()
