@@ -1,12 +1,12 @@
 """The shape of a command-line entry point run under torchrun (tools/generate.py, tools/evaluate.py).
 
 Flags are resolved first, on every rank alike, so a bad command line is one line on stderr and
-exit status 2 before any process group exists (printed by rank 0, which the other ranks wait for). Then the ranks join the world (NCCL on GPUs, gloo
-on CPU) and the work runs; a ConfigError found then is raised on every rank alike (loading goes
-through `agree_on_errors`), printed once, and every rank exits 2 together. A collective that fails
-because a peer died or did not answer in time ends each surviving rank with one line naming the
-operation, its group and the rank(s) that did not answer (parallel/peers.py), and exit 1, which
-torchrun restarts.
+exit status 2 before any process group exists (printed by rank 0, which the other ranks wait
+for). Then the ranks join the world (NCCL on GPUs, gloo on CPU) and the work runs; a ConfigError
+found then is raised on every rank alike (loading goes through `agree_on_errors`), printed once,
+and every rank exits 2 together. A collective that fails because a peer died or did not answer
+in time ends each surviving rank with one line naming the operation, its group and the rank(s)
+that did not answer (parallel/peers.py), and exit 1, which torchrun restarts.
 """
 from __future__ import annotations
 

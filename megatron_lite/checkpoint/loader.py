@@ -23,12 +23,13 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import agree_on_errors
+from ..optim.feedback_state import FEEDBACK, restore_own_errors
 from ..parallel.compression import OPTIONAL_STATES
 from . import directory, rng
 from .files import CheckpointError
 from .plan import MODEL, buffer_key, bucket_sources, fill_range, model_key, optim_key, persistent_buffers, regions
 from .reader import CheckpointReader
-from .saver import world_rank
+from .saver import layout_of, world_rank
 from .state import TrainState
 
 # ModelConfig fields that do not change the stored tensors or what they compute with.
@@ -101,6 +102,15 @@ def fill_tensors(state: TrainState, reader: CheckpointReader, load_optim: bool) 
     state.optimizer.commit_loaded_state()  # low-precision states: store what was filled in fp32
 
 
+def _restore_own_errors(state: TrainState, reader: CheckpointReader, meta: dict) -> None:
+    """At the writing layout, this rank's own compression errors replace the folded residuals just
+    filled (optim/feedback_state.py): the resumed run continues bit-exactly."""
+    prefix = rng.rank_prefix(state.dims, FEEDBACK) + "/"
+    keys = [k for k in reader.pieces if k.startswith(prefix)]
+    if keys and meta["layout"] == layout_of(state):
+        restore_own_errors(state.optimizer, {k[len(prefix):]: reader.read_full(k) for k in keys})
+
+
 def _same_layout(saved: dict, dims) -> bool:
     return all(saved.get(k) == getattr(dims, k) for k in ("tp", "pp", "dp", "cp"))
 
@@ -130,6 +140,8 @@ def _read_local(state: TrainState, path: str, load_optim: bool, load_rng: bool, 
     with CheckpointReader(ckpt_dir, meta, verify) as reader:
         reader.verify_files()
         fill_tensors(state, reader, load_optim)
+        if load_optim:
+            _restore_own_errors(state, reader, meta)
         for name, buf in persistent_buffers(state.chunks):  # e.g. MoE expert biases
             if reader.has(buffer_key(name)):
                 buf.copy_(reader.read_full(buffer_key(name)))

@@ -15,9 +15,9 @@ from ..parallel.random import RNGStatesTracker
 from ..parallel.state import ParallelDims
 
 
-def rank_prefix(dims: ParallelDims) -> str:
+def rank_prefix(dims: ParallelDims, kind: str = "rng") -> str:
     tp, cp, dp, pp = dims.coords()
-    return f"rng/tp{tp}_cp{cp}_dp{dp}_pp{pp}"
+    return f"{kind}/tp{tp}_cp{cp}_dp{dp}_pp{pp}"
 
 
 def capture(dims: ParallelDims, tracker: RNGStatesTracker) -> Dict[str, torch.Tensor]:

@@ -27,6 +27,7 @@ from ..errors import agree_on_errors
 from . import directory, rng
 from .files import FORMAT, CheckpointError, PieceSet, describe_files
 from .geometry import whole_box
+from ..optim.feedback_state import FEEDBACK, own_errors
 from .plan import buffer_key, bucket_sources, fill_range, persistent_buffers, regions, stored_key, write_range
 from .state import TrainState
 
@@ -79,6 +80,8 @@ def snapshot(state: TrainState, copy: bool, own: bool = False) -> PieceSet:
                                run.view(flat, region.start - base), copy)
     for key, rng_state in rng.capture(dims, state.tracker).items():
         pieces.add(key, whole_box(rng_state.shape), rng_state.shape, rng_state)
+    for key, errors in own_errors(state.optimizer).items():  # (copies, taken after the folds above)
+        pieces.add(f"{rng.rank_prefix(dims, FEEDBACK)}/{key}", whole_box(errors.shape), errors.shape, errors)
     if own or dims.tp_rank == dims.cp_rank == dims.dp_rank == 0:  # one writer per pipeline stage
         for name, buf in persistent_buffers(state.chunks):
             pieces.add(buffer_key(name), whole_box(buf.shape), buf.shape, buf, copy)

@@ -17,10 +17,12 @@ Layout: ZeRO 0 (each rank holds the whole momentum), as DeepSpeed's. The gradien
 here is its part of the global sum (each micro-batch's loss is normalised by the global token
 count), so N_dp x g_r is its estimate of the whole, which its momentum takes.
 
-Checkpoints: the errors' sum over ranks (their mean, as the momenta are averaged) is stored as
-`exp_avg_residual` over the bucket; saving folds it (collective) and loading gives it back to
-every rank as its worker error, with server errors zero, which leaves the average the next
-compressed all-reduce computes unchanged, whatever the number of ranks.
+Checkpoints: each rank's own errors (optim/feedback_state.py), which a load at the same layout
+restores, so that saving leaves the run bit-identical to one that does not save; and the errors'
+sum over ranks (their mean, as the momenta are averaged) as `exp_avg_residual` over the bucket
+(a collective on copies), which a load at another DP size gives every rank as its worker error,
+with server errors zero, which leaves the average the next compressed all-reduce computes
+unchanged, whatever the number of ranks.
 """
 from __future__ import annotations
 
@@ -117,14 +119,21 @@ class OneBitAdam:
 
     # --- checkpoints ---------------------------------------------------------------------------
     def fold_for_checkpoint(self, b) -> torch.Tensor:
-        """Collective: the mean over ranks of the errors (whole bucket), handed back to every rank
-        as its worker error (the server errors zeroed): the state a load gives."""
+        """Collective: the mean over ranks of the errors (whole bucket), which a load at another
+        layout gives every rank as its worker error. The running job's errors stay as they are."""
         self.apply_loaded(b)
         if b.index not in self.exchange.worker:
             return torch.zeros(b.numel, dtype=torch.float32, device=b.device)
-        residual = self.exchange.summed_errors(b.index, b.numel, b.group, b.group_size, b.device).div_(b.group_size)
-        self.exchange.set_worker(b.index, residual, b.group_size)
-        return residual
+        return self.exchange.summed_errors(b.index, b.numel, b.group, b.group_size, b.device).div_(b.group_size)
+
+    def own_errors(self, b) -> Dict[str, torch.Tensor]:
+        """Copies of this rank's own errors of bucket b (after fold_for_checkpoint)."""
+        return self.exchange.own_errors(b.index)
+
+    def restore_own_errors(self, b, saved: Dict[str, torch.Tensor]) -> None:
+        """Instead of the mean that residual_for_loading() filled: this rank's own errors."""
+        self.loaded.pop(b.index, None)
+        self.exchange.restore_errors(b.index, saved)
 
     def residual_for_loading(self, b) -> torch.Tensor:
         """The tensor a load fills (every rank reads the whole): this rank's worker error from the

@@ -37,9 +37,11 @@ Where we differ from DeepSpeed, and why:
 With one DP rank nothing is compressed (DeepSpeed's too), and the momentum is still reset at T_u.
 
 Checkpoints: saving first synchronises every bucket that has local updates pending (so params, m
-and the anchor are the same on every rank, and the LR sums are 0), then folds the errors into
-`exp_avg_residual` as 1-bit Adam does (their mean, handed back to every rank as its worker
-error): a resumed run continues exactly as the run that saved and went on. Loaded at another DP
+and the anchor are the same on every rank, and the LR sums are 0), then stores the errors as 1-bit
+Adam does (each rank's own, and their mean in `exp_avg_residual`; neither changes them): a resumed
+run continues exactly as the run that saved and went on, and a save at a synchronised step leaves
+the run bit-identical to one that does not save (one with local updates pending synchronises them
+early). Loaded at another DP
 size each rank takes the residual as its worker error; at DP1 it is added once to the next
 averaged tensor, as the next compressed all-reduce would add it. The intervals are functions of
 the step count, which the checkpoint holds.

@@ -17,10 +17,11 @@ low-precision format and sums in fp32 where it lands:
 
 Nothing is lost, only delayed: the sum over ranks of the gradients applied so far equals the
 exact sum minus what the errors hold. Checkpoints store that sum as the state `grad_residual` of
-each shard (fold_for_checkpoint: a reduce-scatter of the worker errors, collective, done to the
-live state as well, so a resumed run continues exactly); it reshards like the optimizer state and
-a load adds it to the next reduced gradient. Without --grad-comm-dtype, PlainReducer runs,
-unchanged.
+each shard (fold_for_checkpoint: a reduce-scatter of the worker errors, collective, on copies: the
+run that saves goes on as if it had not); it reshards like the optimizer state, and a load at
+another layout adds it to the next reduced gradient. Each rank's own errors are stored too
+(optim/feedback_state.py): a load at the same layout restores them, and continues bit-exactly.
+Without --grad-comm-dtype, PlainReducer runs, unchanged.
 
 qgZ keeps no error at either hop unless --zeropp-qgz-error-feedback (DeepSpeed's qgZ keeps none):
 each step's int4 rounding is lost rather than delayed, and no fp32 copy of the buckets is held.
@@ -321,15 +322,25 @@ class ErrorFeedbackExchange:
 
     def summed_errors(self, key: int, numel: int, group, ranks: int, device) -> torch.Tensor:
         """Collective: every rank's worker error plus every server error, summed, over the flat
-        tensor's `numel` elements; the errors are left zero."""
+        tensor's `numel` elements; the errors are left as they are."""
         shard, n = self.layout(numel, ranks)
         worker = self.error(self.worker, key, (ranks, n), device)
         total = self.comm.reduced(worker, group)
         servers = torch.empty(ranks * n, dtype=torch.float32, device=device)
         self.comm.all_gather(servers, self.error(self.server, key, (n,), device), group)
-        worker.zero_()
-        self.server[key].zero_()
         return self.from_rows(total + servers.view(ranks, n), numel)
+
+    def own_errors(self, key: int) -> Dict[str, torch.Tensor]:
+        """Copies of this rank's errors of `key` (what a checkpoint at the same layout restores)."""
+        return {name: store[key].clone() for name, store in (("worker", self.worker), ("server", self.server))
+                if key in store}
+
+    def restore_errors(self, key: int, saved: Dict[str, torch.Tensor]) -> None:
+        for name, store in (("worker", self.worker), ("server", self.server)):
+            if name in saved:
+                store[key] = saved[name].clone()
+            else:
+                store.pop(key, None)
 
     def set_worker(self, key: int, values: torch.Tensor, ranks: int) -> None:
         """This rank's worker error := `values` (flat, the tensor's layout); no server error."""
@@ -444,27 +455,46 @@ class CompressedReducer:
     # --- checkpoints ---------------------------------------------------------------------------
     def fold_for_checkpoint(self, b) -> torch.Tensor:
         """Collective over b's groups: the errors of every rank summed over this rank's shard (the
-        whole bucket at ZeRO 0), moved into the residual, which is returned (fp32, shard-sized)."""
-        residual = self.residual.setdefault(b.index, torch.zeros(b.shard_numel, dtype=torch.float32, device=b.device))
+        whole bucket at ZeRO 0), plus a loaded residual not yet applied (fp32, shard-sized): what a
+        load at another layout applies. The running job's errors stay as they are."""
+        pending = self.residual.get(b.index)
+        residual = torch.zeros(b.shard_numel, dtype=torch.float32, device=b.device) if pending is None \
+            else pending.clone()
         worker = self.exchange.worker.get(b.index)
         if worker is None:
             return residual
         if b.sharded:  # (rows are the shards: a reduce-scatter of the rows gives this rank's)
             piece = torch.empty(worker.shape[1], dtype=torch.float32, device=b.device)
-            self.comm.reduce_scatter(piece, worker.view(-1), b.group)
+            self.comm.reduce_scatter(piece, worker.view(-1).clone(), b.group)
             if b.replica_group is not None:
                 self.comm.all_reduce(piece, b.replica_group)
             node = self.node_error.get(b.index)
             if node is not None:  # two hops: row m of (m', mine)'s error is (m, mine)'s, summed across nodes
                 across = torch.empty_like(piece)
-                self.comm.reduce_scatter(across, node.view(-1), self.hops.inter)
+                self.comm.reduce_scatter(across, node.view(-1).clone(), self.hops.inter)
                 piece.add_(across)
-                node.zero_()
             residual.add_(piece[:b.shard_numel])
-            worker.zero_()
         else:
             residual.add_(self.exchange.summed_errors(b.index, b.numel, b.group, b.group_size, b.device))
         return residual
+
+    def own_errors(self, b) -> Dict[str, torch.Tensor]:
+        """Copies of this rank's own error state of bucket b: its errors at each hop and a loaded
+        residual not yet applied (a checkpoint at the same layout restores them exactly)."""
+        out = self.exchange.own_errors(b.index)
+        for name, store in (("node", self.node_error), ("pending", self.residual)):
+            if b.index in store:
+                out[name] = store[b.index].clone()
+        return out
+
+    def restore_own_errors(self, b, saved: Dict[str, torch.Tensor]) -> None:
+        """Instead of the folded residual that residual_for_loading() filled: this rank's own state."""
+        self.exchange.restore_errors(b.index, saved)
+        for name, store in (("node", self.node_error), ("pending", self.residual)):
+            if name in saved:
+                store[b.index] = saved[name].clone()
+            else:
+                store.pop(b.index, None)
 
     def residual_for_loading(self, b) -> torch.Tensor:
         """The tensor a checkpoint load fills (a run resumed here starts with no errors of its own)."""
