@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 
 from ..errors import agree_on_errors
+from ..optim.feedback_state import FEEDBACK, own_errors
 from . import directory, rng
 from .files import FORMAT, CheckpointError, PieceSet, describe_files
 from .geometry import whole_box
-from ..optim.feedback_state import FEEDBACK, own_errors
 from .plan import buffer_key, bucket_sources, fill_range, persistent_buffers, regions, stored_key, write_range
 from .state import TrainState
 
