@@ -1,0 +1,127 @@
+"""Gated DeltaNet and Kimi Delta Attention in the attention slot (transformer/gated_delta_net.py):
+forward equal to Hugging Face's own layers (qwen3_next, kimi_linear, torch fallbacks) with their
+weights copied in; packed documents equal to running the documents apart."""
+import types
+
+import pytest
+import torch
+
+from megatron_lite.transformer.core_attention import PackedSeq
+from megatron_lite.transformer.gated_delta_net import GatedDeltaNet, GatedDeltaNetConfig, KimiDeltaAttention
+from megatron_lite.transformer.spec import BuildContext
+
+HIDDEN = 32
+
+
+def gdn_config(**kw):
+    return GatedDeltaNetConfig(**{**dict(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6,
+                                         conv_kernel=4, chunk_size=5), **kw})
+
+
+def kda_config(**kw):
+    return GatedDeltaNetConfig(**{**dict(num_key_heads=3, num_value_heads=3, key_head_dim=8, value_head_dim=8,
+                                         conv_kernel=3, chunk_size=4, per_channel_decay=True), **kw})
+
+
+def build(cls, config, seed=0):
+    torch.manual_seed(seed)
+    layer = cls(types.SimpleNamespace(hidden_size=HIDDEN), BuildContext(), 0, config=config)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.5 if "norm" in name else 0.2) + (1.0 if "norm" in name else 0.0))
+    return layer
+
+
+def hf_gdn_weights_into(ours: GatedDeltaNet, hf) -> None:
+    """Hugging Face's in_proj_qkvz / in_proj_ba interleave q, k, v, z (b, a) per key-head group;
+    Megatron-Core's in_proj concatenates [q | k | v | z | b | a] over all heads."""
+    c, h = ours.config, HIDDEN
+    r = c.num_value_heads // c.num_key_heads
+    dk, dv = c.key_head_dim, c.value_head_dim
+    qkvz = hf.in_proj_qkvz.weight.view(c.num_key_heads, 2 * dk + 2 * r * dv, h)
+    q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=1)
+    b, a = hf.in_proj_ba.weight.view(c.num_key_heads, 2 * r, h).split([r, r], dim=1)
+    with torch.no_grad():
+        ours.in_proj.weight.copy_(torch.cat([x.reshape(-1, h) for x in (q, k, v, z, b, a)]))
+        ours.conv1d.weight.copy_(hf.conv1d.weight)
+        ours.A_log.copy_(hf.A_log)
+        ours.dt_bias.copy_(hf.dt_bias)
+        ours.out_norm.weight.copy_(hf.norm.weight)
+        ours.out_proj.weight.copy_(hf.out_proj.weight)
+
+
+def hf_kda_weights_into(ours: KimiDeltaAttention, hf) -> None:
+    """One to one, but Hugging Face's forget gate lives in a submodule and its A_log is [1, 1, H, 1]."""
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj", "g_b_proj"):
+            getattr(ours, name).weight.copy_(getattr(hf, name).weight)
+        ours.f_a_proj.weight.copy_(hf.forget_gate.f_a_proj.weight)
+        ours.f_b_proj.weight.copy_(hf.forget_gate.f_b_proj.weight)
+        ours.dt_bias.copy_(hf.forget_gate.dt_bias)
+        ours.A_log.copy_(hf.forget_gate.A_log.flatten())
+        ours.conv1d.weight.copy_(hf.conv1d.weight)
+        ours.out_norm.weight.copy_(hf.o_norm.weight)
+        ours.out_proj.weight.copy_(hf.o_proj.weight)
+
+
+def randomize(module, seed):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "norm" in name else 0.0))
+
+
+def test_gated_delta_net_equals_hugging_face_qwen3_next():
+    from transformers import Qwen3NextConfig
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+    c = gdn_config()
+    hf_cfg = Qwen3NextConfig(hidden_size=HIDDEN, linear_num_key_heads=c.num_key_heads,
+                             linear_num_value_heads=c.num_value_heads, linear_key_head_dim=c.key_head_dim,
+                             linear_value_head_dim=c.value_head_dim, linear_conv_kernel_dim=c.conv_kernel,
+                             num_hidden_layers=1, layer_types=["linear_attention"], rms_norm_eps=1e-6)
+    hf = Qwen3NextGatedDeltaNet(hf_cfg, 0)
+    randomize(hf, 1)
+    ours = build(GatedDeltaNet, c)
+    hf_gdn_weights_into(ours, hf)
+    x = torch.randn(2, 23, HIDDEN)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x.transpose(0, 1)).transpose(0, 1), hf(x), rtol=1e-5, atol=1e-5)
+
+
+def test_kimi_delta_attention_equals_hugging_face_kimi_linear():
+    from transformers import KimiLinearConfig
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
+    c = kda_config()
+    hf_cfg = KimiLinearConfig(hidden_size=HIDDEN, num_hidden_layers=1, vocab_size=64, pad_token_id=0,
+                              rms_norm_eps=1e-6, linear_attn_config={
+                                  "head_dim": c.key_head_dim, "num_heads": c.num_key_heads,
+                                  "short_conv_kernel_size": c.conv_kernel, "kda_layers": [1], "full_attn_layers": []})
+    hf = KimiLinearDeltaAttention(hf_cfg, 0)
+    randomize(hf, 2)
+    ours = build(KimiDeltaAttention, c)
+    hf_kda_weights_into(ours, hf)
+    x = torch.randn(2, 19, HIDDEN)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x.transpose(0, 1)).transpose(0, 1), hf(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cls,config", [(GatedDeltaNet, gdn_config()), (KimiDeltaAttention, kda_config())],
+                         ids=["gdn", "kda"])
+def test_packed_documents_restart_conv_and_state(cls, config):
+    """Two rows of packed documents equal each document run on its own (outputs and input gradients)."""
+    layer = build(cls, config)
+    lengths = [[5, 9, 3], [11, 6]]
+    docs = [torch.randn(n, 1, HIDDEN, requires_grad=True) for row in lengths for n in row]
+    alone = [layer(d) for d in docs]
+    x = torch.cat([torch.cat(docs[:3]), torch.cat(docs[3:])], dim=1)  # [17, 2, h]
+    ids = torch.tensor([sum([[i] * n for i, n in enumerate(row)], []) for row in lengths])
+    packed = layer(x, None, PackedSeq(ids))
+    torch.testing.assert_close(packed[:, 0], torch.cat(alone[:3])[:, 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed[:, 1], torch.cat(alone[3:])[:, 0], rtol=1e-5, atol=1e-5)
+    weights = torch.randn_like(packed)
+    grads = torch.autograd.grad((packed * weights).sum(), docs)
+    w_rows = [weights[:, 0], weights[:, 1]]
+    splits = [torch.split(w_rows[0], lengths[0]), torch.split(w_rows[1], lengths[1])]
+    want = torch.autograd.grad(sum((a[:, 0] * w).sum() for a, w in zip(alone, splits[0] + splits[1])), docs)
+    for g, w in zip(grads, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
