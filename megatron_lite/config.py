@@ -14,6 +14,7 @@ from typing import List, Optional
 from . import feature_checks
 from .options import arg
 from .model_config import ModelConfig, _require  # noqa: F401  (re-exported: megatron_lite.config.ModelConfig)
+from .transformer.mixer_pattern import validate_linear_attention_layout
 
 
 
@@ -223,6 +224,7 @@ class ParallelConfig:
                                      f"x context-parallel ranks ({dp_cp})")
         self._validate_context_parallel(model, seq_length)
         self._validate_experts(world_size, model)
+        validate_linear_attention_layout(model, tp, cp)
 
     def _validate_moe_overlap(self, model: ModelConfig) -> None:
         if not self.overlap_moe_expert_parallel_comm:
