@@ -125,3 +125,40 @@ def test_packed_documents_restart_conv_and_state(cls, config):
     want = torch.autograd.grad(sum((a[:, 0] * w).sum() for a, w in zip(alone, splits[0] + splits[1])), docs)
     for g, w in zip(grads, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_gated_attention_equals_hugging_face_qwen3_next_attention():
+    """--attention-output-gate with Qwen3-Next's attention (zero-centred q/k norms, partial RoPE, GQA):
+    Hugging Face interleaves [q | gate] per head in q_proj, ours holds [Q | gate] in linear_q."""
+    from transformers import Qwen3NextConfig
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextAttention, Qwen3NextRotaryEmbedding
+    from megatron_lite.config import ModelConfig
+    from megatron_lite.transformer.attention import SelfAttention
+    from megatron_lite.transformer.core_attention import SDPAAttention
+    from megatron_lite.transformer.rope import rope_cos_sin, rope_inv_freq
+    heads, groups, d = 4, 2, 16
+    hf_cfg = Qwen3NextConfig(hidden_size=HIDDEN, num_attention_heads=heads, num_key_value_heads=groups, head_dim=d,
+                             partial_rotary_factor=0.25, rms_norm_eps=1e-6, num_hidden_layers=1,
+                             layer_types=["full_attention"])
+    hf_cfg._attn_implementation = "eager"
+    hf = Qwen3NextAttention(hf_cfg, 0)
+    randomize(hf, 3)
+    cfg = ModelConfig(hidden_size=HIDDEN, num_attention_heads=heads, num_query_groups=groups, kv_channels=d,
+                      normalization="RMSNorm", norm_epsilon=1e-6, position_embedding_type="rope", rotary_percent=0.25,
+                      rotary_base=hf_cfg.rope_parameters["rope_theta"], add_bias_linear=False, qk_layernorm=True,
+                      apply_layernorm_1p=True, attention_output_gate=True, attention_dropout=0.0)
+    ours = SelfAttention(cfg, BuildContext(), 0, core_attention=SDPAAttention)
+    q, gate = hf.q_proj.weight.view(heads, 2, d, HIDDEN).unbind(1)
+    with torch.no_grad():
+        ours.linear_q.weight.copy_(torch.cat([q.reshape(-1, HIDDEN), gate.reshape(-1, HIDDEN)]))
+        ours.linear_kv.weight.copy_(torch.cat([hf.k_proj.weight, hf.v_proj.weight]))
+        ours.linear_proj.weight.copy_(hf.o_proj.weight)
+        ours.q_layernorm.weight.copy_(hf.q_norm.weight)
+        ours.k_layernorm.weight.copy_(hf.k_norm.weight)
+    x = torch.randn(2, 24, HIDDEN, generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(24).expand(2, -1)
+    mask = torch.full((24, 24), float("-inf")).triu(1).expand(2, 1, 24, 24)
+    with torch.no_grad():
+        expected = hf(x, Qwen3NextRotaryEmbedding(hf_cfg)(x, pos), mask)[0]
+        got = ours(x.transpose(0, 1), rope_cos_sin(pos, rope_inv_freq(cfg), x.dtype)).transpose(0, 1)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
