@@ -261,7 +261,8 @@ class ParallelConfig:
 CP_COMM_TYPES = ("p2p", "a2a", "all_gather", "allgather", "a2a+p2p")
 # Megatron-LM's --recompute-modules: core_attn, mlp, moe, shared_experts are checkpointed (only their
 # input kept); layernorm, moe_act, mla_up_proj drop their outputs, recomputed when backward needs them.
-RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts", "moe_act", "layernorm", "mla_up_proj")
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts", "moe_act", "layernorm", "mla_up_proj",
+                     "linear_attn")
 
 
 @dataclass
@@ -320,6 +321,9 @@ class TrainingConfig:
     decoupled_lr: Optional[float] = arg(None, "separate peak LR of the word embedding and output layer")
     decoupled_min_lr: Optional[float] = arg(None, "separate final LR of the word embedding and output layer")
     weight_decay: float = arg(0.01, "decoupled weight decay (not on biases and norms)")
+    apply_wd_to_qk_layernorm: bool = arg(False, "weight decay on the q/k norm weights too (Megatron-Core's rule for "
+                                                "Qwen3-Next, with --apply-layernorm-1p: towards a gain of 1)",
+                                         store="true")
     start_weight_decay: Optional[float] = arg(None, "weight decay at the start (with --weight-decay-incr-style)")
     end_weight_decay: Optional[float] = arg(None, "weight decay at the end (with --weight-decay-incr-style)")
     weight_decay_incr_style: str = arg("constant", "weight decay schedule over training",
@@ -416,7 +420,8 @@ class TrainingConfig:
     cpu_offloading_weights: bool = arg(False, "with --cpu-offloading: offload weights (not implemented: refused)",
                                        store="true")
     recompute_modules: Optional[List[str]] = arg(
-        None, "selective recomputation: the submodules recomputed in backward (default core_attn); layernorm, "
+        None, "selective recomputation: the submodules recomputed in backward (default core_attn: in linear-attention "
+              "layers the conv and the delta rule; linear_attn: all between their projections); layernorm, "
               "moe_act and mla_up_proj drop their outputs only", nargs="+", choices=list(RECOMPUTE_MODULES))
     device: Optional[str] = arg(None, "cpu or cuda; None: cuda when available", choices=["cpu", "cuda"])
     distributed_timeout_minutes: float = arg(10, "timeout of every process group (gloo and NCCL): a collective that "

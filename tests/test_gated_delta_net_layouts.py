@@ -3,13 +3,16 @@ loop: every layout trains like the single process (losses 1e-5, first grad norm 
 1e-4), the loss falls, and the flags' one-line errors."""
 import pytest
 
+from megatron_lite.testing import assert_same_run, run_distributed
 from test_mla import _assert_like_single
-from training_utils import LLAMA_SWITCHES, TINY, assert_one_line_error, single_process_reference
+from training_utils import (LLAMA_SWITCHES, TINY, assert_one_line_error, merged_params, records_of,
+                            single_process_reference, train_and_gather)
 
 LINEAR = ["--experimental-attention-variant", "gated_delta_net", "--linear-num-key-heads", "2",
           "--linear-num-value-heads", "4", "--linear-key-head-dim", "8", "--linear-value-head-dim", "12",
           "--linear-chunk-size", "16", "--linear-conv-kernel-dim", "3"]
-GDN = TINY + LLAMA_SWITCHES + LINEAR + ["--linear-attention-freq", "2"]  # layer 0 linear, layer 1 full
+QWEN3_NEXT = ["--attention-output-gate", "--qk-layernorm", "--apply-layernorm-1p", "--apply-wd-to-qk-layernorm"]
+GDN = TINY + LLAMA_SWITCHES + LINEAR + QWEN3_NEXT + ["--linear-attention-freq", "2"]  # layer 0 linear, 1 full
 KDA = TINY + LLAMA_SWITCHES + LINEAR + ["--linear-attention-type", "kda", "--linear-attention-freq", "[1,0,1,1]",
                                         "--num-layers", "4"]
 
@@ -33,6 +36,9 @@ LAYOUTS = {  # (model, world, extra): the first is the default suite's cell, the
     "gdn-dp2-zero3": (GDN, 2, ["--zero-stage", "3", "--global-batch-size", "8"]),
     "gdn-recompute-full": (GDN, 1, ["--recompute-granularity", "full"]),
     "gdn-recompute-selective": (GDN, 1, ["--recompute-granularity", "selective"]),
+    "kda-recompute-linear-attn": (KDA, 1, ["--recompute-granularity", "selective", "--recompute-modules",
+                                           "linear_attn", "layernorm"]),
+    "gdn-mtp-pp2": (GDN + ["--mtp-num-layers", "1"], 2, ["--pipeline-model-parallel-size", "2", "--num-layers", "4"]),
     "gdn-tp2-sp-pp2": (GDN, 4, TP_SP + ["--pipeline-model-parallel-size", "2", "--num-layers", "4"]),
     "gdn-tp2-dp2-zero3": (GDN, 4, ["--tensor-model-parallel-size", "2", "--zero-stage", "3",
                                    "--global-batch-size", "8"]),
@@ -47,3 +53,66 @@ def test_hybrid_layout_trains_like_single_process(layout):
     _assert_like_single(model, world, extra)
     ref = single_process_reference(model + _shape_flags(extra))[0]  # (cached: the run just compared)
     assert ref[-1]["lm_loss"] < ref[0]["lm_loss"] - 0.3  # it learns
+
+
+@pytest.mark.slow
+def test_hybrid_fp8_zero_bubble_pp2_equals_the_single_process_fp8_run():
+    """FP8 GEMMs (tensorwise e4m3) in the mixers' projections (the GEMM path), their weight gradients
+    deferred by zb-h1: as the single-process FP8 run (first step to fp32 rounding, later ones 1e-4, as
+    test_mla's FP8 case)."""
+    argv = GDN + ["--num-layers", "4", "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"]
+    ref, ref_params = single_process_reference(argv)
+    plain, _ = single_process_reference(GDN + ["--num-layers", "4"])
+    assert plain[0]["lm_loss"] != ref[0]["lm_loss"]  # FP8 reaches the GEMMs
+    results = run_distributed(train_and_gather, 2, argv + ["--pipeline-model-parallel-size", "2",
+                                                           "--pipeline-schedule", "zb-h1"])
+    assert_same_run(ref, records_of([r[0] for r in results]), rtol=1e-4, grad_norm_rtol=1e-6,
+                    params=merged_params(results), ref_params=ref_params)
+
+
+ERRORS = [  # (argv, world, what the one line says)
+    (GDN + ["--tensor-model-parallel-size", "4"], 4, "--linear-num-key-heads (2) must be divisible by "
+                                                     "--tensor-model-parallel-size (4)"),
+    (KDA + ["--linear-num-key-heads", "3", "--tensor-model-parallel-size", "2"], 2,
+     "--linear-num-key-heads (3) must be divisible by --tensor-model-parallel-size (2)"),
+    (GDN[:-1] + ["[1,0,1]"], 1, "has 3 entries for 2 layers"),
+    (GDN[:-1] + ["[1,2]"], 1, "must be an int or a list of 1 (linear) and 0 (full)"),
+    (GDN[:-1] + ["0"], 1, "--linear-attention-freq ('0') must be >= 1"),
+    (GDN[:-1] + ["import os"], 1, "--linear-attention-freq 'import os' is not an int or a list"),
+    (GDN[:-2], 1, "needs --linear-attention-freq"),
+    (GDN + ["--linear-num-value-heads", "3"], 1, "--linear-num-value-heads (3) must be a multiple of "
+                                                 "--linear-num-key-heads (2)"),
+    (GDN + ["--linear-chunk-size", "0"], 1, "--linear-chunk-size (0) must be >= 1"),
+    (GDN + ["--context-parallel-size", "2"], 2, "context parallelism for linear-attention mixers is not built yet"),
+    (GDN + ["--linear-attention-type", "mamba"], 1, "invalid choice: 'mamba'"),
+    (TINY + ["--recompute-granularity", "selective", "--recompute-modules", "linear_attn"], 1,
+     "--recompute-modules linear_attn needs linear-attention layers"),
+    (TINY + ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--multi-latent-attention",
+             "--attention-output-gate"], 1, "it is not built for --multi-latent-attention"),
+]
+
+
+@pytest.mark.parametrize("argv,world,fragment", ERRORS, ids=[f"e{i}" for i in range(len(ERRORS))])
+def test_bad_linear_attention_flags_are_one_line(argv, world, fragment, monkeypatch, capsys):
+    assert_one_line_error(argv, fragment, monkeypatch, capsys, world=world)
+
+
+def _decayed(rank, world, argv):
+    """Parameter name -> whether the optimizer decays it."""
+    import torch
+    from pretrain_gpt import make_trainer, resolve
+    trainer = make_trainer(*resolve(argv), torch.device("cpu"))
+    return {shard.bucket.names[i]: decays for shard in trainer.optimizer.shards
+            for (i, _, _), decays in zip(shard.segment_params, shard.segment_decays)}
+
+
+def test_apply_wd_to_qk_layernorm_decays_the_q_k_norms_only():
+    """Megatron-Core's Qwen3-Next rule: 1-D weights and biases are not decayed, except the q/k norms'
+    with --apply-wd-to-qk-layernorm (zero-centred: decayed towards a gain of 1)."""
+    plain, qwen = (run_distributed(_decayed, 1, argv)[0] for argv in ([a for a in GDN if a != "--apply-wd-to-qk-layernorm"], GDN))
+    norms = [n for n in qwen if "q_layernorm" in n or "k_layernorm" in n]
+    assert norms and all(qwen[n] and not plain[n] for n in norms)
+    others = [n for n in qwen if n not in norms]
+    assert all(qwen[n] == plain[n] for n in others)
+    assert not any(qwen[n] for n in others if "norm" in n or n.endswith(("A_log", "dt_bias")))
+    assert all(qwen[n] for n in others if n.endswith(("in_proj.weight", "conv1d.weight", "out_proj.weight")))

@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..kernels.gated_delta import chunked_gated_delta_rule, recurrent_gated_delta_rule
+from ..parallel.random import recompute
 from ..parallel.sharding import ShardSpec, replicated, set_spec, tp_split
 from ..parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, linear
 from .core_attention import PackedSeq
@@ -142,6 +143,10 @@ class DeltaRuleMixer(nn.Module):
         for heads in (config.num_key_heads, config.num_value_heads):
             assert heads % dims.tp == 0, f"{heads} linear-attention heads do not split over TP {dims.tp}"
         self.config, self.dims, self.gemm, self.sp = config, dims, ctx.gemm, ctx.sequence_parallel
+        self.tracker = ctx.tracker
+        # --recompute-modules: core_attn replays the conv and the rule, linear_attn also the gates and the norm
+        self.recompute_mixer = ctx.recomputes("linear_attn")
+        self.recompute_rule = ctx.recomputes("core_attn") and not self.recompute_mixer
         self.key_heads, self.value_heads = config.num_key_heads // dims.tp, config.num_value_heads // dims.tp
         self.conv1d = CausalConv1d(config.conv_segments, config.conv_kernel, dims, ctx.params_dtype)
         self.A_log = _head_param(config.num_value_heads, dims, ctx.params_dtype, "a_log")
@@ -158,6 +163,11 @@ class DeltaRuleMixer(nn.Module):
         beta [b, s, Hv] -> [b, s, Hv, dv]."""
         if self.cache_update is not None:
             return self._decode(qkv, g, beta)
+        if self.recompute_rule and self.training and torch.is_grad_enabled():
+            return recompute(self._mix_documents, self.tracker, qkv, g, beta, packed)
+        return self._mix_documents(qkv, g, beta, packed)
+
+    def _mix_documents(self, qkv, g, beta, packed):
         b, s = qkv.shape[:2]
         rows = []
         for i, spans in enumerate(document_spans(packed, b, s)):
@@ -196,9 +206,12 @@ class DeltaRuleMixer(nn.Module):
         """g = -exp(A_log) softplus(a + dt_bias) in fp32."""
         return -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
 
-    def _out(self, o: torch.Tensor, gate: torch.Tensor, s: int, b: int) -> torch.Tensor:
-        o = self.out_norm(o, gate).reshape(b, s, -1).transpose(0, 1)
-        return self.out_proj(o)
+    def _between_projections(self, fn, *args):
+        """fn(*args): what lies between the input and output projections, recomputed in backward
+        under --recompute-modules linear_attn."""
+        if self.recompute_mixer and self.training and torch.is_grad_enabled():
+            return recompute(fn, self.tracker, *args)
+        return fn(*args)
 
 
 class GatedDeltaNet(DeltaRuleMixer):
@@ -219,14 +232,18 @@ class GatedDeltaNet(DeltaRuleMixer):
                                           dtype=dt, gemm=ctx.gemm)
 
     def forward(self, x: torch.Tensor, rope=None, packed: Optional[PackedSeq] = None) -> torch.Tensor:
-        c, tp = self.config, self.dims.tp
         mixed = self.in_proj(x).transpose(0, 1)  # [b, s, local features]
+        o = self._between_projections(self._inner, mixed, packed)
+        return self.out_proj(o.transpose(0, 1))
+
+    def _inner(self, mixed, packed):
+        """[b, s, local in_proj features] -> the normed, gated output [b, s, local value channels]."""
+        c, tp = self.config, self.dims.tp
         b, s = mixed.shape[:2]
         qkv, z, beta, a = mixed.split([(2 * c.key_dim + c.value_dim) // tp, c.value_dim // tp,
                                        self.value_heads, self.value_heads], dim=-1)
-        g = self._decay(a, self.dt_bias, self.A_log)
-        o = self._mix(qkv, g, beta.float().sigmoid(), packed)
-        return self._out(o, z.reshape(b, s, self.value_heads, c.value_head_dim), s, b)
+        o = self._mix(qkv, self._decay(a, self.dt_bias, self.A_log), beta.float().sigmoid(), packed)
+        return self.out_norm(o, z.reshape(b, s, self.value_heads, c.value_head_dim)).reshape(b, s, -1)
 
     @classmethod
     def counts(cls, cfg, mb: MicroBatch, window=None) -> Counts:
@@ -263,15 +280,19 @@ class KimiDeltaAttention(DeltaRuleMixer):
         return linear(x, weight, bias, self.gemm)
 
     def forward(self, x: torch.Tensor, rope=None, packed: Optional[PackedSeq] = None) -> torch.Tensor:
-        c = self.config
-        q, k, v, f_lat, g_lat, beta = (t.transpose(0, 1) for t in ColumnParallelLinear.shared_input(
+        projected = (t.transpose(0, 1) for t in ColumnParallelLinear.shared_input(
             x, self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj, self.b_proj))
+        o = self._between_projections(self._inner, *projected, packed)
+        return self.out_proj(o.transpose(0, 1))
+
+    def _inner(self, q, k, v, f_lat, g_lat, beta, packed):
+        """The projections' outputs [b, s, ...] -> the normed, gated output [b, s, local value channels]."""
         b, s = q.shape[:2]
-        heads = (b, s, self.value_heads, c.key_head_dim)
+        heads = (b, s, self.value_heads, self.config.key_head_dim)
         g = self._decay(self._local(self.f_b_proj, f_lat).view(heads),
                         self.dt_bias.view(self.value_heads, -1), self.A_log.view(-1, 1))
         o = self._mix(torch.cat([q, k, v], dim=-1), g, beta.float().sigmoid(), packed)
-        return self._out(o, self._local(self.g_b_proj, g_lat).view(heads), s, b)
+        return self.out_norm(o, self._local(self.g_b_proj, g_lat).view(heads)).reshape(b, s, -1)
 
     @classmethod
     def counts(cls, cfg, mb: MicroBatch, window=None) -> Counts:

@@ -62,7 +62,10 @@ def layer_mixer(cfg, layer_number: int) -> str:
 
 
 def validate_linear_attention(cfg) -> None:
-    """The --linear-* flags (cfg: the model config): one ConfigError line each."""
+    """The --linear-* flags and --attention-output-gate (cfg: the model config): one ConfigError line each."""
+    _require(not (cfg.attention_output_gate and cfg.multi_latent_attention),
+             "--attention-output-gate gates standard attention's output; it is not built for "
+             "--multi-latent-attention: drop one of them")
     if not uses_linear_attention(cfg):
         return
     _require(cfg.linear_attention_freq is not None,
