@@ -162,3 +162,37 @@ def test_gated_attention_equals_hugging_face_qwen3_next_attention():
         expected = hf(x, Qwen3NextRotaryEmbedding(hf_cfg)(x, pos), mask)[0]
         got = ours(x.transpose(0, 1), rope_cos_sin(pos, rope_inv_freq(cfg), x.dtype)).transpose(0, 1)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+# --- generation: the recurrent cache (conv history + state) through the KV cache ----------------------
+def _decoding_worker(rank, world, linear_type):
+    from megatron_lite.config import ModelConfig
+    from megatron_lite.inference import KVCache, kv_cache_bytes_per_token
+    from megatron_lite.inference.kv_cache import recurrent_state_bytes
+    from megatron_lite.parallel.state import ParallelDims
+    from models.gpt import build_model
+    from test_generate import PROMPTS, _recomputation_gap
+    cfg = ModelConfig(num_layers=3, hidden_size=HIDDEN, num_attention_heads=4, normalization="RMSNorm", swiglu=True,
+                      position_embedding_type="rope", add_bias_linear=False, attention_dropout=0.0,
+                      hidden_dropout=0.0, init_method_std=0.2, experimental_attention_variant="gated_delta_net",
+                      linear_attention_freq=[1, 0, 1], linear_attention_type=linear_type, linear_num_key_heads=2,
+                      linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
+                      linear_conv_kernel_dim=4, linear_chunk_size=4, attention_output_gate=True)
+    model = build_model(cfg, ParallelDims.from_world(tp=world), seed=7)[0].eval()
+    gap = max(_recomputation_gap(model), _recomputation_gap(model, [PROMPTS[0], PROMPTS[0][::-1]]))
+    cache = KVCache.for_model(model, batch_size=1, max_length=1)
+    assert cache.nbytes() == kv_cache_bytes_per_token(model) + recurrent_state_bytes(model)
+    return gap, kv_cache_bytes_per_token(model), recurrent_state_bytes(model)
+
+
+@pytest.mark.parametrize("linear_type,tp", [("gated_delta_net", 1), ("kda", 2)])
+def test_decoding_with_the_recurrent_cache_equals_recomputation(linear_type, tp):
+    """Greedy decoding of left-padded prompts, the linear layers continuing from their cached conv history
+    and state, gives every step the logits of a full forward of each sequence alone; the linear layers
+    cache a fixed size per sequence, only the full-attention layer caches per token."""
+    from megatron_lite.testing import run_distributed
+    for gap, per_token, per_sequence in run_distributed(_decoding_worker, tp, linear_type):
+        assert gap < 5e-5, f"cached logits differ from recomputation by {gap:.2e}"
+        assert per_token == 2 * (4 // tp) * 8 * 4  # the one attention layer: K and V of its heads, fp32
+        channels, heads, dk, dv = ((2 * 16 + 24, 4, 8, 6) if linear_type == "gated_delta_net" else (3 * 16, 2, 8, 8))
+        assert per_sequence == 2 * 4 * (3 * channels + heads * dk * dv) // tp

@@ -109,7 +109,8 @@ def _decayed(rank, world, argv):
 def test_apply_wd_to_qk_layernorm_decays_the_q_k_norms_only():
     """Megatron-Core's Qwen3-Next rule: 1-D weights and biases are not decayed, except the q/k norms'
     with --apply-wd-to-qk-layernorm (zero-centred: decayed towards a gain of 1)."""
-    plain, qwen = (run_distributed(_decayed, 1, argv)[0] for argv in ([a for a in GDN if a != "--apply-wd-to-qk-layernorm"], GDN))
+    without = [a for a in GDN if a != "--apply-wd-to-qk-layernorm"]
+    plain, qwen = (run_distributed(_decayed, 1, argv)[0] for argv in (without, GDN))
     norms = [n for n in qwen if "q_layernorm" in n or "k_layernorm" in n]
     assert norms and all(qwen[n] and not plain[n] for n in norms)
     others = [n for n in qwen if n not in norms]

@@ -134,9 +134,10 @@ def _head_param(heads: int, dims, dtype, init: str) -> nn.Parameter:
 
 class DeltaRuleMixer(nn.Module):
     """What both mixers share: the conv, the rule over packed documents and the decoding cache."""
-    # Generation only: (conv input [b, s, c], q, k, v, g, beta) -> (conv history, recurrent state) or
-    # None; set by the KV cache while the model decodes (inference/kv_cache.py).
+    # Generation only: () -> the cached (conv history [b, kernel - 1, c], state [b, Hv, dk, dv]);
+    # (history, state) -> stores them. Set by the KV cache while the model decodes (inference/kv_cache.py).
     cache_update: Optional[Callable[..., Tuple]] = None
+    recurrent_cache = True  # a fixed size per sequence, not per token
 
     def _setup(self, cfg, ctx, config: GatedDeltaNetConfig):
         dims = ctx.dims
@@ -162,7 +163,7 @@ class DeltaRuleMixer(nn.Module):
         """conv -> q, k, v -> the rule, document by document: qkv [b, s, conv channels], g [b, s, Hv(, dk)],
         beta [b, s, Hv] -> [b, s, Hv, dv]."""
         if self.cache_update is not None:
-            return self._decode(qkv, g, beta)
+            return self._decode(qkv, g, beta, packed)
         if self.recompute_rule and self.training and torch.is_grad_enabled():
             return recompute(self._mix_documents, self.tracker, qkv, g, beta, packed)
         return self._mix_documents(qkv, g, beta, packed)
@@ -174,6 +175,30 @@ class DeltaRuleMixer(nn.Module):
             pieces = [self._rule(self.conv1d(qkv[i:i + 1, lo:hi]), g[i:i + 1, lo:hi], beta[i:i + 1, lo:hi])[0]
                       for lo, hi in spans]
             rows.append(torch.cat(pieces, dim=1))
+        return torch.cat(rows, dim=0)
+
+    def _decode(self, qkv, g, beta, packed):
+        """Prefill or decoding steps, sequence by sequence: the first document of the new tokens
+        continues from the cached conv history and state (zeros before the prompt), a later one (the
+        prompt after left padding) starts afresh; the last one's history and state are cached."""
+        b, s = qkv.shape[:2]
+        history, state = self.cache_update()
+        new_docs = None if packed is None else PackedSeq(packed.document_ids[:, -s:])
+        rows, histories, states = [], [], []
+        for i, spans in enumerate(document_spans(new_docs, b, s)):
+            h, st, pieces = history[i:i + 1], state[i:i + 1], []
+            for j, (lo, hi) in enumerate(spans):
+                if j > 0:  # a new document: nothing before it
+                    h, st = torch.zeros_like(h), torch.zeros_like(st)
+                x = qkv[i:i + 1, lo:hi]
+                out, st = self._rule(self.conv1d(x, h), g[i:i + 1, lo:hi], beta[i:i + 1, lo:hi], st,
+                                     recurrent=hi - lo == 1)
+                h = torch.cat([h, x.to(h.dtype)], dim=1)[:, x.shape[1]:]  # the last kernel - 1 inputs
+                pieces.append(out)
+            rows.append(torch.cat(pieces, dim=1))
+            histories.append(h)
+            states.append(st)
+        self.cache_update(torch.cat(histories), torch.cat(states))
         return torch.cat(rows, dim=0)
 
     def _heads(self, conv_out: torch.Tensor):
@@ -191,16 +216,6 @@ class DeltaRuleMixer(nn.Module):
         if recurrent:
             return recurrent_gated_delta_rule(q, k, v, g, beta, state)
         return chunked_gated_delta_rule(q, k, v, g, beta, state, self.config.chunk_size)
-
-    def _decode(self, qkv, g, beta):
-        """Prefill or decoding steps: continue from the cached conv history and state, store the new."""
-        history, state = self.cache_update(None, None)
-        out_conv = self.conv1d(qkv, history)
-        k = self.config.conv_kernel - 1
-        new_history = torch.cat([history.to(qkv.dtype), qkv], dim=1)[:, -k:] if k else history
-        out, state = self._rule(out_conv, g, beta, state, recurrent=qkv.shape[1] == 1)
-        self.cache_update(new_history, state)
-        return out
 
     def _decay(self, a: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor) -> torch.Tensor:
         """g = -exp(A_log) softplus(a + dt_bias) in fp32."""
