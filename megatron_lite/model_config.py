@@ -121,6 +121,9 @@ class ModelConfig:
     linear_num_key_heads: int = arg(16, "linear attention: query / key heads (kda: all heads)")
     linear_num_value_heads: int = arg(32, "linear attention: value heads, a multiple of the key heads (kda: ignored)")
     linear_chunk_size: int = arg(64, "linear attention: tokens per chunk of the chunked delta rule (our flag)")
+    linear_attention_kernel: str = arg("torch", "linear attention's delta rule in training: torch (plain, any device) "
+                                                "or fla (flash-linear-attention's Triton kernels, CUDA; our flag)",
+                                       choices=["torch", "fla"])
     attention_output_gate: bool = arg(False, "full attention: a sigmoid gate from the query projection multiplies "
                                              "the attention output (Qwen3-Next)", store="true")
 

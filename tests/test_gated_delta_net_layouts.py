@@ -92,6 +92,16 @@ ERRORS = [  # (argv, world, what the one line says)
 ]
 
 
+def test_fla_kernel_asked_for_and_missing_is_one_line(monkeypatch, capsys):
+    from megatron_lite.kernels.fla_backend import missing_reason
+    if missing_reason() is None:
+        pytest.skip("flash-linear-attention runs here: nothing is missing")
+    assert_one_line_error(GDN + ["--linear-attention-kernel", "fla"], "--linear-attention-kernel fla: "
+                          "flash-linear-attention", monkeypatch, capsys)
+    from pretrain_gpt import resolve
+    resolve(TINY + ["--linear-attention-kernel", "fla"])  # no linear layers: the kernel is not asked for
+
+
 @pytest.mark.parametrize("argv,world,fragment", ERRORS, ids=[f"e{i}" for i in range(len(ERRORS))])
 def test_bad_linear_attention_flags_are_one_line(argv, world, fragment, monkeypatch, capsys):
     assert_one_line_error(argv, fragment, monkeypatch, capsys, world=world)

@@ -96,3 +96,25 @@ def test_span_summaries_compose_to_running_both_spans(per_channel):
     mid_out, mid_state = apply_summary(first, state)
     tail, _ = apply_summary(second, mid_state)
     torch.testing.assert_close(torch.cat([mid_out, tail], dim=1), want, rtol=1e-10, atol=1e-10)
+
+
+def _fla_reason():
+    from megatron_lite.kernels.fla_backend import missing_reason
+    return missing_reason()
+
+
+@pytest.mark.skipif(_fla_reason() is not None, reason=f"the fla path cannot run here: {_fla_reason()}")
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_fla_kernels_equal_the_torch_path(per_channel):
+    """flash-linear-attention's kernels (CUDA) against the plain-torch chunked rule: outputs, final
+    state and input gradients, in float32."""
+    from megatron_lite.kernels.fla_backend import fla_gated_delta_rule
+    args = [x.float().cuda().requires_grad_() for x in inputs(b=2, s=100, h=4, dk=64, dv=64,
+                                                               per_channel=per_channel)]
+    outs = [fn(*args) for fn in (fla_gated_delta_rule, lambda *a: chunked_gated_delta_rule(*a, chunk_size=16))]
+    for got, want in zip(*outs):
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+    weights = torch.randn_like(outs[0][0])
+    grads = [torch.autograd.grad((o * weights).sum() + s.sum(), args) for o, s in outs]
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=5e-3, atol=5e-3)

@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..kernels.fla_backend import fla_gated_delta_rule
 from ..kernels.gated_delta import chunked_gated_delta_rule, recurrent_gated_delta_rule
 from ..parallel.random import recompute
 from ..parallel.sharding import ShardSpec, replicated, set_spec, tp_split
@@ -51,13 +52,15 @@ class GatedDeltaNetConfig:
     per_channel_decay: bool = False  # Kimi Delta Attention (one head count: key heads = value heads)
     norm_epsilon: float = 1e-6
     bias: bool = False
+    kernel: str = "torch"  # the chunked rule in training: torch, or fla (kernels/fla_backend.py)
 
     @classmethod
     def from_model(cls, cfg) -> "GatedDeltaNetConfig":
         kda = cfg.linear_attention_type == "kda"
         return cls(cfg.linear_num_key_heads, cfg.linear_num_key_heads if kda else cfg.linear_num_value_heads,
                    cfg.linear_key_head_dim, cfg.linear_key_head_dim if kda else cfg.linear_value_head_dim,
-                   cfg.linear_conv_kernel_dim, cfg.linear_chunk_size, kda, cfg.norm_epsilon, cfg.add_bias_linear)
+                   cfg.linear_conv_kernel_dim, cfg.linear_chunk_size, kda, cfg.norm_epsilon, cfg.add_bias_linear,
+                   cfg.linear_attention_kernel)
 
     @property
     def key_dim(self) -> int:
@@ -215,6 +218,8 @@ class DeltaRuleMixer(nn.Module):
         q, k, v = self._heads(conv_out)
         if recurrent:
             return recurrent_gated_delta_rule(q, k, v, g, beta, state)
+        if self.config.kernel == "fla":
+            return fla_gated_delta_rule(q, k, v, g, beta, state)
         return chunked_gated_delta_rule(q, k, v, g, beta, state, self.config.chunk_size)
 
     def _decay(self, a: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor) -> torch.Tensor:

@@ -77,6 +77,10 @@ def validate_linear_attention(cfg) -> None:
         _require(getattr(cfg, flag) >= 1, f"--{flag.replace('_', '-')} ({getattr(cfg, flag)}) must be >= 1")
     _require(cfg.linear_attention_type in LINEAR_TYPES,
              f"--linear-attention-type ({cfg.linear_attention_type}) must be one of {', '.join(LINEAR_TYPES)}")
+    if cfg.linear_attention_kernel == "fla":
+        from ..kernels.fla_backend import missing_reason
+        reason = missing_reason()
+        _require(reason is None, f"--linear-attention-kernel fla: {reason}; or use --linear-attention-kernel torch")
     if cfg.linear_attention_type == "gated_delta_net":
         _require(cfg.linear_num_value_heads % cfg.linear_num_key_heads == 0,
                  f"--linear-num-value-heads ({cfg.linear_num_value_heads}) must be a multiple of "
