@@ -127,3 +127,24 @@ def test_apply_wd_to_qk_layernorm_decays_the_q_k_norms_only():
     assert all(qwen[n] == plain[n] for n in others)
     assert not any(qwen[n] for n in others if "norm" in n or n.endswith(("A_log", "dt_bias")))
     assert all(qwen[n] for n in others if n.endswith(("in_proj.weight", "conv1d.weight", "out_proj.weight")))
+
+
+def test_transformer_engine_backend_refuses_linear_layers():
+    """Its layer spec builds standard attention only: a hybrid model is refused, not built as a dense one."""
+    import types
+    from megatron_lite.config import ModelConfig
+    from megatron_lite.errors import ConfigError
+    from megatron_lite.transformer import te_backend
+    model = ModelConfig(experimental_attention_variant="gated_delta_net", linear_attention_freq=2)
+    with pytest.raises(ConfigError, match="--experimental-attention-variant needs --transformer-impl local"):
+        te_backend.check_supported(types.SimpleNamespace(model=model, parallel=types.SimpleNamespace(cp=1)))
+
+
+@pytest.mark.parametrize("kw", [dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=2),
+                                dict(attention_output_gate=True)], ids=["linear-layers", "output-gate"])
+def test_conversions_refuse_what_they_cannot_carry_yet(kw):
+    from megatron_lite.config import ModelConfig
+    from training_utils import assert_conversions_refuse
+    cfg = ModelConfig(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", add_bias_linear=False,
+                      untie_embeddings_and_output_weights=True, **kw)
+    assert_conversions_refuse(cfg, "cannot represent it", "not converted to Megatron-LM checkpoints yet")
