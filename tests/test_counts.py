@@ -36,8 +36,10 @@ CONFIGS = {
     "moe-gelu-with-biases": ("gpt2-tiny", dict(moe=MOE_GELU)),
     "gated-delta-net-hybrid": ("llama-tiny", dict(LINEAR, linear_attention_freq=2, attention_output_gate=True)),
     "kda-hybrid": ("llama-tiny", dict(LINEAR, linear_attention_freq=[1, 0], linear_attention_type="kda")),
+    "gdn-with-biases": ("gpt2-tiny", dict(LINEAR, linear_attention_freq=2)),
+    "kda-with-biases": ("gpt2-tiny", dict(LINEAR, linear_attention_freq=2, linear_attention_type="kda")),
 }
-HYBRID = ("gated-delta-net-hybrid", "kda-hybrid")  # the rule's FLOPs are an estimate: not checked by the counter
+HYBRID = ("gated-delta-net-hybrid", "kda-hybrid", "gdn-with-biases", "kda-with-biases")  # the rule's FLOPs are an estimate: not checked by the counter
 
 
 def _model(name):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -54,7 +54,8 @@ def recurrent_state_bytes(model: nn.Module) -> int:
 
 class KVCache:
     def __init__(self, entries: Dict[int, Sequence[Tuple[int, ...]]], batch_size: int, max_length: int,
-                 dtype: torch.dtype = torch.float32, device=None, recurrent: Dict[int, Sequence[Tuple[int, ...]]] = None):
+                 dtype: torch.dtype = torch.float32, device=None,
+                 recurrent: Optional[Dict[int, Sequence[Tuple[int, ...]]]] = None):
         """`entries`: layer number -> the per-token shape of each tensor that layer caches;
         `recurrent`: layer number -> the per-sequence shape of each tensor a recurrent mixer keeps."""
         self.batch_size, self.max_length = batch_size, max_length

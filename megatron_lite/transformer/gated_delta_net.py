@@ -333,6 +333,8 @@ def mixer_counts(c: GatedDeltaNetConfig, h: int, mb: MicroBatch) -> Counts:
         proj = h * (2 * qk + 2 * v + 2 * hv) + v * h
         vectors = 2 * hv
     n = proj + sum(c.conv_segments) * c.conv_kernel + vectors + c.value_head_dim
+    if c.bias:  # the output projection's; GDN's fused input projection has one too (KDA's have none, as HF's)
+        n += h + (0 if c.per_channel_decay else 2 * qk + 2 * v + 2 * hv)
     rule = hv * (6 * c.key_head_dim * c.value_head_dim + 2 * c.chunk_size * (c.key_head_dim + c.value_head_dim))
     kept = mb.a * (2 * (2 * qk + 2 * v) + v) // max(1, mb.tp)
     return weights(n, act_bytes=kept * mb.tokens) + Counts(flops=rule, core_flops=rule)
