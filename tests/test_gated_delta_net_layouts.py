@@ -149,3 +149,18 @@ def test_conversions_refuse_what_they_cannot_carry_yet(kw):
     cfg = ModelConfig(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", add_bias_linear=False,
                       untie_embeddings_and_output_weights=True, **kw)
     assert_conversions_refuse(cfg, "cannot represent it", "not converted to Megatron-LM checkpoints yet")
+
+
+def test_generate_tool_decodes_a_trained_hybrid_checkpoint(tmp_path):
+    """tools/generate.py on a trained GDN + attention checkpoint: greedy text, and the cache line names
+    the per-token K/V of the attention layer and the fixed recurrent state of the linear one."""
+    from test_generate import _run_tool, generate_tool
+    from training_utils import train_in_process
+    path = str(tmp_path / "ckpt")
+    run_distributed(train_in_process, 1, GDN + ["--train-iters", "2", "--save", path])
+    code, out, err = _run_tool(generate_tool, 0, 1, ["--load", path, "--prompt", "def ", "--greedy",
+                                                     "--max-new-tokens", "4"])
+    assert code == 0 and out.startswith("def ")
+    conv, state = (3 - 1) * (2 * 2 * 8 + 4 * 12), 4 * 8 * 12  # kernel 3; q, k: 2 heads x 8; v: 4 heads x 12
+    assert err == (f"> KV cache: {2 * 2 * 16 * 4} bytes per token per sequence on each TP rank, plus "
+                   f"{4 * (conv + state)} bytes of recurrent state per sequence\n"), err
