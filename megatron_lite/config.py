@@ -14,6 +14,7 @@ from typing import List, Optional
 from . import feature_checks, flag_rules
 from .options import arg
 from .model_config import ModelConfig, _require  # noqa: F401  (re-exported: megatron_lite.config.ModelConfig)
+from .transformer.mixer_pattern import validate_linear_attention_layout
 
 
 
@@ -223,6 +224,7 @@ class ParallelConfig:
                                      f"x context-parallel ranks ({dp_cp})")
         self._validate_context_parallel(model, seq_length)
         self._validate_experts(world_size, model)
+        validate_linear_attention_layout(model, tp, cp)
 
     def _validate_moe_overlap(self, model: ModelConfig) -> None:
         if not self.overlap_moe_expert_parallel_comm:
@@ -259,7 +261,8 @@ class ParallelConfig:
 CP_COMM_TYPES = ("p2p", "a2a", "all_gather", "allgather", "a2a+p2p")
 # Megatron-LM's --recompute-modules: core_attn, mlp, moe, shared_experts are checkpointed (only their
 # input kept); layernorm, moe_act, mla_up_proj drop their outputs, recomputed when backward needs them.
-RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts", "moe_act", "layernorm", "mla_up_proj")
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts", "moe_act", "layernorm", "mla_up_proj",
+                     "linear_attn")
 
 
 @dataclass
@@ -318,6 +321,9 @@ class TrainingConfig:
     decoupled_lr: Optional[float] = arg(None, "separate peak LR of the word embedding and output layer")
     decoupled_min_lr: Optional[float] = arg(None, "separate final LR of the word embedding and output layer")
     weight_decay: float = arg(0.01, "decoupled weight decay (not on biases and norms)")
+    apply_wd_to_qk_layernorm: bool = arg(False, "weight decay on the q/k norm weights too (Megatron-Core's rule for "
+                                                "Qwen3-Next, with --apply-layernorm-1p: towards a gain of 1)",
+                                         store="true")
     start_weight_decay: Optional[float] = arg(None, "weight decay at the start (with --weight-decay-incr-style)")
     end_weight_decay: Optional[float] = arg(None, "weight decay at the end (with --weight-decay-incr-style)")
     weight_decay_incr_style: str = arg("constant", "weight decay schedule over training",
@@ -414,7 +420,8 @@ class TrainingConfig:
     cpu_offloading_weights: bool = arg(False, "with --cpu-offloading: offload weights (not implemented: refused)",
                                        store="true")
     recompute_modules: Optional[List[str]] = arg(
-        None, "selective recomputation: the submodules recomputed in backward (default core_attn); layernorm, "
+        None, "selective recomputation: the submodules recomputed in backward (default core_attn: in linear-attention "
+              "layers the conv and the delta rule; linear_attn: all between their projections); layernorm, "
               "moe_act and mla_up_proj drop their outputs only", nargs="+", choices=list(RECOMPUTE_MODULES))
     device: Optional[str] = arg(None, "cpu or cuda; None: cuda when available", choices=["cpu", "cuda"])
     distributed_timeout_minutes: float = arg(10, "timeout of every process group (gloo and NCCL): a collective that "

@@ -19,7 +19,9 @@ def validate_activation_memory(cfg: "Config") -> None:
                                   ("moe_act", moe, "MoE layers (--num-experts)"),
                                   ("shared_experts", moe and bool(m.moe.moe_shared_expert_intermediate_size),
                                    "a shared expert (--moe-shared-expert-intermediate-size)"),
-                                  ("mla_up_proj", m.multi_latent_attention, "--multi-latent-attention")):
+                                  ("mla_up_proj", m.multi_latent_attention, "--multi-latent-attention"),
+                                  ("linear_attn", m.experimental_attention_variant == "gated_delta_net",
+                                   "linear-attention layers (--experimental-attention-variant gated_delta_net)")):
         _require(module not in (t.recompute_modules or ()) or present,
                  f"--recompute-modules {module} needs {what}: drop it from the list")
     if not t.cpu_offloading:

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Union
 
 from .errors import ConfigError
 from .options import arg
+from .transformer.mixer_pattern import validate_linear_attention
 from .transformer.moe.config import MoEConfig, parse_moe_layer_freq
 
 
@@ -103,6 +104,28 @@ class ModelConfig:
                                               "module k predicting token t+k+1 (DeepSeek-V3); None: off")
     mtp_loss_scaling_factor: float = arg(0.1, "weight of the multi-token prediction loss: the mean over its depths "
                                               "is multiplied by this and added to the LM loss")
+    # Linear-attention mixers (transformer/mixer_pattern.py picks each layer's; gated_delta_net.py builds them)
+    experimental_attention_variant: Optional[str] = arg(None, "gated_delta_net: linear-attention layers beside full "
+                                                              "attention, as --linear-attention-freq places them "
+                                                              "(Qwen3-Next); dsa: DeepSeek sparse attention",
+                                                        choices=["gated_delta_net", "dsa"])
+    linear_attention_freq: Optional[Union[int, str, List[int]]] = arg(
+        None, "every N-th layer (from 1) is full attention, the others linear; or one 1 (linear) / 0 (full) per layer "
+              "such as '([1]*3+[0]*1)*2'")
+    linear_attention_type: str = arg("gated_delta_net", "the linear layers' mixer: gated_delta_net, or kda (Kimi "
+                                                        "Delta Attention, a decay per key channel; our flag, not "
+                                                        "Megatron-LM's)", choices=["gated_delta_net", "kda"])
+    linear_conv_kernel_dim: int = arg(4, "linear attention: the short causal conv's kernel size")
+    linear_key_head_dim: int = arg(128, "linear attention: query / key head size")
+    linear_value_head_dim: int = arg(128, "linear attention: value head size (kda: the key head size)")
+    linear_num_key_heads: int = arg(16, "linear attention: query / key heads (kda: all heads)")
+    linear_num_value_heads: int = arg(32, "linear attention: value heads, a multiple of the key heads (kda: ignored)")
+    linear_chunk_size: int = arg(64, "linear attention: tokens per chunk of the chunked delta rule (our flag)")
+    linear_attention_kernel: str = arg("torch", "linear attention's delta rule in training: torch (plain, any device) "
+                                                "or fla (flash-linear-attention's Triton kernels, CUDA; our flag)",
+                                       choices=["torch", "fla"])
+    attention_output_gate: bool = arg(False, "full attention: a sigmoid gate from the query projection multiplies "
+                                             "the attention output (Qwen3-Next)", store="true")
 
     def __post_init__(self):
         if isinstance(self.moe, dict):  # from a checkpoint's metadata or a zoo preset
@@ -215,6 +238,7 @@ class ModelConfig:
         _require(not self.mtp_num_layers or self.mtp_num_layers < seq_length,
                  f"--mtp-num-layers ({self.mtp_num_layers}) must be below seq_length ({seq_length}): depth k predicts "
                  f"the token k+1 positions ahead")
+        validate_linear_attention(self)
 
     def _validate_mla(self) -> None:
         for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):

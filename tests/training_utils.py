@@ -141,10 +141,10 @@ def assert_conversions_refuse(cfg, hf_match, megatron_match):
         megatron_args_of_config(cfg, 1, 1)
 
 
-def assert_one_line_error(argv, fragment, monkeypatch, capsys):
-    """pretrain_gpt refuses `argv` (one process) with exit code 2 and one `error:` line containing `fragment`."""
+def assert_one_line_error(argv, fragment, monkeypatch, capsys, world=1):
+    """pretrain_gpt refuses `argv` (rank 0 of `world`) with exit code 2 and one `error:` line containing `fragment`."""
     import pretrain_gpt
-    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "0")
     assert pretrain_gpt.main(argv) == 2
     err = capsys.readouterr().err.strip()

@@ -274,8 +274,10 @@ def work(setup: Setup, device) -> None:
         model = build_and_load(setup, device)
         if is_printing_rank():
             from megatron_lite.inference import kv_cache_bytes_per_token
-            print(f"> KV cache: {kv_cache_bytes_per_token(model)} bytes per token per sequence on each TP rank",
-                  file=sys.stderr)
+            from megatron_lite.inference.kv_cache import recurrent_state_bytes
+            state = recurrent_state_bytes(model)  # linear-attention layers: a fixed size per sequence
+            print(f"> KV cache: {kv_cache_bytes_per_token(model)} bytes per token per sequence on each TP rank"
+                  + (f", plus {state} bytes of recurrent state per sequence" if state else ""), file=sys.stderr)
         run(setup, model, sys.stdout if is_printing_rank() else None)
 
 

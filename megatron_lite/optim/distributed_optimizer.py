@@ -49,8 +49,12 @@ from .state_store import DeviceStore, HostStore, held_bytes
 _NORM_SLICE = 1 << 18  # elements per float64 slice of the gradient norm
 
 
-def no_weight_decay(name: str, ndim: int) -> bool:
-    """Biases and norm weights (every 1-D parameter) are not decayed."""
+def no_weight_decay(name: str, ndim: int, decay_qk_norms: bool = False) -> bool:
+    """Biases and norm weights (every 1-D parameter) are not decayed; with `decay_qk_norms`
+    (--apply-wd-to-qk-layernorm, Megatron-Core's rule for Qwen3-Next, whose zero-centred q/k norm
+    weights decay towards a gain of 1) the q/k norms are."""
+    if decay_qk_norms and ("q_layernorm." in name or "k_layernorm." in name):
+        return False
     return ndim == 1 or name.endswith(".bias")
 
 
@@ -126,13 +130,14 @@ class _ShardState:
     in which LR group."""
 
     def __init__(self, bucket: Bucket, dims: ParallelDims, store: Type[DeviceStore], state_names: Sequence[str],
-                 precision: OptimizerPrecision):
+                 precision: OptimizerPrecision, decay_qk_norms: bool = False):
         self.bucket = bucket
         shard = bucket.param_shard_view()
         segments = _split_padding(bucket)
         self.segment_params = segments  # (param index in the bucket, lo, hi)
         self.segments = [(lo, hi) for _, lo, hi in segments]
-        self.segment_decays = [not no_weight_decay(bucket.names[i], len(bucket.shapes[i])) for i, _, _ in segments]
+        self.segment_decays = [not no_weight_decay(bucket.names[i], len(bucket.shapes[i]), decay_qk_norms)
+                               for i, _, _ in segments]
         self.segment_groups = [lr_group(bucket.names[i], bucket.params[i]) for i, _, _ in segments]
         self.decay = _merge([seg for seg, d in zip(self.segments, self.segment_decays) if d])
         self.norm = _merge([(lo, hi) for i, lo, hi in segments if counts_in_norm(bucket.params[i], dims)])
@@ -239,7 +244,8 @@ class DistributedOptimizer:
         self.spill = self._nvme_spill(tcfg.optimizer_offload_nvme_path)
         if self.spill is not None:
             stores = [functools.partial(NvmeStore, self.spill, k) for k in range(len(grad_sync.buckets))]
-        self.shards = [_ShardState(b, self.dims, store, self.rule.state_names, self.precision)
+        self.shards = [_ShardState(b, self.dims, store, self.rule.state_names, self.precision,
+                                  tcfg.apply_wd_to_qk_layernorm)
                        for b, store in zip(grad_sync.buckets, stores)]
         if tcfg.fp16 and tcfg.loss_scale is not None:
             self.scaler = ConstantLossScaler(tcfg.loss_scale)

@@ -29,7 +29,7 @@ import torch.nn as nn
 
 
 Box = Tuple[Tuple[int, int], ...]  # per dimension: (start, length)
-INITS = ("normal", "normal_scaled", "ones", "zeros")
+INITS = ("normal", "normal_scaled", "ones", "zeros", "a_log")  # a_log: log U(1, 16), a decay rate per head
 
 
 @dataclass(frozen=True)

@@ -134,10 +134,14 @@ class TiledInit:
         extents = tile_extents(shape, self.rows, self.cols)
         device = self.draw_device or out.device
         gen = torch.Generator(device=device)
-        std = self.stds[spec.init]
+        std = self.stds.get(spec.init, 0.0)
         for index, tile_box in tiles_meeting(shape, extents, box):
             gen.manual_seed(_tile_seed(self.seed, name, index))
-            tile = torch.empty([n for _, n in tile_box], device=device).normal_(0.0, std, generator=gen)
+            tile = torch.empty([n for _, n in tile_box], device=device)
+            if spec.init == "a_log":  # state-space / delta-rule decay rates, as Megatron-Core's A_init_range
+                tile.uniform_(1.0, 16.0, generator=gen).log_()
+            else:
+                tile.normal_(0.0, std, generator=gen)
             common = _intersect(box, tile_box)
             _sub(out, common, box).copy_(_sub(tile, common, tile_box))
 

@@ -37,12 +37,13 @@ class AttentionConfig:
     proj_bias: bool
     qk_layernorm: bool
     qk_layernorm_full_width: bool = False
+    output_gate: bool = False  # --attention-output-gate: sigmoid(x W_gate) times the output, W_gate beside W_Q
 
     @classmethod
     def from_model(cls, cfg) -> "AttentionConfig":
         return cls(cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels, cfg.kv_channels,
                    cfg.add_bias_linear or cfg.add_qkv_bias, cfg.add_bias_linear, cfg.qk_layernorm,
-                   cfg.qk_layernorm_full_width)
+                   cfg.qk_layernorm_full_width, getattr(cfg, "attention_output_gate", False))
 
 
 class SelfAttention(nn.Module):
@@ -68,8 +69,11 @@ class SelfAttention(nn.Module):
         kv_replicas = max(1, tp // groups)
         self.groups, self.query_groups = max(1, groups // tp), groups
         gemm = ctx.gemm
-        self.linear_q = ColumnParallelLinear(cfg.hidden_size, q_size, dims, bias=config.qkv_bias, sequence_parallel=sp,
-                                             dtype=dt, gemm=gemm)
+        # With the output gate, linear_q holds [Q | gate] (one gate channel per output channel of every head)
+        self.output_gate = config.output_gate
+        q_segments = [q_size, heads * dv] if self.output_gate else [q_size]
+        self.linear_q = ColumnParallelLinear(cfg.hidden_size, sum(q_segments), dims, bias=config.qkv_bias,
+                                             sequence_parallel=sp, segments=q_segments, dtype=dt, gemm=gemm)
         self.linear_kv = ColumnParallelLinear(cfg.hidden_size, k_size + v_size, dims, bias=config.qkv_bias,
                                               sequence_parallel=sp, segments=[k_size, v_size], replicas=kv_replicas,
                                               dtype=dt, gemm=gemm)
@@ -115,6 +119,8 @@ class SelfAttention(nn.Module):
         q, kv = ColumnParallelLinear.shared_input(x, self.linear_q, self.linear_kv)
         s, b = q.shape[:2]
         d, dv = self.head_dim, self.v_head_dim
+        if self.output_gate:
+            q, gate = q.split([self.heads * d, self.heads * dv], dim=-1)
         k, v = kv.split([self.groups * d, self.groups * dv], dim=-1)
         q = q.reshape(s, b, self.heads, d)
         k = k.reshape(s, b, self.groups, d)
@@ -136,6 +142,8 @@ class SelfAttention(nn.Module):
         else:
             out = self._core(q, k, v, packed, q_offset)
         out = out.transpose(0, 1).reshape(s, b, self.heads * dv)
+        if self.output_gate:
+            out = out * torch.sigmoid(gate)
         return self.linear_proj(out)
 
     def qk_clip_rows(self, max_logits: torch.Tensor, tau: float, alpha: float) -> RowScales:
@@ -149,6 +157,8 @@ class SelfAttention(nn.Module):
         else:  # each group replicated on tp / groups consecutive ranks
             local_groups = torch.tensor([rank // (self.tp // groups)], device=eta.device)
         q = rows(eta[local_heads // (heads // groups)][:, None] ** alpha, [self.head_dim])
+        if self.output_gate:  # the gate's rows are no query's
+            q = torch.cat([q, torch.ones(self.heads * self.v_head_dim, device=eta.device)])
         k = eta[local_groups][:, None] ** (1.0 - alpha)
         kv = torch.cat([rows(k, [self.head_dim]), torch.ones(self.groups * self.v_head_dim, device=eta.device)])
         out = [(self.linear_q.weight, q), (self.linear_kv.weight, kv)]
@@ -164,7 +174,7 @@ class SelfAttention(nn.Module):
         selective recomputation the core is replayed: no log-sum-exp)."""
         c, h = AttentionConfig.from_model(cfg), cfg.hidden_size
         d, dv, heads, groups = c.kv_channels, c.v_head_dim, c.num_attention_heads, c.num_query_groups
-        qkv = heads * d + groups * (d + dv)
+        qkv = heads * d + groups * (d + dv) + (heads * dv if c.output_gate else 0)
         n = h * qkv + heads * dv * h + (qkv if c.qkv_bias else 0) + (h if c.proj_bias else 0)
         if c.qk_layernorm:
             n += heads * d + groups * d if c.qk_layernorm_full_width else 2 * norm_weights(cfg, d)
@@ -175,5 +185,7 @@ class SelfAttention(nn.Module):
         kept = heads * (d + dv) + groups * (d + dv)
         if c.qk_layernorm:  # the norms keep their inputs: q and [k | v] as the projections left them
             kept += heads * d + groups * d
+        if c.output_gate:  # the gate and the ungated output
+            kept += 2 * heads * dv
         kept = mb.a * kept + (0 if mb.recomputes("core_attn") else 4 * heads)
         return weights(n, act_bytes=kept * mb.tokens) + Counts(flops=core, core_flops=core)

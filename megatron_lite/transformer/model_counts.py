@@ -9,7 +9,7 @@ import torch
 
 from .counts import Counts, MicroBatch, weights
 from .fast_paths import cross_entropy_chunk_tokens
-from .mla import self_attention_class
+from .mixers import mixer_class
 from .mlp import MLP
 from .moe import MoELayer
 from .norm import norm_counts
@@ -28,9 +28,9 @@ class ModelCounts(NamedTuple):
 
 
 def model_counts(cfg, mb: MicroBatch = MicroBatch()) -> ModelCounts:
-    kinds = [(moe, cfg.layer_window(i)) for i, moe in enumerate(cfg.moe_layers())]
+    kinds = [(moe, cfg.layer_window(i), mixer_class(cfg, i)) for i, moe in enumerate(cfg.moe_layers())]
     layer = {kind: layer_counts(cfg, mb, *kind) for kind in set(kinds)}
-    mtp_layers = [layer_counts(cfg, mb, kinds[-1][0], cfg.layer_window(cfg.num_layers + k))
+    mtp_layers = [layer_counts(cfg, mb, kinds[-1][0], cfg.layer_window(cfg.num_layers + k), kinds[-1][2])
                   for k in range(cfg.mtp_depth)]
     return ModelCounts(embedding_counts(cfg, mb), [layer[kind] for kind in kinds], norm_counts(cfg, mb),
                        output_counts(cfg, mb), mtp_counts(cfg, mb, mtp_layers))
@@ -46,12 +46,13 @@ def mtp_counts(cfg, mb: MicroBatch, layers: List[Counts]) -> Counts:
     return sum(layers, Counts(*(len(layers) * x for x in depth)))
 
 
-def layer_counts(cfg, mb: MicroBatch, moe: bool, window=None) -> Counts:
+def layer_counts(cfg, mb: MicroBatch, moe: bool, window=None, mixer=None) -> Counts:
     """One pre-norm layer. It keeps the residual stream's two sums, 2 a h per residual-stream token,
-    and with hidden dropout their masks, a byte per element."""
+    and with hidden dropout their masks, a byte per element. `mixer`: the attention slot's class (None: layer 0's)."""
     h, norm, mlp = cfg.hidden_size, norm_counts(cfg, mb), MoELayer if moe else MLP
     residual = Counts(act_bytes=(2 * mb.a * h + (2 * h if cfg.hidden_dropout > 0 else 0)) * mb.residual_tokens)
-    return norm + self_attention_class(cfg).counts(cfg, mb, window) + norm + mlp.counts(cfg, mb) + residual
+    mixer = mixer or mixer_class(cfg, 0)
+    return norm + mixer.counts(cfg, mb, window) + norm + mlp.counts(cfg, mb) + residual
 
 
 def embedding_counts(cfg, mb: MicroBatch) -> Counts:

@@ -166,7 +166,9 @@ def check_supported(cfg) -> None:
     m, p = cfg.model, cfg.parallel
     for what, bad in (("MoE layers (--num-experts)", m.moe is not None and m.moe.num_experts),
                       ("--multi-latent-attention", m.multi_latent_attention),
-                      ("--context-parallel-size > 1", p.cp > 1), ("--qk-layernorm", m.qk_layernorm)):
+                      ("--context-parallel-size > 1", p.cp > 1), ("--qk-layernorm", m.qk_layernorm),
+                      ("--experimental-attention-variant", m.experimental_attention_variant),
+                      ("--attention-output-gate", m.attention_output_gate)):
         if bad:
             raise ConfigError(f"--transformer-impl transformer_engine builds dense layers with standard attention: "
                               f"{what} needs --transformer-impl local")

@@ -194,15 +194,21 @@ def _eval_layer_pattern(node: ast.AST):
     raise ValueError(f"{type(node).__name__} is not allowed (only ints, lists, + and *)")
 
 
+def layer_pattern_of_text(text: str):
+    """An int, or the list a pattern expression such as "([0]*1+[1]*3)*2" spells (SyntaxError,
+    ValueError or TypeError when it is neither)."""
+    text = text.strip()
+    return int(text) if text.lstrip("-").isdigit() else _eval_layer_pattern(ast.parse(text, mode="eval"))
+
+
 def parse_moe_layer_freq(value: Union[int, str, List[int]], num_layers: int) -> List[bool]:
     """One flag per layer, True where the layer is MoE. An int N makes every N-th layer MoE
     starting with the first (Megatron's rule: layer i is MoE when i % N == 0); a list (or its
     string form, e.g. "([0]*1+[1]*3)*2") gives 1 for MoE and 0 for dense, one per layer."""
     given = value
     if isinstance(value, str):
-        text = value.strip()
         try:
-            value = int(text) if text.lstrip("-").isdigit() else _eval_layer_pattern(ast.parse(text, mode="eval"))
+            value = layer_pattern_of_text(value)
         except (SyntaxError, ValueError, TypeError) as e:
             raise ConfigError(f"moe_layer_freq ({given!r}) is not an int or a list of 0/1 such as "
                               f"'([0]*1+[1]*3)*2': {e}") from None
