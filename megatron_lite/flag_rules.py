@@ -71,6 +71,8 @@ PARTNERS: Dict[str, Partner] = {
                                        "--recompute-granularity selective"),
     "with --cpu-offloading": Partner(lambda c: c.training.cpu_offloading, "--cpu-offloading"),
     "with --log-straggler": Partner(lambda c: c.training.log_straggler, "--log-straggler"),
+    "linear attention": Partner(lambda c: c.model.experimental_attention_variant == "gated_delta_net",
+                                "--experimental-attention-variant gated_delta_net"),
     # by field name: partners that no doc prefix says
     "fp8_param_gather": Partner(lambda c: c.training.fp8_format is not None, "--fp8-format e4m3|hybrid"),
     "mtp_loss_scaling_factor": Partner(lambda c: bool(c.model.mtp_num_layers), "--mtp-num-layers N"),
@@ -84,7 +86,8 @@ PARTNERS: Dict[str, Partner] = {
 # Doc prefixes that name what a flag is, not a partner it needs (the flag itself turns the feature on).
 NOT_PARTNERS = frozenset({"ZeRO stage", "adam", "core attention", "sliding-window attention", "attention softmax",
                           "multi-token prediction", "router scores", "dualpipe-v", "START INCR SAMPLES", "local",
-                          "zero-centred norm weights", "a watchdog thread per rank", "every --log-interval"})
+                          "zero-centred norm weights", "a watchdog thread per rank", "every --log-interval",
+                          "gated_delta_net", "full attention"})
 # Partners left unchecked on purpose: Megatron-LM's own launch scripts give these without their
 # partner (the Llama-3 scripts pass --tiktoken-pattern with other tokenizers), and it ignores them.
 TOLERATED = frozenset({"TikTokenizer", "TikTokenizer split pattern"})
