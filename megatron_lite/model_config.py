@@ -103,6 +103,16 @@ class ModelConfig:
                                               "module k predicting token t+k+1 (DeepSeek-V3); None: off")
     mtp_loss_scaling_factor: float = arg(0.1, "weight of the multi-token prediction loss: the mean over its depths "
                                               "is multiplied by this and added to the LM loss")
+    # Mamba hybrids (Nemotron-H; transformer/hybrid.py, transformer/mamba.py)
+    hybrid_override_pattern: Optional[str] = arg(None, "one letter per layer, each layer that one block: M Mamba-2, "
+                                                       "* attention, - MLP, E MoE (Nemotron-H); None: every layer "
+                                                       "attention + MLP")
+    mamba_state_dim: int = arg(128, "Mamba-2: SSM state size per head (n)")
+    mamba_head_dim: int = arg(64, "Mamba-2: channels per head (p)")
+    mamba_num_groups: int = arg(8, "Mamba-2: groups of heads sharing B and C")
+    mamba_num_heads: Optional[int] = arg(None, "Mamba-2: heads; None: 2 hidden_size / mamba_head_dim")
+    mamba_chunk_size: int = arg(128, "Mamba-2: tokens per chunk of the SSD scan (exact whatever the size)")
+    squared_relu: bool = arg(False, "MLP activation relu(x)^2 (Nemotron-H)", store="true")
 
     def __post_init__(self):
         if isinstance(self.moe, dict):  # from a checkpoint's metadata or a zoo preset
@@ -140,6 +150,8 @@ class ModelConfig:
         """Per layer, whether its MLP slot is an MoE layer."""
         if self.moe is None or not self.moe.num_experts:
             return [False] * self.num_layers
+        if self.hybrid_override_pattern is not None:  # the pattern's E layers
+            return [kind == "E" for kind in self.hybrid_override_pattern]
         return parse_moe_layer_freq(self.moe.moe_layer_freq, self.num_layers)
 
     def num_parameters(self, include_embedding: bool = True, active: bool = False) -> int:

@@ -32,7 +32,9 @@ from megatron_lite.parallel.tensor_parallel import (
 from megatron_lite.transformer.block import TransformerLayer
 from megatron_lite.transformer.core_attention import ContextParallelAttention, PackedSeq, core_attention_class
 from megatron_lite.transformer.fast_paths import compile_layer, cross_entropy_chunk_tokens
+from megatron_lite.transformer.hybrid import layer_types
 from megatron_lite.transformer.loss_normalization import attach_loss
+from megatron_lite.transformer.mamba import MambaMixer
 from megatron_lite.transformer.mla import self_attention_class
 from megatron_lite.transformer.mlp import MLP, GatedUnit
 from megatron_lite.transformer.moe import MoELayer, MoEStepHooks
@@ -74,8 +76,18 @@ def gpt_layer_spec(cfg: C.ModelConfig, ctx: BuildContext, layer_number: int) -> 
     core = ContextParallelAttention if ctx.dims.cp > 1 else core_attention_class(cfg.attention_backend)
     attention = self_attention_class(cfg)  # standard attention or MLA (each builds its own config from cfg)
     mlp = moe_mlp if cfg.moe_layers()[layer_number] else MLP
+    attention, mlp = hybrid_layer_blocks(cfg, layer_number, attention, mlp)
     return TransformerLayerSpec(input_layernorm=build_norm, self_attention=attention, core_attention=core,
                                 pre_mlp_layernorm=build_norm, mlp=mlp)
+
+
+def hybrid_layer_blocks(cfg: C.ModelConfig, layer_number: int, attention, mlp):
+    """The (attention slot, MLP slot) of layer `layer_number` under --hybrid-override-pattern: one
+    block, the other None (transformer/hybrid.py); without a pattern both as given."""
+    kinds = layer_types(cfg.hybrid_override_pattern, cfg.num_layers)
+    if kinds is None:
+        return attention, mlp
+    return {"M": (MambaMixer, None), "*": (attention, None), "-": (None, mlp), "E": (None, mlp)}[kinds[layer_number]]
 
 
 class GPTModel(nn.Module):

@@ -11,6 +11,10 @@ left-padded to one length (megatron_lite/inference/generation.py), so one decodi
 every sequence's new token at the same index. The model's forward runs its layers with the cache
 `attached` (each attention module's `cache_update` then stores its new tokens through `update`);
 the caller calls `advance` once the forward is done.
+
+A recurrent mixer (Mamba-2) keeps a state of fixed size per sequence instead: its `cache_entry()` is
+a `RecurrentState` of shapes, allocated [b, *shape] and handed back whole by `update`, which the
+mixer reads and overwrites in place.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import ConfigError
+from ..transformer.mamba import RecurrentState
 
 
 def _cache_owners(model: nn.Module) -> List[nn.Module]:
@@ -35,7 +40,8 @@ def kv_cache_bytes_per_token(model: nn.Module) -> int:
     its parameter dtype): K and V per head group for standard attention, the latent and RoPE key
     for MLA."""
     size = next(model.parameters()).element_size()
-    return sum(math.prod(shape) * size for m in _cache_owners(model) for shape in m.cache_entry())
+    return sum(math.prod(shape) * size for m in _cache_owners(model) if not isinstance(m.cache_entry(), RecurrentState)
+               for shape in m.cache_entry())
 
 
 class KVCache:
@@ -46,7 +52,11 @@ class KVCache:
         self.offset = 0  # tokens cached so far, the same for every sequence
         self.buffers = {layer: tuple(torch.zeros(batch_size, max_length, *shape, dtype=dtype, device=device)
                                      for shape in shapes)
-                        for layer, shapes in entries.items()}
+                        for layer, shapes in entries.items() if not isinstance(shapes, RecurrentState)}
+        # Recurrent states: fp32 whatever the model's dtype (the scan keeps its state in fp32)
+        self.states = {layer: tuple(torch.zeros(batch_size, *shape, dtype=torch.float32, device=device)
+                                    for shape in entry.shapes)
+                       for layer, entry in entries.items() if isinstance(entry, RecurrentState)}
 
     @classmethod
     def for_model(cls, model: nn.Module, batch_size: int, max_length: int) -> "KVCache":
@@ -57,12 +67,16 @@ class KVCache:
                    param.dtype, param.device)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for entry in self.buffers.values() for t in entry)
+        return sum(t.numel() * t.element_size() for group in (self.buffers, self.states) for entry in group.values()
+                   for t in entry)
 
     def update(self, layer_number: int, *new: torch.Tensor) -> Tuple:
         """Store the new tokens' tensors [b, s, ...] after the cached ones; return every cached one
         [b, offset + s, ...] (views of the buffers) and the number of tokens cached before these
-        (the queries' absolute position offset)."""
+        (the queries' absolute position offset). A recurrent layer passes nothing and gets its
+        state tensors, to update in place."""
+        if layer_number in self.states:
+            return (*self.states[layer_number], self.offset)
         end = self.offset + new[0].shape[1]
         if end > self.max_length:
             raise ConfigError(f"KV cache overflow: {end} tokens do not fit the {self.max_length} it was built for")

@@ -1,5 +1,6 @@
 """The decoder's counts: what its layer types report (counts.py), laid out as models/gpt.py builds
-them (each layer two norms, self-attention and an MLP slot, MoE where --moe-layer-freq says so), and
+them (each layer two norms, self-attention and an MLP slot, MoE where --moe-layer-freq says so; or
+under --hybrid-override-pattern one norm and one block), and
 the multi-token prediction modules on the last stage."""
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import torch
 
 from .counts import Counts, MicroBatch, weights
 from .fast_paths import cross_entropy_chunk_tokens
+from .hybrid import layer_types
+from .mamba import MambaMixer
 from .mla import self_attention_class
 from .mlp import MLP
 from .moe import MoELayer
@@ -28,6 +31,11 @@ class ModelCounts(NamedTuple):
 
 
 def model_counts(cfg, mb: MicroBatch = MicroBatch()) -> ModelCounts:
+    pattern = layer_types(getattr(cfg, "hybrid_override_pattern", None), cfg.num_layers)
+    if pattern is not None:
+        layer = {kind: hybrid_layer_counts(cfg, mb, kind) for kind in set(pattern)}
+        return ModelCounts(embedding_counts(cfg, mb), [layer[kind] for kind in pattern], norm_counts(cfg, mb),
+                           output_counts(cfg, mb))
     kinds = [(moe, cfg.layer_window(i)) for i, moe in enumerate(cfg.moe_layers())]
     layer = {kind: layer_counts(cfg, mb, *kind) for kind in set(kinds)}
     mtp_layers = [layer_counts(cfg, mb, kinds[-1][0], cfg.layer_window(cfg.num_layers + k))
@@ -52,6 +60,15 @@ def layer_counts(cfg, mb: MicroBatch, moe: bool, window=None) -> Counts:
     h, norm, mlp = cfg.hidden_size, norm_counts(cfg, mb), MoELayer if moe else MLP
     residual = Counts(act_bytes=(2 * mb.a * h + (2 * h if cfg.hidden_dropout > 0 else 0)) * mb.residual_tokens)
     return norm + self_attention_class(cfg).counts(cfg, mb, window) + norm + mlp.counts(cfg, mb) + residual
+
+
+def hybrid_layer_counts(cfg, mb: MicroBatch, kind: str) -> Counts:
+    """One layer of a hybrid pattern: its norm, its one block, one residual sum (transformer/hybrid.py)."""
+    h = cfg.hidden_size
+    residual = Counts(act_bytes=(mb.a * h + (h if cfg.hidden_dropout > 0 else 0)) * mb.residual_tokens)
+    block = {"M": lambda: MambaMixer.counts(cfg, mb), "*": lambda: self_attention_class(cfg).counts(cfg, mb),
+             "-": lambda: MLP.counts(cfg, mb), "E": lambda: MoELayer.counts(cfg, mb)}[kind]()
+    return norm_counts(cfg, mb) + block + residual
 
 
 def embedding_counts(cfg, mb: MicroBatch) -> Counts:

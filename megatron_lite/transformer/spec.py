@@ -58,8 +58,10 @@ class BuildContext:
 
 @dataclass(frozen=True)
 class TransformerLayerSpec:
+    """self_attention or mlp None: a one-block layer (hybrid patterns, transformer/hybrid.py), which
+    has neither that block nor its norm."""
     input_layernorm: Callable
-    self_attention: Callable
+    self_attention: Optional[Callable]
     core_attention: Callable
     pre_mlp_layernorm: Callable
-    mlp: Callable
+    mlp: Optional[Callable]
