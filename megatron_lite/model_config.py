@@ -112,6 +112,8 @@ class ModelConfig:
     mamba_num_groups: int = arg(8, "Mamba-2: groups of heads sharing B and C")
     mamba_num_heads: Optional[int] = arg(None, "Mamba-2: heads; None: 2 hidden_size / mamba_head_dim")
     mamba_chunk_size: int = arg(128, "Mamba-2: tokens per chunk of the SSD scan (exact whatever the size)")
+    mamba_time_step_min: float = arg(0.0, "Mamba-2: dt clamped from below after softplus (HF nemotron_h's "
+                                          "time_step_min); 0: not clamped (Megatron-Core)")
     squared_relu: bool = arg(False, "MLP activation relu(x)^2 (Nemotron-H)", store="true")
 
     def __post_init__(self):

@@ -54,7 +54,7 @@ class MambaConfig:
     def from_model(cls, cfg) -> "MambaConfig":
         heads = cfg.mamba_num_heads or 2 * cfg.hidden_size // cfg.mamba_head_dim
         return cls(cfg.hidden_size, heads, cfg.mamba_head_dim, cfg.mamba_state_dim, cfg.mamba_num_groups,
-                   chunk_size=cfg.mamba_chunk_size, norm_eps=cfg.norm_epsilon)
+                   chunk_size=cfg.mamba_chunk_size, time_step_min=cfg.mamba_time_step_min, norm_eps=cfg.norm_epsilon)
 
     @property
     def inner(self) -> int:
