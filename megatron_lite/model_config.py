@@ -115,6 +115,8 @@ class ModelConfig:
     mamba_time_step_min: float = arg(0.0, "Mamba-2: dt clamped from below after softplus (HF nemotron_h's "
                                           "time_step_min); 0: not clamped (Megatron-Core)")
     squared_relu: bool = arg(False, "MLP activation relu(x)^2 (Nemotron-H)", store="true")
+    mamba_impl: str = arg("torch", "Mamba-2 kernels in training: torch (plain, everywhere) or mamba_ssm (mamba-ssm "
+                                   "+ causal-conv1d, CUDA)", choices=["torch", "mamba_ssm"])
 
     def __post_init__(self):
         if isinstance(self.moe, dict):  # from a checkpoint's metadata or a zoo preset

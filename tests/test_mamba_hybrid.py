@@ -137,3 +137,11 @@ def test_bad_hybrid_layouts_are_one_line(extra, fragment, monkeypatch):
     with pytest.raises(ConfigError) as err:
         pretrain_gpt.resolve(BASE + extra)
     assert fragment in str(err.value) and "\n" not in str(err.value), err.value
+
+
+def test_missing_kernel_package_is_one_line(monkeypatch, capsys):
+    import importlib.util
+    if importlib.util.find_spec("mamba_ssm") is not None and importlib.util.find_spec("causal_conv1d") is not None:
+        pytest.skip("mamba-ssm and causal-conv1d are installed here: nothing is missing")
+    assert_one_line_error(BASE + ["--mamba-impl", "mamba_ssm"], "--mamba-impl mamba_ssm needs the", monkeypatch,
+                          capsys)

@@ -11,9 +11,10 @@ the heads and of the groups; in_proj is column-parallel with its five segments s
 the conv channels, dt_bias, A_log, D and the norm follow their heads / groups, out_proj is
 row-parallel. Under sequence parallelism in_proj gathers the sequence (the scan needs all of it).
 
-Packed documents: the conv and the scan's state restart at each document boundary. Generation keeps
-a fixed-size state per sequence (the conv's last kernel - 1 inputs and the SSM state), not a
-per-token cache: `cache_entry()` says so with a `RecurrentState`.
+Packed documents: the conv and the scan's state restart at each document boundary. --mamba-impl
+mamba_ssm runs training's conv and scan through mamba-ssm / causal-conv1d (mamba_kernels.py).
+Generation keeps a fixed-size state per sequence (the conv's last kernel - 1 inputs and the SSM
+state), not a per-token cache: `cache_entry()` says so with a `RecurrentState`.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from ..parallel.random import recompute
 from ..parallel.sharding import ShardSpec, set_spec, tp_split
 from ..parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from .core_attention import PackedSeq
+from . import mamba_kernels
 from .counts import Counts, MicroBatch, weights
 from .ssd import ssd_chunked, ssd_step
 
@@ -49,12 +51,14 @@ class MambaConfig:
     norm_eps: float = 1e-5
     bias: bool = False  # in_proj / out_proj biases
     conv_bias: bool = True
+    impl: str = "torch"  # --mamba-impl: torch, or mamba_ssm's kernels for training (mamba_kernels.py)
 
     @classmethod
     def from_model(cls, cfg) -> "MambaConfig":
         heads = cfg.mamba_num_heads or 2 * cfg.hidden_size // cfg.mamba_head_dim
         return cls(cfg.hidden_size, heads, cfg.mamba_head_dim, cfg.mamba_state_dim, cfg.mamba_num_groups,
-                   chunk_size=cfg.mamba_chunk_size, time_step_min=cfg.mamba_time_step_min, norm_eps=cfg.norm_epsilon)
+                   chunk_size=cfg.mamba_chunk_size, time_step_min=cfg.mamba_time_step_min, norm_eps=cfg.norm_epsilon,
+                   impl=cfg.mamba_impl)
 
     @property
     def inner(self) -> int:
@@ -76,6 +80,8 @@ class MambaConfig:
         if self.num_heads % tp or self.num_groups % tp:
             raise ConfigError(f"Mamba heads ({self.num_heads}) and groups ({self.num_groups}) must be divisible by "
                               f"the tensor-parallel size ({tp}): change --mamba-num-heads / --mamba-num-groups or TP")
+        if self.impl == "mamba_ssm":
+            mamba_kernels.check_available()
 
 
 @dataclass(frozen=True)
@@ -194,13 +200,19 @@ class MambaMixer(nn.Module):
         b, s = zxbcdt.shape[:2]
         n = self.groups * c.state_dim
         z, xbc, dt = zxbcdt.split([self.inner, self.inner + 2 * n, self.heads], dim=-1)
-        xbc, last = self.conv1d(xbc, docs, conv_state)
+        kernels = c.impl == "mamba_ssm" and ssm_state is None  # decoding stays on the torch path
+        if kernels:
+            xbc = mamba_kernels.conv(xbc, self.conv1d.weight, self.conv1d.bias, docs)
+        else:
+            xbc, last = self.conv1d(xbc, docs, conv_state)
         x, B, C = xbc.split([self.inner, n, n], dim=-1)
         x = x.unflatten(-1, (self.heads, c.head_dim))
         B, C = B.unflatten(-1, (self.groups, c.state_dim)), C.unflatten(-1, (self.groups, c.state_dim))
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(c.time_step_min, c.time_step_max)
         A = -torch.exp(self.A_log.float())
-        if ssm_state is not None and s == 1:  # decoding: the recurrent form
+        if kernels:
+            y, state = mamba_kernels.scan(x, dt, A, B, C, c.chunk_size, docs)
+        elif ssm_state is not None and s == 1:  # decoding: the recurrent form
             y, state = ssd_step(ssm_state, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0])
             y = y.unsqueeze(1)
         else:
