@@ -87,3 +87,17 @@ def test_moe_layers_are_refused_in_one_line():
     c = transformers.NemotronHConfig(hybrid_override_pattern="M*E", hidden_size=32, vocab_size=VOCAB, pad_token_id=0)
     with pytest.raises(ConversionError, match="MoE layers"):
         hf_config_to_model_config(c)
+
+
+def test_greedy_generation_equals_transformers():
+    """Our decoding with the conv + SSM state cache gives transformers' greedy tokens (its own cache)."""
+    from megatron_lite.inference import generate
+    hf = hf_model()
+    _, _, cfg, state = oracle()
+    dims = ParallelDims().build_groups()
+    model = build_model(cfg, dims, seed=7)[0].eval()
+    load_full_state_dict_into_model(model, state, dims)
+    prompt = [7, 3, 91, 15, 42, 8]
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, use_cache=True)[0, 6:]
+    assert generate(model, [prompt], max_new_tokens=8)[0].tokens == expected.tolist()
