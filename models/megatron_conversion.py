@@ -127,6 +127,9 @@ def split_tp(name: str, full: torch.Tensor, tp: int, swiglu: bool) -> list:
 def megatron_args_of_config(cfg: ModelConfig, tp: int, pp: int, ep: int = 1) -> Dict[str, Any]:
     """The model-defining fields of the args Megatron-LM saves (model_config_from_megatron_args'
     inverse); a ConversionError naming what Megatron-Core's GPT cannot express."""
+    if cfg.hybrid_override_pattern is not None:
+        raise ConversionError("Mamba hybrids (--hybrid-override-pattern) are not converted to Megatron-LM yet "
+                              "(Megatron-Core's MambaModel names): use the HF nemotron_h conversion")
     if cfg.window_size:
         raise ConversionError(f"window_size={cfg.window_size} (sliding-window attention) has no Megatron-LM flag")
     if cfg.qk_layernorm_full_width:

@@ -145,3 +145,10 @@ def test_missing_kernel_package_is_one_line(monkeypatch, capsys):
         pytest.skip("mamba-ssm and causal-conv1d are installed here: nothing is missing")
     assert_one_line_error(BASE + ["--mamba-impl", "mamba_ssm"], "--mamba-impl mamba_ssm needs the", monkeypatch,
                           capsys)
+
+
+def test_megatron_lm_conversion_refuses_hybrids_in_one_line():
+    from models.hf_conversion import ConversionError
+    from models.megatron_conversion import megatron_args_of_config
+    with pytest.raises(ConversionError, match="Mamba hybrids .* not converted to Megatron-LM yet"):
+        megatron_args_of_config(_cfg(moe=None, hybrid_override_pattern="M*-M-"), 1, 1)
