@@ -108,3 +108,25 @@ def test_mamba_ssm_kernels_equal_the_torch_path():
         (out ** 2).sum().backward()
     for (name, p), q in zip(ref.named_parameters(), fast.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-3 * p.grad.abs().max().item(), msg=name)
+
+
+@pytest.mark.parametrize("seq, chunk", [(64, 8), (48, 16)])
+def test_counts_equal_the_built_mixer_and_a_flop_counter(seq, chunk):
+    """Parameters = the module's; forward FLOPs per token = what torch's FlopCounterMode counts (the
+    projections' GEMMs and the chunked scan's einsums: counts' core_flops) plus 2 per weight outside a
+    GEMM (conv, dt_bias, A_log, D, norm: the convention counts every weight)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from megatron_lite.config import ModelConfig
+    from megatron_lite.transformer.counts import MicroBatch
+    cfg = ModelConfig(num_layers=1, hidden_size=HIDDEN, mamba_state_dim=STATE, mamba_head_dim=8, mamba_num_groups=GROUPS,
+                      mamba_chunk_size=chunk, hybrid_override_pattern="M", add_bias_linear=False)
+    m = MambaMixer(cfg, BuildContext(), 0)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.1)
+    with FlopCounterMode(display=False) as counter:
+        m(torch.randn(seq, 1, HIDDEN))
+    counts = MambaMixer.counts(cfg, MicroBatch(seq_length=seq, tokens=seq))
+    assert counts.params == sum(p.numel() for p in m.parameters())
+    outside_gemms = sum(p.numel() for name, p in m.named_parameters() if not name.endswith("proj.weight"))
+    assert counter.get_total_flops() / seq == counts.flops - 2 * outside_gemms
+    assert counts.core_flops > 0
