@@ -180,7 +180,7 @@ class MambaMixer(nn.Module):
         return RecurrentState(((c.conv_kernel - 1, conv), (self.heads, c.head_dim, c.state_dim)))
 
     def forward(self, x: torch.Tensor, rope=None, packed: Optional[PackedSeq] = None) -> torch.Tensor:
-        s, b = x.shape[0] * (self.in_proj.dims.tp if self.in_proj.sequence_parallel else 1), x.shape[1]
+        s = x.shape[0] * (self.in_proj.dims.tp if self.in_proj.sequence_parallel else 1)  # the whole sequence
         zxbcdt = self.in_proj(x).transpose(0, 1)  # [b, s, ...]: the whole sequence, this rank's channels
         if self.cache_update is not None:
             conv_state, ssm_state, offset = self.cache_update()
@@ -197,7 +197,7 @@ class MambaMixer(nn.Module):
         """[b, s, in_proj out / tp] -> the gated norm's output [b, s, inner / tp]; with a cache, its
         states are read and updated in place."""
         c = self.config
-        b, s = zxbcdt.shape[:2]
+        s = zxbcdt.shape[1]
         n = self.groups * c.state_dim
         z, xbc, dt = zxbcdt.split([self.inner, self.inner + 2 * n, self.heads], dim=-1)
         kernels = c.impl == "mamba_ssm" and ssm_state is None  # decoding stays on the torch path
