@@ -15,6 +15,7 @@ from . import feature_checks, flag_rules
 from .options import arg
 from .model_config import ModelConfig, _require  # noqa: F401  (re-exported: megatron_lite.config.ModelConfig)
 from .transformer.mixer_pattern import validate_linear_attention_layout
+from .transformer.hybrid import validate_hybrid
 
 
 
@@ -262,7 +263,7 @@ CP_COMM_TYPES = ("p2p", "a2a", "all_gather", "allgather", "a2a+p2p")
 # Megatron-LM's --recompute-modules: core_attn, mlp, moe, shared_experts are checkpointed (only their
 # input kept); layernorm, moe_act, mla_up_proj drop their outputs, recomputed when backward needs them.
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts", "moe_act", "layernorm", "mla_up_proj",
-                     "linear_attn")
+                     "linear_attn", "mamba")
 
 
 @dataclass
@@ -764,6 +765,7 @@ class Config:
                  f"--main-grads-dtype {t.main_grads_dtype} (or --grad-comm-dtype)")
         feature_checks.validate_activation_memory(self)
         feature_checks.validate_param_offload(self)
+        validate_hybrid(self)  # --hybrid-override-pattern and the Mamba flags
         flag_rules.check(self)
 
     def _validate_pipeline(self, num_microbatches: int) -> None:

@@ -71,6 +71,10 @@ PARTNERS: Dict[str, Partner] = {
                                        "--recompute-granularity selective"),
     "with --cpu-offloading": Partner(lambda c: c.training.cpu_offloading, "--cpu-offloading"),
     "with --log-straggler": Partner(lambda c: c.training.log_straggler, "--log-straggler"),
+    "Mamba-2": Partner(lambda c: "M" in (c.model.hybrid_override_pattern or ""),
+                       "--hybrid-override-pattern with Mamba layers (M)"),
+    "Mamba-2 kernels in training": Partner(lambda c: "M" in (c.model.hybrid_override_pattern or ""),
+                                           "--hybrid-override-pattern with Mamba layers (M)"),
     "linear attention": Partner(lambda c: c.model.experimental_attention_variant == "gated_delta_net",
                                 "--experimental-attention-variant gated_delta_net"),
     # by field name: partners that no doc prefix says

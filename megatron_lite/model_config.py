@@ -126,6 +126,20 @@ class ModelConfig:
                                        choices=["torch", "fla"])
     attention_output_gate: bool = arg(False, "full attention: a sigmoid gate from the query projection multiplies "
                                              "the attention output (Qwen3-Next)", store="true")
+    # Mamba hybrids (Nemotron-H; transformer/hybrid.py, transformer/mamba.py)
+    hybrid_override_pattern: Optional[str] = arg(None, "one letter per layer, each layer that one block: M Mamba-2, "
+                                                       "* attention, - MLP, E MoE (Nemotron-H); None: every layer "
+                                                       "attention + MLP")
+    mamba_state_dim: int = arg(128, "Mamba-2: SSM state size per head (n)")
+    mamba_head_dim: int = arg(64, "Mamba-2: channels per head (p)")
+    mamba_num_groups: int = arg(8, "Mamba-2: groups of heads sharing B and C")
+    mamba_num_heads: Optional[int] = arg(None, "Mamba-2: heads; None: 2 hidden_size / mamba_head_dim")
+    mamba_chunk_size: int = arg(128, "Mamba-2: tokens per chunk of the SSD scan (exact whatever the size)")
+    mamba_time_step_min: float = arg(0.0, "Mamba-2: dt clamped from below after softplus (HF nemotron_h's "
+                                          "time_step_min); 0: not clamped (Megatron-Core)")
+    squared_relu: bool = arg(False, "MLP activation relu(x)^2 (Nemotron-H)", store="true")
+    mamba_impl: str = arg("torch", "Mamba-2 kernels in training: torch (plain, everywhere) or mamba_ssm (mamba-ssm "
+                                   "+ causal-conv1d, CUDA)", choices=["torch", "mamba_ssm"])
 
     def __post_init__(self):
         if isinstance(self.moe, dict):  # from a checkpoint's metadata or a zoo preset
@@ -163,6 +177,8 @@ class ModelConfig:
         """Per layer, whether its MLP slot is an MoE layer."""
         if self.moe is None or not self.moe.num_experts:
             return [False] * self.num_layers
+        if self.hybrid_override_pattern is not None:  # the pattern's E layers
+            return [kind == "E" for kind in self.hybrid_override_pattern]
         return parse_moe_layer_freq(self.moe.moe_layer_freq, self.num_layers)
 
     def num_parameters(self, include_embedding: bool = True, active: bool = False) -> int:

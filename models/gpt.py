@@ -33,7 +33,7 @@ from megatron_lite.transformer.block import TransformerLayer
 from megatron_lite.transformer.core_attention import ContextParallelAttention, PackedSeq, core_attention_class
 from megatron_lite.transformer.fast_paths import compile_layer, cross_entropy_chunk_tokens
 from megatron_lite.transformer.loss_normalization import attach_loss
-from megatron_lite.transformer.mixers import mixer_class
+from megatron_lite.transformer.mixers import has_mlp, mixer_class
 from megatron_lite.transformer.mlp import MLP, GatedUnit
 from megatron_lite.transformer.moe import MoELayer, MoEStepHooks
 from megatron_lite.transformer.multi_token_prediction import MultiTokenPrediction, shifted_inputs
@@ -72,8 +72,10 @@ def gpt_layer_spec(cfg: C.ModelConfig, ctx: BuildContext, layer_number: int) -> 
         return TransformerLayerSpec(input_layernorm=te_backend.fused_norm, self_attention=te_backend.TESelfAttention,
                                     core_attention=None, pre_mlp_layernorm=te_backend.fused_norm, mlp=te_backend.TEMLP)
     core = ContextParallelAttention if ctx.dims.cp > 1 else core_attention_class(cfg.attention_backend)
-    attention = mixer_class(cfg, layer_number)  # standard attention, MLA or a linear mixer (each builds its config)
-    mlp = moe_mlp if cfg.moe_layers()[layer_number] else MLP
+    # standard attention, MLA, a linear or Mamba-2 mixer (each builds its own config), or None; no MLP in a
+    # hybrid pattern's mixer-only layers (transformer/mixers.py decides)
+    attention = mixer_class(cfg, layer_number)
+    mlp = (moe_mlp if cfg.moe_layers()[layer_number] else MLP) if has_mlp(cfg, layer_number) else None
     return TransformerLayerSpec(input_layernorm=build_norm, self_attention=attention, core_attention=core,
                                 pre_mlp_layernorm=build_norm, mlp=mlp)
 

@@ -93,7 +93,17 @@ CONDITIONS: Dict[str, Callable[[ModelConfig, Optional[int]], bool]] = {
     "q_lora": lambda c, i: c.q_lora_rank is not None,
     "q_full": lambda c, i: c.q_lora_rank is None,
     "expert_bias": lambda c, i: c.moe is not None and c.moe.moe_router_enable_expert_bias,
+    # hybrid patterns (--hybrid-override-pattern): the one block of layer i
+    "mamba_layer": lambda c, i: _hybrid_letter(c, i) == "M",
+    "attention_layer": lambda c, i: _hybrid_letter(c, i) == "*",
+    "mixer_layer": lambda c, i: _hybrid_letter(c, i) in ("M", "*"),
+    "mlp_layer": lambda c, i: _hybrid_letter(c, i) == "-",
 }
+
+
+def _hybrid_letter(cfg: ModelConfig, layer: Optional[int]) -> Optional[str]:
+    pattern = cfg.hybrid_override_pattern
+    return pattern[layer] if pattern is not None and layer is not None else None
 
 
 def _rope_blocks(rule: Rule, cfg: ModelConfig) -> Tuple[int, int]:

@@ -22,6 +22,7 @@ save_pretrained writes them, with transformers' in-memory fused expert tensors a
              top-k softmax MoE with router and expert biases, a clamped quick-GELU gated unit; the fused
              expert tensors stored [E, in, out] with gate and up columns interleaved (as save_pretrained
              writes them, or the Hub's MXFP4 blocks and scales, dequantized on the way in)
+  nemotron_h Mamba-2 / attention / squared-ReLU MLP layers, one block each (hf_nemotron_h.py)
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ import torch
 from megatron_lite.config import ModelConfig
 from megatron_lite.transformer.moe import MoEConfig
 
+from . import hf_nemotron_h
 from .hf_conversion import ConversionError, R, Rule
 
 L = "model.layers.{i}."
@@ -652,6 +654,8 @@ FAMILIES: Dict[str, Family] = {f.name: f for f in [
     Family("deepseek_v2", "deepseek_v2", "DeepseekV2ForCausalLM", _DEEPSEEK, lambda c: _deepseek_to_ours(c, "deepseek_v2"),
            _deepseek_to_hf("deepseek_v2")),
     Family("gpt_oss", "gpt_oss", "GptOssForCausalLM", _GPT_OSS, _gpt_oss_to_ours, _gpt_oss_to_hf),
+    Family("nemotron_h", "nemotron_h", "NemotronHForCausalLM", hf_nemotron_h.RULES, hf_nemotron_h.to_ours,
+           hf_nemotron_h.to_hf, renames=hf_nemotron_h.RENAMES),
 ]}
 
 
@@ -665,6 +669,8 @@ def family_for_model_type(model_type: Optional[str]) -> Family:
 
 def _infer(cfg: ModelConfig) -> str:
     """The family that can represent `cfg` exactly, for configs built from flags (no family)."""
+    if cfg.hybrid_override_pattern is not None:
+        return "nemotron_h"
     if cfg.normalization == "LayerNorm" and cfg.position_embedding_type == "learned_absolute" and not cfg.swiglu:
         if not cfg.add_bias_linear or cfg.num_query_groups != cfg.num_attention_heads \
                 or cfg.kv_channels * cfg.num_attention_heads != cfg.hidden_size:

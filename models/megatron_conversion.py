@@ -130,6 +130,9 @@ def megatron_args_of_config(cfg: ModelConfig, tp: int, pp: int, ep: int = 1) -> 
     if cfg.experimental_attention_variant or cfg.attention_output_gate:
         raise ConversionError("linear-attention layers and the attention output gate are not converted to Megatron-LM "
                               "checkpoints yet (the Gated DeltaNet conversion tables come next)")
+    if cfg.hybrid_override_pattern is not None:
+        raise ConversionError("Mamba hybrids (--hybrid-override-pattern) are not converted to Megatron-LM yet "
+                              "(Megatron-Core's MambaModel names): use the HF nemotron_h conversion")
     if cfg.window_size:
         raise ConversionError(f"window_size={cfg.window_size} (sliding-window attention) has no Megatron-LM flag")
     if cfg.qk_layernorm_full_width:

@@ -203,6 +203,16 @@ MODELS: Dict[str, dict] = {
                             ffn_hidden_size=12288,
                             moe=dict(num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=1536,
                                      moe_aux_loss_coeff=0.001)),
+    # Nemotron-H-8B-Base-8K (8,100,852,736 parameters): 24 Mamba-2, 4 attention (GQA, no positions)
+    # and 24 squared-ReLU MLP layers, one block each; HF's dt floor (time_step_min) kept.
+    "nemotron-h-8b": dict(family="nemotron_h", num_layers=52, hidden_size=4096, num_attention_heads=32,
+                          num_query_groups=8, kv_channels=128, ffn_hidden_size=21504, vocab_size=131072,
+                          max_position_embeddings=8192, seq_length=8192, normalization="RMSNorm", norm_epsilon=1e-5,
+                          position_embedding_type="none", add_bias_linear=False, squared_relu=True,
+                          untie_embeddings_and_output_weights=True, attention_dropout=0.0, hidden_dropout=0.0,
+                          hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+                          mamba_state_dim=128, mamba_head_dim=64, mamba_num_groups=8, mamba_num_heads=128,
+                          mamba_time_step_min=0.001),
 }
 MODELS["deepseek-v3-shaped"] = MODELS["deepseek-v3"]  # its former name (standard attention then; MLA now)
 

@@ -8,22 +8,13 @@ import torch
 from megatron_lite.config import ModelConfig
 from megatron_lite.errors import ConfigError
 from megatron_lite.testing import assert_same_run, run_distributed
-from training_utils import TINY, merged_params, records_of, single_process_reference, train_and_gather
+from training_utils import (TINY, assert_layout_like_single, merged_params, records_of, single_process_reference,
+                            train_and_gather)
 
 MLA = ["--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "16", "--qk-head-dim", "12",
        "--qk-pos-emb-head-dim", "8", "--v-head-dim", "20"]
 BASE = TINY + ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
                "--untie-embeddings-and-output-weights", "--disable-bias-linear"] + MLA
-def _assert_like_single(argv, world, extra):
-    """Losses to 1e-5 and the first grad norm to 1e-6; the final weights to 1e-4 (5 Adam steps)."""
-    for flag in ("--num-layers", "--global-batch-size"):  # the reference gets the same model and batch
-        if flag in extra:
-            argv = argv + [flag, extra[extra.index(flag) + 1]]
-    ref, ref_params = single_process_reference(argv)
-    results = run_distributed(train_and_gather, world, argv + extra)
-    got = records_of([r[0] for r in results])
-    assert_same_run(ref, got, grad_norm_rtol=1e-6, what=" ".join(extra))
-    assert_same_run(ref, got, rtol=1e-4, params=merged_params(results), ref_params=ref_params, what=" ".join(extra))
 
 
 TP_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
@@ -51,7 +42,7 @@ FAST = ("tp2-sp", "cp2-p2p", "pp2-zb-h1", "dp2-zero3", "recompute-selective")
                                     for name in LAYOUTS])
 def test_mla_layout_trains_like_single_process(layout):
     world, extra = LAYOUTS[layout]
-    _assert_like_single(BASE, world, extra)
+    assert_layout_like_single(BASE, world, extra)
 
 
 def test_mla_fp8_zero_bubble_pp2_equals_the_single_process_fp8_run():
@@ -73,7 +64,7 @@ def test_mla_fp8_zero_bubble_pp2_equals_the_single_process_fp8_run():
 def test_mla_without_q_lora_and_with_biases_tp2_sp():
     argv = [a for a in BASE if a != "--disable-bias-linear"]
     i = argv.index("--q-lora-rank")
-    _assert_like_single(argv[:i] + argv[i + 2:], 2, TP_SP)
+    assert_layout_like_single(argv[:i] + argv[i + 2:], 2, TP_SP)
 
 
 @pytest.mark.parametrize("kw,message", [

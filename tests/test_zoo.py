@@ -16,7 +16,8 @@ FAMILY_NAMES = [n for n in NAMES if zoo.MODELS[n].get("family")]
 # Totals published on the models' Hugging Face cards / safetensors metadata.
 PUBLISHED = {"llama2-7b": 6_738_415_616, "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496,
              "llama3.1-405b": 405_853_388_800, "mistral-7b": 7_241_732_096, "mixtral-8x7b": 46_702_792_704,
-             "qwen2.5-0.5b": 494_032_768, "qwen2.5-7b": 7_615_616_512, "gpt2-124m": 124_439_808}
+             "qwen2.5-0.5b": 494_032_768, "qwen2.5-7b": 7_615_616_512, "gpt2-124m": 124_439_808,
+             "nemotron-h-8b": 8_100_852_736}
 
 
 def _cfg(name) -> ModelConfig:

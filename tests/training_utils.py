@@ -112,6 +112,21 @@ def single_process_reference(argv):
     return _SINGLE[key]
 
 
+def assert_layout_like_single(argv, world, extra, model_flags=("--num-layers", "--global-batch-size")):
+    """`argv + extra` on `world` forked ranks trains like the single process of `argv` (the flags in
+    `model_flags` taken from `extra` too: the same model and batch): losses to 1e-5, the first grad
+    norm to 1e-6; the final weights to 1e-4 (5 Adam steps)."""
+    from megatron_lite.testing import assert_same_run, run_distributed
+    for flag in model_flags:
+        if flag in extra:
+            argv = argv + [flag, extra[extra.index(flag) + 1]]
+    ref, ref_params = single_process_reference(argv)
+    results = run_distributed(train_and_gather, world, argv + extra)
+    got = records_of([r[0] for r in results])
+    assert_same_run(ref, got, grad_norm_rtol=1e-6, what=" ".join(extra))
+    assert_same_run(ref, got, rtol=1e-4, params=merged_params(results), ref_params=ref_params, what=" ".join(extra))
+
+
 def merged_params(results):
     out = {}
     for _, params, _, _ in results:

@@ -29,7 +29,8 @@ import torch.nn as nn
 
 
 Box = Tuple[Tuple[int, int], ...]  # per dimension: (start, length)
-INITS = ("normal", "normal_scaled", "ones", "zeros", "a_log")  # a_log: log U(1, 16), a decay rate per head
+INITS = ("normal", "normal_scaled", "ones", "zeros", "a_log", "log_arange")  # a_log: log U(1, 16), a decay rate
+# per head (delta rules); log_arange: log(1 + row index) (Mamba-2's A = -(1, 2, ..., heads))
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class ShardSpec:
     sequence_parallel: bool = False  # whole on every TP rank, but its gradient is partial there: each rank saw
     #                                  only its sequence slice (SP) or its attention heads (q/k norms)
     tie: Optional[Tie] = None
-    init: str = "normal"  # normal | normal_scaled (projections into the residual stream) | ones | zeros
+    init: str = "normal"  # normal | normal_scaled (projections into the residual stream) | ones | zeros | log_arange
 
     @property
     def local_shape(self) -> Tuple[int, ...]:

@@ -130,6 +130,10 @@ class TiledInit:
         if spec.init in ("ones", "zeros"):
             out.fill_(1.0 if spec.init == "ones" else 0.0)
             return
+        if spec.init == "log_arange":  # log(1 + row): Mamba-2's A_log, A = -(1, 2, ..., heads)
+            (start, length), = box
+            out.copy_(torch.log(torch.arange(start + 1, start + length + 1, dtype=torch.float64)))
+            return
         shape = spec.stored_shape
         extents = tile_extents(shape, self.rows, self.cols)
         device = self.draw_device or out.device

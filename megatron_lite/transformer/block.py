@@ -20,10 +20,13 @@ class TransformerLayer(nn.Module):
         self.layer_number = layer_number
         self.sequence_parallel, self.tracker = ctx.sequence_parallel, ctx.tracker
         self.hidden_dropout = cfg.hidden_dropout
-        self.input_layernorm = spec.input_layernorm(cfg, ctx, layer_number)
-        self.self_attention = spec.self_attention(cfg, ctx, layer_number, core_attention=spec.core_attention)
-        self.pre_mlp_layernorm = spec.pre_mlp_layernorm(cfg, ctx, layer_number)
-        self.mlp = spec.mlp(cfg, ctx, layer_number)
+        self.self_attention = self.mlp = None  # a hybrid layer has one of them (spec.py)
+        if spec.self_attention is not None:
+            self.input_layernorm = spec.input_layernorm(cfg, ctx, layer_number)
+            self.self_attention = spec.self_attention(cfg, ctx, layer_number, core_attention=spec.core_attention)
+        if spec.mlp is not None:
+            self.pre_mlp_layernorm = spec.pre_mlp_layernorm(cfg, ctx, layer_number)
+            self.mlp = spec.mlp(cfg, ctx, layer_number)
         self.recompute_norms = ctx.recomputes("layernorm")
         self.offloader = ctx.offloader if layer_number < ctx.offloaded_layers else None
 
@@ -45,13 +48,14 @@ class TransformerLayer(nn.Module):
         return self._run(x, rope, packed)
 
     def _run(self, x: torch.Tensor, rope=None, packed: Optional[PackedSeq] = None) -> torch.Tensor:
-        if self.compiled and self.self_attention.cache_update is None:  # decoding runs eager
+        if self.compiled and getattr(self.self_attention, "cache_update", None) is None:  # decoding runs eager
             return compiled_layer_forward()(self, x, rope, packed)
         return self._forward(x, rope, packed)
 
     def _forward(self, x: torch.Tensor, rope=None, packed: Optional[PackedSeq] = None) -> torch.Tensor:
-        x = self._dropout_add(self._norm_then(self.input_layernorm, self.self_attention, x, rope, packed), x)
-        return self._dropout_add(self._mlp_block(x), x)
+        if self.self_attention is not None:
+            x = self._dropout_add(self._norm_then(self.input_layernorm, self.self_attention, x, rope, packed), x)
+        return self._dropout_add(self._mlp_block(x), x) if self.mlp is not None else x
 
     def _norm_then(self, norm: nn.Module, block: nn.Module, x: torch.Tensor, *args) -> torch.Tensor:
         """block(norm(x)); under --recompute-modules layernorm the norm's output is not kept for

@@ -38,6 +38,7 @@ from ..parallel.sharding import ShardSpec, replicated, set_spec, tp_split
 from ..parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, linear
 from .core_attention import PackedSeq
 from .counts import Counts, MicroBatch, weights
+from .spec import RecurrentState
 
 
 @dataclass(frozen=True)
@@ -137,10 +138,9 @@ def _head_param(heads: int, dims, dtype, init: str) -> nn.Parameter:
 
 class DeltaRuleMixer(nn.Module):
     """What both mixers share: the conv, the rule over packed documents and the decoding cache."""
-    # Generation only: () -> the cached (conv history [b, kernel - 1, c], state [b, Hv, dk, dv]);
-    # (history, state) -> stores them. Set by the KV cache while the model decodes (inference/kv_cache.py).
+    # Generation only: () -> the cached (conv history [b, kernel - 1, c], state [b, Hv, dk, dv], tokens
+    # cached before), updated in place. Set by the KV cache while the model decodes (inference/kv_cache.py).
     cache_update: Optional[Callable[..., Tuple]] = None
-    recurrent_cache = True  # a fixed size per sequence, not per token
 
     def _setup(self, cfg, ctx, config: GatedDeltaNetConfig):
         dims = ctx.dims
@@ -155,12 +155,12 @@ class DeltaRuleMixer(nn.Module):
         self.conv1d = CausalConv1d(config.conv_segments, config.conv_kernel, dims, ctx.params_dtype)
         self.A_log = _head_param(config.num_value_heads, dims, ctx.params_dtype, "a_log")
 
-    def cache_entry(self) -> Tuple[Tuple[int, ...], ...]:
+    def cache_entry(self) -> RecurrentState:
         """What generation keeps per sequence on each rank (not per token): the conv history
         [kernel - 1, conv channels] and the recurrent state [value heads, dk, dv]."""
         c = self.config
         channels = sum(c.conv_segments) // self.dims.tp
-        return (c.conv_kernel - 1, channels), (self.value_heads, c.key_head_dim, c.value_head_dim)
+        return RecurrentState(((c.conv_kernel - 1, channels), (self.value_heads, c.key_head_dim, c.value_head_dim)))
 
     def _mix(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, packed) -> torch.Tensor:
         """conv -> q, k, v -> the rule, document by document: qkv [b, s, conv channels], g [b, s, Hv(, dk)],
@@ -185,7 +185,7 @@ class DeltaRuleMixer(nn.Module):
         continues from the cached conv history and state (zeros before the prompt), a later one (the
         prompt after left padding) starts afresh; the last one's history and state are cached."""
         b, s = qkv.shape[:2]
-        history, state = self.cache_update()
+        history, state, _ = self.cache_update()
         new_docs = None if packed is None else PackedSeq(packed.document_ids[:, -s:])
         rows, histories, states = [], [], []
         for i, spans in enumerate(document_spans(new_docs, b, s)):
@@ -201,7 +201,8 @@ class DeltaRuleMixer(nn.Module):
             rows.append(torch.cat(pieces, dim=1))
             histories.append(h)
             states.append(st)
-        self.cache_update(torch.cat(histories), torch.cat(states))
+        history.copy_(torch.cat(histories))
+        state.copy_(torch.cat(states))
         return torch.cat(rows, dim=0)
 
     def _heads(self, conv_out: torch.Tensor):

@@ -1,5 +1,5 @@
-"""The feed-forward block: GELU MLP (GPT-2) or a gated linear unit (SwiGLU: Llama; quick-GeGLU with
-a clamp and a linear offset: gpt-oss), column- then row-parallel."""
+"""The feed-forward block: GELU MLP (GPT-2), squared-ReLU MLP (Nemotron-H) or a gated linear unit
+(SwiGLU: Llama; quick-GeGLU with a clamp and a linear offset: gpt-oss), column- then row-parallel."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,7 +52,7 @@ class MLP(nn.Module):
         super().__init__()
         f, dims, sp, dt = cfg.ffn_hidden_size, ctx.dims, ctx.sequence_parallel, ctx.params_dtype
         self.swiglu = cfg.swiglu
-        self.activation = cfg.activation
+        self.activation = "squared_relu" if getattr(cfg, "squared_relu", False) else cfg.activation
         self.glu = GatedUnit.of(cfg)
         # SwiGLU keeps [gate | up] in one GEMM; each TP rank holds its slice of both halves.
         self.linear_fc1 = ColumnParallelLinear(
@@ -72,6 +72,8 @@ class MLP(nn.Module):
         h = self.linear_fc1(x)
         if self.swiglu:
             h = self.glu(h)
+        elif self.activation == "squared_relu":  # Nemotron-H (Megatron's --squared-relu)
+            h = F.relu(h).square()
         else:
             h = F.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
         return self.linear_fc2(h)

@@ -1,5 +1,6 @@
 """The decoder's counts: what its layer types report (counts.py), laid out as models/gpt.py builds
-them (each layer two norms, self-attention and an MLP slot, MoE where --moe-layer-freq says so), and
+them (each layer two norms, self-attention and an MLP slot, MoE where --moe-layer-freq says so; or
+under --hybrid-override-pattern one norm and one block), and
 the multi-token prediction modules on the last stage."""
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from .counts import Counts, MicroBatch, weights
 from .fast_paths import cross_entropy_chunk_tokens
-from .mixers import mixer_class
+from .mixers import has_mlp, mixer_class
 from .mlp import MLP
 from .moe import MoELayer
 from .norm import norm_counts
@@ -28,9 +29,9 @@ class ModelCounts(NamedTuple):
 
 
 def model_counts(cfg, mb: MicroBatch = MicroBatch()) -> ModelCounts:
-    kinds = [(moe, cfg.layer_window(i), mixer_class(cfg, i)) for i, moe in enumerate(cfg.moe_layers())]
+    kinds = [(moe, cfg.layer_window(i), mixer_class(cfg, i), has_mlp(cfg, i)) for i, moe in enumerate(cfg.moe_layers())]
     layer = {kind: layer_counts(cfg, mb, *kind) for kind in set(kinds)}
-    mtp_layers = [layer_counts(cfg, mb, kinds[-1][0], cfg.layer_window(cfg.num_layers + k), kinds[-1][2])
+    mtp_layers = [layer_counts(cfg, mb, kinds[-1][0], cfg.layer_window(cfg.num_layers + k), *kinds[-1][2:])
                   for k in range(cfg.mtp_depth)]
     return ModelCounts(embedding_counts(cfg, mb), [layer[kind] for kind in kinds], norm_counts(cfg, mb),
                        output_counts(cfg, mb), mtp_counts(cfg, mb, mtp_layers))
@@ -46,13 +47,20 @@ def mtp_counts(cfg, mb: MicroBatch, layers: List[Counts]) -> Counts:
     return sum(layers, Counts(*(len(layers) * x for x in depth)))
 
 
-def layer_counts(cfg, mb: MicroBatch, moe: bool, window=None, mixer=None) -> Counts:
-    """One pre-norm layer. It keeps the residual stream's two sums, 2 a h per residual-stream token,
-    and with hidden dropout their masks, a byte per element. `mixer`: the attention slot's class (None: layer 0's)."""
-    h, norm, mlp = cfg.hidden_size, norm_counts(cfg, mb), MoELayer if moe else MLP
-    residual = Counts(act_bytes=(2 * mb.a * h + (2 * h if cfg.hidden_dropout > 0 else 0)) * mb.residual_tokens)
-    mixer = mixer or mixer_class(cfg, 0)
-    return norm + mixer.counts(cfg, mb, window) + norm + mlp.counts(cfg, mb) + residual
+_LAYER_ZERO = "layer 0's mixer"  # layer_counts' default mixer
+
+
+def layer_counts(cfg, mb: MicroBatch, moe: bool, window=None, mixer=_LAYER_ZERO, mlp: bool = True) -> Counts:
+    """One pre-norm layer: each of its blocks with its norm, and per block the residual stream's sum,
+    a h per residual-stream token, with hidden dropout its mask, a byte per element. `mixer`: the
+    attention slot's class (default: layer 0's; None: an MLP-only layer); `mlp` False: a mixer-only layer
+    (a hybrid pattern's, transformer/mixers.py)."""
+    h, norm = cfg.hidden_size, norm_counts(cfg, mb)
+    mixer = mixer_class(cfg, 0) if mixer is _LAYER_ZERO else mixer
+    blocks = ([mixer.counts(cfg, mb, window)] if mixer is not None else []) + \
+        ([(MoELayer if moe else MLP).counts(cfg, mb)] if mlp else [])
+    residual = Counts(act_bytes=(mb.a * h + (h if cfg.hidden_dropout > 0 else 0)) * mb.residual_tokens)
+    return sum((norm + block + residual for block in blocks), Counts())
 
 
 def embedding_counts(cfg, mb: MicroBatch) -> Counts:

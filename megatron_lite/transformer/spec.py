@@ -57,9 +57,18 @@ class BuildContext:
 
 
 @dataclass(frozen=True)
+class RecurrentState:
+    """A recurrent mixer's cache entry (Mamba-2, Gated DeltaNet, KDA): a fixed size per sequence, not
+    per token, whatever the length: the shape of each state tensor (kept in fp32)."""
+    shapes: Tuple[Tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
 class TransformerLayerSpec:
+    """self_attention or mlp None: a one-block layer (hybrid patterns, transformer/hybrid.py), which
+    has neither that block nor its norm."""
     input_layernorm: Callable
-    self_attention: Callable
+    self_attention: Optional[Callable]
     core_attention: Callable
     pre_mlp_layernorm: Callable
-    mlp: Callable
+    mlp: Optional[Callable]
