@@ -4,9 +4,9 @@ loop: every layout trains like the single process (losses 1e-5, first grad norm 
 import pytest
 
 from megatron_lite.testing import assert_same_run, run_distributed
-from test_mla import _assert_like_single
-from training_utils import (LLAMA_SWITCHES, TINY, assert_one_line_error, merged_params, records_of,
-                            single_process_reference, train_and_gather)
+
+from training_utils import (LLAMA_SWITCHES, TINY, assert_layout_like_single, assert_one_line_error, merged_params,
+                            records_of, single_process_reference, train_and_gather)
 
 LINEAR = ["--experimental-attention-variant", "gated_delta_net", "--linear-num-key-heads", "2",
           "--linear-num-value-heads", "4", "--linear-key-head-dim", "8", "--linear-value-head-dim", "12",
@@ -50,7 +50,7 @@ FAST = ("gdn-tp2-sp",)
                                     for name in LAYOUTS])
 def test_hybrid_layout_trains_like_single_process(layout):
     model, world, extra = LAYOUTS[layout]
-    _assert_like_single(model, world, extra)
+    assert_layout_like_single(model, world, extra)
     ref = single_process_reference(model + _shape_flags(extra))[0]  # (cached: the run just compared)
     assert ref[-1]["lm_loss"] < ref[0]["lm_loss"] - 0.3  # it learns
 
