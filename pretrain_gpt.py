@@ -52,6 +52,9 @@ def resolve(argv=None) -> tuple:
                           f"{tokenizer.vocab_size}{vocab_hint(vocab, use_checkpoint_args=True)}")
     if saved is None:
         cfg.model.vocab_size = tokenizer.vocab_size
+    from megatron_lite.data.default_corpus import default_corpus_note
+
+    cfg.notes += filter(None, [default_corpus_note(d, t)])
     if int(os.environ.get("RANK", "0")) == 0:
         for note in cfg.notes:
             print(f"> note: {note}", flush=True)
