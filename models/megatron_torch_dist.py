@@ -34,6 +34,7 @@ from .megatron_conversion import MEGATRON_RULES, model_config_from_megatron_args
 # main params are `fp32_param` in its plain optimizer, `param` in its distributed one
 OPTIMIZER_STATES = {"exp_avg": ("exp_avg",), "exp_avg_sq": ("exp_avg_sq",), "main": ("fp32_param", "param")}
 _DP_RESHARDABLE = "dp_reshardable"
+BUFFERS = (".mlp.router.expert_bias",)  # Megatron-Core's model tensors that are buffers: no optimizer state
 
 
 def is_torch_dist(ckpt_dir: str) -> bool:
@@ -185,7 +186,8 @@ class TorchDistReader:
     def verify_files(self) -> None:
         """Every tensor this model needs is stored (one line naming the first missing ones)."""
         for kind, src in self.sources.items():
-            missing = [n for n in hf_names(self.cfg, MEGATRON_RULES) if not src.has(n)]
+            missing = [n for n in hf_names(self.cfg, MEGATRON_RULES)
+                       if not src.has(n) and (kind == "model" or not n.endswith(BUFFERS))]
             if missing:
                 what = "model" if kind == "model" else f"optimizer state {kind}"
                 raise CheckpointError(f"torch_dist checkpoint {self.dir} lacks {len(missing)} {what} tensors this "
@@ -199,6 +201,8 @@ class TorchDistReader:
         if key.startswith("optim/"):
             name, state = key[len("optim/"):].rsplit("/", 1)
             return state, name
+        if key.startswith("buffer/"):  # (the MoE router's expert bias: a model tensor in Megatron-Core's checkpoint)
+            return "model", key[len("buffer/"):]
         return "", key
 
     def has(self, key: str) -> bool:

@@ -7,8 +7,9 @@ weight decay, gradient clipping) and OptimizerParamScheduler (cosine decay), on 
 --mock-data run. It trains 3 iterations and saves as Megatron-LM's save_checkpoint does (model and
 optimizer sharded state dicts through dist_checkpointing.save, the scheduler's state, the args with
 the consumed samples), then trains 3 more and saves again. megatron-lite resumes from the first
-checkpoint with --ckpt-format torch_dist at TP2, at TP1 and at DP2: its next 3 losses are Megatron-
-Core's, and its Adam moments after them are those Megatron-Core saved at iteration 6.
+checkpoint (--auto-detect-ckpt-format) at TP2, TP1, DP2 and PP2: its next 3 losses are Megatron-
+Core's, and its Adam moments after them are those Megatron-Core saved at iteration 6. Likewise from
+Megatron-Core's distributed optimizer (TP2 x DP2, saved fully_reshardable) and from an MoE model.
 """
 from __future__ import annotations
 
@@ -37,8 +38,11 @@ SHAPE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_grou
              max_position_embeddings=32, norm_epsilon=1e-5, normalization="RMSNorm", position_embedding_type="rope",
              swiglu=True, add_bias_linear=False, untie_embeddings_and_output_weights=True)
 
-# 4 experts (SequentialMLP), top-2; dense and MoE layers mixed: Megatron-Core stores them per layer
-MOE_SHAPE = dict(SHAPE, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_layer_freq=[0, 1])
+# 4 experts (SequentialMLP), top-2 of sigmoid scores with an expert bias (aux-loss-free balancing,
+# updated once per step as Megatron-LM's finalize_model_grads does); dense and MoE layers mixed:
+# Megatron-Core stores them per layer
+MOE_SHAPE = dict(SHAPE, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_layer_freq=[0, 1],
+                 moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
 
 
 def _batches():
@@ -76,6 +80,7 @@ def _megatron_trains(rank, world, root, shape, tp):
     saved after 3 and after 6; its losses."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -98,6 +103,7 @@ def _megatron_trains(rank, world, root, shape, tp):
     args = mcore_cpu.megatron_args(shape, tp, 1, PADDED, "torch_dist")
     args.tokenizer_type, args.vocab_size, args.global_batch_size, args.seq_length = "NullTokenizer", TOKENS, BATCH, SEQ
     args.use_distributed_optimizer, args.data_parallel_size = distributed, dp
+    args.moe_router_bias_update_rate = model.config.moe_router_bias_update_rate
     mb, dp_rank = BATCH // dp, parallel_state.get_data_parallel_rank()
     position = torch.arange(SEQ).unsqueeze(0).expand(mb, -1)
     causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
@@ -110,6 +116,7 @@ def _megatron_trains(rank, world, root, shape, tp):
         loss = (per_token * mask).sum() / mask.sum()
         loss.backward()
         ddp.finish_grad_sync()  # (the DP mean of the gradients: every rank has as many tokens)
+        _update_router_expert_bias([ddp], model.config)
         optimizer.step()
         scheduler.step(increment=BATCH)
         reported = loss.detach().clone()
@@ -172,11 +179,13 @@ def _adam_moments(megatron_root: str, ours: str):
 
 
 LAYOUTS = {"tp2": (["--tensor-model-parallel-size", "2", "--micro-batch-size", "4"], 2),
+           "pp2": (["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2"], 2),
            "tp1": (["--micro-batch-size", "4"], 1),
            "dp2": (["--micro-batch-size", "2"], 2)}
 
 
-@pytest.mark.parametrize("layout", ["tp2", pytest.param("tp1", marks=pytest.mark.slow), "dp2"])
+@pytest.mark.parametrize("layout", ["tp2", pytest.param("tp1", marks=pytest.mark.slow), "dp2",
+                                    pytest.param("pp2", marks=pytest.mark.slow)])
 def test_resume_from_megatron_core_continues_its_run(megatron, tmp_path, layout):
     """At the saving layout and resharded: the next losses and the Adam moments after them are Megatron-Core's."""
     losses, saved, final, _ = megatron
@@ -246,8 +255,8 @@ def test_resume_from_megatron_cores_distributed_optimizer(megatron_distributed, 
 
 
 def test_resume_from_megatron_core_moe(megatron_moe, tmp_path):
-    """An MoE run (its experts' weights and Adam moments by expert) saved at TP1 continues here at TP2
-    with Megatron-Core's losses."""
+    """An MoE run (its experts' weights and Adam moments by expert, the router's expert bias) saved at
+    TP1 continues here at TP2 with Megatron-Core's losses."""
     losses, saved, final, _ = megatron_moe
     ours = _resume(saved, str(tmp_path / "ours"), ["--tensor-model-parallel-size", "2", "--micro-batch-size", "4"], 2)
     for a, b in zip(ours, losses[SAVED_AT:]):
