@@ -12,8 +12,10 @@ loss scaler's.
 foreign.py): the metadata in megatron-lite's terms and a reader with CheckpointReader's interface
 whose keys (`model/<name>`, `optim/<name>/<state>`) are our layout-independent names, each full
 tensor converted from Megatron-Core's by the conversion table (MEGATRON_RULES: the fused QKV per
-query group, SwiGLU's fc1) the first time a rank asks for it. Every rank reads through
-torch.distributed.checkpoint the boxes of the stored tensors, so any layout resumes any other.
+query group, SwiGLU's fc1) the first time a rank asks for it, then cut to the boxes the rank holds.
+A rank reads through torch.distributed.checkpoint only the layers (boxes of the stacked tensors) it
+needs, but each whole: it holds one full layer tensor at a time beside its own shards. So any
+layout resumes any other; Megatron-LM's RNG states (CUDA generators) are not read.
 """
 from __future__ import annotations
 
@@ -161,7 +163,7 @@ class TorchDistFormat:
                     f"(Megatron-Core's flat buffers, readable only by its own layout); save it in Megatron-LM with "
                     f"--dist-ckpt-optim-fully-reshardable, or load the weights only with --no-load-optim")
             for ours, names in OPTIMIZER_STATES.items():
-                stored = (src for src in (_open(ckpt_dir, f"optimizer.state.{n}.") for n in names) if src.index)
+                stored = (state for state in (_open(ckpt_dir, f"optimizer.state.{n}.") for n in names) if state.index)
                 states[ours] = next(stored, None)
             states = {k: v for k, v in states.items() if v is not None}
         return meta, TorchDistReader(ckpt_dir, model, src, states)
@@ -169,7 +171,8 @@ class TorchDistFormat:
 
 class TorchDistReader:
     """CheckpointReader's interface over a torch_dist directory: our full tensors by our keys,
-    converted from Megatron-Core's stored ones (the last rule's outputs kept: one rule gives q and kv)."""
+    converted from Megatron-Core's stored ones (per source, the last rule's outputs kept: the loader
+    asks for a parameter's model tensor and states in turn, and one rule gives both q and kv)."""
 
     def __init__(self, ckpt_dir: str, cfg: ModelConfig, model: TorchDistCheckpoint,
                  states: Dict[str, TorchDistCheckpoint]):
@@ -181,7 +184,7 @@ class TorchDistReader:
                       for name in _fmt(r.ours, layer)}
         self.pieces: Dict[str, list] = {}  # (no per-rank pieces: RNG states are not read from here)
         self._sizes: Optional[Dict[str, int]] = None
-        self._cached: Tuple[Optional[tuple], Dict[str, torch.Tensor]] = (None, {})
+        self._cached: Dict[str, Tuple[tuple, Dict[str, torch.Tensor]]] = {}  # kind -> (rule, its outputs)
 
     def verify_files(self) -> None:
         """Every tensor this model needs is stored (one line naming the first missing ones)."""
@@ -221,7 +224,7 @@ class TorchDistReader:
         if not self.has(key):
             raise CheckpointError(f"torch_dist checkpoint {self.dir} has no tensor for {key!r}")
         layer, rule = self.rules[name]
-        if self._cached[0] != (kind, layer, rule):
+        if kind not in self._cached or self._cached[kind][0] != (layer, rule):
             src = self.sources[kind]
             if self._sizes is None:
                 self._sizes = our_sizes(self.cfg)
@@ -229,8 +232,8 @@ class TorchDistReader:
                 out = dict(_to_ours(rule, layer, src.get, src.has, self.cfg, self._sizes))
             except ConversionError as e:
                 raise CheckpointError(f"torch_dist checkpoint {self.dir}: {e}") from e
-            self._cached = ((kind, layer, rule), out)
-        return self._cached[1][name]
+            self._cached[kind] = ((layer, rule), out)
+        return self._cached[kind][1][name]
 
     def read_into(self, key: str, box, out: torch.Tensor) -> None:
         out.copy_(self._full(key)[tuple(slice(s, s + n) for s, n in box)])
@@ -240,7 +243,7 @@ class TorchDistReader:
         return full.to(dtype) if dtype is not None else full.clone()
 
     def close(self) -> None:
-        self._cached = (None, {})
+        self._cached = {}
 
     def __enter__(self):
         return self
