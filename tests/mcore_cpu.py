@@ -13,7 +13,8 @@ Core puts on "cuda" at the CPU:
   before its all-reduce over the embedding group): in this rank's process only;
 - the checkpoint writer's result queue (a multiprocessing Manager, which cannot start inside a
   forked rank) becomes a plain queue (the writer's results are read by the same process), and its
-  memory probe (needs psutil, only for a debug log line) returns 0.
+  memory probe (needs psutil, only for a debug log line) returns 0;
+- its optimizer's gradient clipping (which asserts CUDA gradients) scales the CPU gradients the same way.
 The ranks must not be daemonic: the writer forks a process per file (run_distributed(daemon=False)).
 A model with --apply-layernorm-1p runs Megatron-Core's FusedLayerNorm as with apex installed, apex's
 kernel standing in as F.layer_norm (`apex_layer_norm()`, in that rank only): the local spec's other
@@ -261,8 +262,8 @@ def apex_layer_norm() -> None:
 def build_gpt(shape: dict, tp: int, pp: int, padded_vocab: int, vpp: int = 1, parallel_output: bool = False):
     """This rank's Megatron-Core GPTModel chunks (local spec; one per virtual pipeline stage),
     random weights; parallel_state set up. `parallel_output`: the logits stay split over the TP ranks
-    (training: the loss is the vocabulary-parallel cross entropy); else gathered (forward_logits). The shape's model flags reach Megatron-Core as
-    Megatron-LM passes them: qk_layernorm and apply_layernorm_1p (layernorm_zero_centered_gamma)
+    (training: the loss is the vocabulary-parallel cross entropy); else gathered (forward_logits).
+    The shape's model flags reach Megatron-Core as Megatron-LM passes them: qk_layernorm and apply_layernorm_1p (layernorm_zero_centered_gamma)
     through the config and the spec, rotary_percent, rotary_base, use_rope_scaling and
     rope_scaling_factor as GPTModel's arguments."""
     from megatron.core import parallel_state
