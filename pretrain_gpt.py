@@ -32,9 +32,11 @@ def resolve(argv=None) -> tuple:
     d, t = cfg.data, cfg.training
     saved = None
     if t.use_checkpoint_args or (t.global_batch_size is None and t.step_batch_size_schedule is None and t.save):  # the checkpoint's model / batch
+        from megatron_lite.checkpoint.foreign import foreign_run_config
         from megatron_lite.checkpoint.manager import checkpoint_run_config, inherit_global_batch_size
 
-        saved = checkpoint_run_config(t)
+        saved = foreign_run_config(t, checkpoint_formats()) if t.use_checkpoint_args else None
+        saved = saved or checkpoint_run_config(t)
         if saved is not None:  # --use-checkpoint-args: the checkpoint's architecture and tokenizer, the run's flags
             cfg.model = ModelConfig(**_with_run_flags(saved["model_config"], cfg))
             _take_checkpoint_tokenizer(saved, cfg)
@@ -52,6 +54,9 @@ def resolve(argv=None) -> tuple:
                           f"{tokenizer.vocab_size}{vocab_hint(vocab, use_checkpoint_args=True)}")
     if saved is None:
         cfg.model.vocab_size = tokenizer.vocab_size
+    from megatron_lite.data.default_corpus import default_corpus_note
+
+    cfg.notes += filter(None, [default_corpus_note(d, t)])
     if int(os.environ.get("RANK", "0")) == 0:
         for note in cfg.notes:
             print(f"> note: {note}", flush=True)
@@ -118,7 +123,14 @@ def make_trainer(cfg: Config, tokenizer, device):
     from models.gpt import gpt_forward_step
 
     return Trainer(cfg, tokenizer, device, model_provider=model_provider, datasets_provider=datasets_provider,
-                   forward_step=gpt_forward_step)
+                   forward_step=gpt_forward_step, checkpoint_formats=checkpoint_formats())
+
+
+def checkpoint_formats() -> tuple:
+    """The foreign checkpoint formats --load reads (--ckpt-format / --auto-detect-ckpt-format)."""
+    from models.megatron_torch_dist import TorchDistFormat
+
+    return (TorchDistFormat(),)
 
 
 def main(argv=None) -> int:

@@ -46,7 +46,6 @@ COMPAT_VALUE = {
     "--distributed-backend": "gloo on CPU, NCCL on CUDA", "--timing-log-level": "step times are always logged",
     "--num-dataset-builder-threads": "indices are built by one thread and cached",
     "--data-impl": "the .bin is memory-mapped", "--tensorboard-log-interval": "TensorBoard gets every iteration",
-    "--ckpt-format": "megatron-lite writes its own sharded safetensors format",
     "--non-persistent-local-ckpt-algo": "each rank writes its local checkpoint atomically: staging, fsync, rename",
     "--tensorboard-queue-size": "the writer is flushed every iteration",
     "--straggler-ctrlr-port": "the straggler report is not toggled at run time: --log-straggler turns it on"}
@@ -279,10 +278,16 @@ def refused(args: argparse.Namespace, unknown: List[str] = ()) -> List[str]:
         from .transformer import te_backend  # imports torch: only when asked for
         if not te_backend.available():
             out.append(te_backend.MISSING)
-    if args.ckpt_format in ("torch_dist", "fsdp_dtensor"):  # Megatron-LM's distributed formats
+    fmt = getattr(args, "ckpt_format", None)
+    if fmt == "fsdp_dtensor":
         out.append(f"--ckpt-format {args.ckpt_format}: megatron-lite writes its own format (per-rank safetensors pieces + "
                    "metadata.json), not Megatron-LM's; drop the flag; tools/convert_checkpoint.py reads torch_dist "
                    "(megatron-to-ml) and writes it (ml-to-megatron --ckpt-format torch_dist)")
+    elif fmt == "torch_dist" and getattr(args, "save", None):  # (read by --load; not written yet)
+        out.append("--ckpt-format torch_dist: megatron-lite resumes Megatron-LM's torch_dist checkpoints (--load) "
+                   "but saves its own format (per-rank safetensors pieces + metadata.json); with --save, replace the "
+                   "flag with --auto-detect-ckpt-format (loads either format); tools/convert_checkpoint.py "
+                   "ml-to-megatron --ckpt-format torch_dist writes Megatron-LM's weights")
     return out
 
 
@@ -292,6 +297,8 @@ def no_effect(args: argparse.Namespace, tp: int) -> List[str]:
            if (given := [f for f in flags if getattr(args, _dest(f))])]
     out += [f"{flag} {getattr(args, _dest(flag))} ({why})" for flag, why in COMPAT_VALUE.items()
             if getattr(args, _dest(flag)) is not None]
+    if getattr(args, "ckpt_format", None) not in (None, "torch_dist"):
+        out.append(f"--ckpt-format {args.ckpt_format} (megatron-lite writes its own sharded safetensors format)")
     if getattr(args, "attention_backend", None) == "fused":
         out.append("--attention-backend fused (runs sdpa: PyTorch's fused attention)")
     recipe = getattr(args, "fp8_recipe", None) or "delayed"

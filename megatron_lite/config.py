@@ -448,6 +448,10 @@ class TrainingConfig:
     wandb_save_dir: Optional[str] = arg(None, "Weights & Biases directory")
     save: Optional[str] = arg(None, "checkpoint directory (a run restarted with it resumes)")
     load: Optional[str] = arg(None, "checkpoint to start from")
+    ckpt_format: Optional[str] = arg(None, "torch_dist: --load reads Megatron-LM's torch_dist checkpoints (model, "
+                                           "optimizer, schedule, position); megatron-lite writes its own format")
+    auto_detect_ckpt_format: bool = arg(False, "--load reads a checkpoint in either format (Megatron-LM's torch_dist "
+                                               "or megatron-lite's)", store="true")
     save_interval: Optional[int] = arg(None, "steps between checkpoints")
     async_save: bool = arg(False, "write checkpoints in the background", store="true")
     keep_last: Optional[int] = arg(None, "keep only the newest N checkpoints")

@@ -235,7 +235,9 @@ class _Reader:
 class TorchDistCheckpoint(_Reader):
     format = "torch_dist"
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, prefix: str = ""):
+        """`prefix`: read the tensors stored under it, named without it (an optimizer state:
+        `optimizer.state.exp_avg.`, Megatron-Core's model names after it); else the model's."""
         meta_json = os.path.join(directory, "metadata.json")
         if os.path.exists(meta_json):
             with open(meta_json) as f:
@@ -252,14 +254,16 @@ class TorchDistCheckpoint(_Reader):
             common = safe_load((f"{directory}:{key}", io.BytesIO(_read_bytes(reader, key)))) if key else {}
             common = common[0] if isinstance(common, list) and common else common  # (a list: one object per rank)
         super().__init__(directory, common)
+        self.common = common  # (a training checkpoint's optimizer scalars and LR schedule too)
         self.metadata, self.reader = metadata, reader
         self.stored = {k: m for k, m in self.metadata.state_dict_metadata.items()
-                       if isinstance(m, TensorStorageMetadata) and not k.startswith("optimizer.") and not _ignored(k)}
+                       if isinstance(m, TensorStorageMetadata) and not _ignored(k)
+                       and (k.startswith(prefix) if prefix else not k.startswith("optimizer."))}
         for key, m in self.stored.items():
             if self._halves(key[:-2]) and key.endswith("_v"):
                 continue  # indexed with its _w half
             base = key[:-2] if self._halves(key[:-2]) else key
-            self._index_key(key, base, m)
+            self._index_key(key, base[len(prefix):], m)
 
     def _index_key(self, key: str, base: str, m) -> None:
         """A layer's tensors are stacked over the layers (`decoder.layers.X` [num_layers, ...]) or one

@@ -13,7 +13,8 @@ Core puts on "cuda" at the CPU:
   before its all-reduce over the embedding group): in this rank's process only;
 - the checkpoint writer's result queue (a multiprocessing Manager, which cannot start inside a
   forked rank) becomes a plain queue (the writer's results are read by the same process), and its
-  memory probe (needs psutil, only for a debug log line) returns 0.
+  memory probe (needs psutil, only for a debug log line) returns 0;
+- its optimizer's gradient clipping (which asserts CUDA gradients) scales the CPU gradients the same way.
 The ranks must not be daemonic: the writer forks a process per file (run_distributed(daemon=False)).
 A model with --apply-layernorm-1p runs Megatron-Core's FusedLayerNorm as with apex installed, apex's
 kernel standing in as F.layer_norm (`apex_layer_norm()`, in that rank only): the local spec's other
@@ -95,9 +96,22 @@ def cpu_shims() -> None:
     filesystem_async._results_queue = queue.Queue()
     filesystem_async._process_memory = lambda: 0
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)  # no CUDA RNG states
+    from megatron.core.optimizer import optimizer
+    optimizer.clip_grad_by_total_norm_fp32 = _clip_grads  # (its own asserts CUDA gradients)
     from megatron.core.transformer.moe import moe_utils
     if not hasattr(moe_utils, "te_general_gemm"):  # the router's GEMM asks for it (None: no Transformer Engine)
         moe_utils.te_general_gemm = None
+
+
+def _clip_grads(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """Megatron-Core's clip_grad_by_total_norm_fp32 (the gradients scaled by max_norm / (total + 1e-6)
+    when that is below 1), on CPU tensors."""
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff < 1.0:
+        for p in parameters:
+            grad = getattr(p, "decoupled_grad", None) if use_decoupled_grad else p.grad
+            if grad is not None:
+                grad.mul_(coeff)
 
 
 # --- a model and its Megatron-LM args -------------------------------------------------------------
@@ -245,10 +259,11 @@ def apex_layer_norm() -> None:
     backends.LNImpl = transformer_block.LayerNormImpl = fused_layer_norm.FusedLayerNorm
 
 
-def build_gpt(shape: dict, tp: int, pp: int, padded_vocab: int, vpp: int = 1):
+def build_gpt(shape: dict, tp: int, pp: int, padded_vocab: int, vpp: int = 1, parallel_output: bool = False):
     """This rank's Megatron-Core GPTModel chunks (local spec; one per virtual pipeline stage),
-    random weights; parallel_state set up. The shape's model flags reach Megatron-Core as
-    Megatron-LM passes them: qk_layernorm and apply_layernorm_1p (layernorm_zero_centered_gamma)
+    random weights; parallel_state set up. `parallel_output`: the logits stay split over the TP ranks
+    (training: the loss is the vocabulary-parallel cross entropy); else gathered (forward_logits).
+    The shape's model flags reach Megatron-Core as Megatron-LM passes them: qk_layernorm and apply_layernorm_1p (layernorm_zero_centered_gamma)
     through the config and the spec, rotary_percent, rotary_base, use_rope_scaling and
     rope_scaling_factor as GPTModel's arguments."""
     from megatron.core import parallel_state
@@ -276,7 +291,7 @@ def build_gpt(shape: dict, tp: int, pp: int, padded_vocab: int, vpp: int = 1):
     for v in range(vpp):
         first, last = pp_rank == 0 and v == 0, pp_rank == pp - 1 and v == vpp - 1
         model = GPTModel(config, spec, vocab_size=padded_vocab, max_sequence_length=shape["max_position_embeddings"],
-                         pre_process=first, post_process=last, parallel_output=False,
+                         pre_process=first, post_process=last, parallel_output=parallel_output,
                          share_embeddings_and_output_weights=tied,
                          position_embedding_type=shape["position_embedding_type"],
                          rotary_percent=shape.get("rotary_percent", 1.0), rotary_base=shape.get("rotary_base", 10000),

@@ -1,5 +1,6 @@
 """Megatron-LM drop-in (issue 28 point 2): every refused flag of a command line in one error, one
-start-up line naming the accepted flags that change nothing here, --ckpt-format torch_dist refused."""
+start-up line naming the accepted flags that change nothing here, --ckpt-format torch_dist refused with --save
+(it is read by --load: test_megatron_torch_dist.py)."""
 import os
 import re
 import shlex
@@ -20,22 +21,25 @@ def _error(capsys, argv, monkeypatch):
 
 def test_every_refused_flag_is_in_one_error(capsys, monkeypatch):
     err = _error(capsys, TINY + ["--tp-comm-overlap", "--no-such-flag", "3",
-                                 "--transformer-impl", "transformer_engine", "--ckpt-format", "torch_dist"], monkeypatch)
+                                 "--transformer-impl", "transformer_engine", "--ckpt-format", "torch_dist",
+                                 "--save", "unused"], monkeypatch)
     assert err == (
         "error: unrecognized arguments: --no-such-flag 3 (see --help); --tp-comm-overlap (Transformer Engine's "
         "userbuffers) is not supported by megatron-lite; remove it from the command line; --transformer-impl "
         "transformer_engine needs Transformer Engine (not importable here): pip install --no-build-isolation "
         "'transformer_engine[pytorch]' on a CUDA machine, or use an NGC PyTorch container (nvcr.io/nvidia/pytorch); "
         "or drop the flag (--transformer-impl local, the native layers); "
-        "--ckpt-format torch_dist: megatron-lite writes its own format (per-rank safetensors pieces + metadata.json), "
-        "not Megatron-LM's; drop the flag; "
-        "tools/convert_checkpoint.py reads torch_dist (megatron-to-ml) and writes it (ml-to-megatron --ckpt-format "
-        "torch_dist)")
+        "--ckpt-format torch_dist: megatron-lite resumes Megatron-LM's torch_dist checkpoints (--load) but saves its "
+        "own format (per-rank safetensors pieces + metadata.json); with --save, replace the flag with "
+        "--auto-detect-ckpt-format (loads either format); tools/convert_checkpoint.py ml-to-megatron --ckpt-format "
+        "torch_dist writes Megatron-LM's weights")
 
 
-def test_ckpt_format_torch_dist_alone_is_refused(capsys, monkeypatch):
+def test_ckpt_format_torch_dist_alone_is_refused_with_save(capsys, monkeypatch):
     err = _error(capsys, TINY + ["--ckpt-format", "torch_dist", "--save", "unused"], monkeypatch)
-    assert err.startswith("error: --ckpt-format torch_dist: megatron-lite writes its own format")
+    assert err.startswith("error: --ckpt-format torch_dist: megatron-lite resumes") and "with --save" in err
+    err = _error(capsys, TINY + ["--ckpt-format", "fsdp_dtensor"], monkeypatch)
+    assert err.startswith("error: --ckpt-format fsdp_dtensor: megatron-lite writes its own format")
 
 
 def test_flags_with_no_effect_are_named_in_one_line(capsys, monkeypatch):

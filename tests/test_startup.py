@@ -44,3 +44,21 @@ def test_slow_start_up_phases_say_their_time(monkeypatch, capsys):
     monkeypatch.setattr(loop, "SLOW_PHASE_S", 1e9)
     assert pretrain_gpt.main(FLAGS + ["--train-iters", "2", "--eval-iters", "0"]) == 0
     assert "> start-up:" not in capsys.readouterr().out
+
+
+def test_load_without_data_path_says_it_trains_on_the_built_in_corpus(monkeypatch, capsys, tmp_path):
+    """A fine-tune that names a checkpoint but no data is told, at start-up, where its tokens come from."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    run = FLAGS + ["--train-iters", "2", "--load", str(tmp_path)]
+    pretrain_gpt.resolve(run)
+    notes = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("> note:")]
+    assert notes == [f"> note: --load {tmp_path} without --data-path: training on the built-in corpus (the Python "
+                     "standard library's source files); give --data-path PREFIX to train on your own data"]
+    cfg, _ = pretrain_gpt.resolve(run + ["--mock-data"])  # data named: no note
+    assert not any("built-in corpus" in n for n in cfg.notes)
+    from megatron_lite.config import DataConfig, TrainingConfig
+    from megatron_lite.data.default_corpus import default_corpus_note
+
+    assert default_corpus_note(DataConfig(data_path=["corpus"]), TrainingConfig(load=str(tmp_path))) is None
+    assert default_corpus_note(DataConfig(), TrainingConfig()) is None  # from scratch: the default is the point
+    assert "--pretrained-checkpoint w" in default_corpus_note(DataConfig(), TrainingConfig(pretrained_checkpoint="w"))

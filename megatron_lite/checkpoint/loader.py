@@ -27,6 +27,7 @@ from ..optim.feedback_state import FEEDBACK, restore_own_errors
 from ..parallel.compression import OPTIONAL_STATES
 from . import directory, rng
 from .files import CheckpointError
+from .foreign import foreign_checkpoint
 from .plan import MODEL, buffer_key, bucket_sources, fill_range, model_key, optim_key, persistent_buffers, regions
 from .reader import CheckpointReader
 from .saver import layout_of, world_rank
@@ -130,14 +131,23 @@ class Loaded:
 def _read_local(state: TrainState, path: str, load_optim: bool, load_rng: bool, iteration: Optional[int],
                 verify: bool):
     """This rank's reads: metadata, its shards of the tensors, its RNG states (no collective)."""
-    ckpt_dir, _ = directory.resolve(path, iteration)
-    meta = directory.read_metadata(ckpt_dir, verify)
-    check_model_config(meta["model_config"], state.cfg.model, ckpt_dir)
+    t = state.cfg.training
+    foreign = None if iteration is not None else \
+        foreign_checkpoint(path, state.formats, t.ckpt_format, t.auto_detect_ckpt_format)
     notes, rng_states = [], None
+    if foreign is not None:  # (Megatron-LM's RNG states are its CUDA generators': not ours to restore)
+        fmt, ckpt_dir = foreign
+        meta, reader = fmt.open(ckpt_dir, state.cfg.model, load_optim)
+        load_rng = False
+    else:
+        ckpt_dir, _ = directory.resolve(path, iteration)
+        meta = directory.read_metadata(ckpt_dir, verify)
+        reader = CheckpointReader(ckpt_dir, meta, verify)
+    check_model_config(meta["model_config"], state.cfg.model, ckpt_dir)
     if meta.get("weights_only"):  # converted (Hugging Face, Megatron-LM): the weights are all there is
         load_optim = load_rng = False
         notes.append("a weights-only checkpoint: optimizer, schedule and data position start fresh")
-    with CheckpointReader(ckpt_dir, meta, verify) as reader:
+    with reader:
         reader.verify_files()
         fill_tensors(state, reader, load_optim)
         if load_optim:

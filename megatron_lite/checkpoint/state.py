@@ -28,6 +28,7 @@ class TrainState:
     chunks: list  # this rank's model chunks
     optimizer: Any  # the DistributedOptimizer (its `sync` is the GradientSync)
     tracker: RNGStatesTracker
+    formats: tuple = ()  # the foreign checkpoint formats a load may read (foreign.py)
     saves: Dict[str, Callable[[], Any]] = field(default_factory=dict)  # name -> the value to save now
     restores: Dict[str, Dict[str, Restore]] = field(default_factory=lambda: {"progress": {}, "optimizer": {}})
 

@@ -89,3 +89,17 @@ def _build(prefix: str, root: str, files: List[Tuple[str, int]], tokenizer) -> N
     print(f"megatron_lite.data: built the default corpus ({writer.num_documents} stdlib files, "
           f"{writer.num_tokens} tokens, {tokenizer.name}) in {time.time() - t0:.1f} s -> {prefix}",
           file=sys.stderr)
+
+
+def default_corpus_note(data_config, training_config):
+    """The start-up note of a run that loads a checkpoint (a fine-tune, most likely) but names no
+    data: it trains on the built-in corpus, which the user may not expect; None otherwise."""
+    if data_config.data_path or data_config.mock_data or training_config.train_iters == 0:
+        return None
+    source = next((f"{flag} {path}" for flag, path in (("--load", training_config.load),
+                                                       ("--pretrained-checkpoint", training_config.pretrained_checkpoint))
+                   if path), None)
+    if source is None:
+        return None
+    return (f"{source} without --data-path: training on the built-in corpus (the Python standard library's "
+            f"source files); give --data-path PREFIX to train on your own data")

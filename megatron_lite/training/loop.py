@@ -109,7 +109,7 @@ class Trainer:
       forward_step(batch, chunk) -> (output, loss_func): the protocol of training/step.py."""
 
     def __init__(self, cfg: Config, tokenizer, device: torch.device, *, model_provider: Callable,
-                 datasets_provider: Callable, forward_step: Callable):
+                 datasets_provider: Callable, forward_step: Callable, checkpoint_formats: tuple = ()):
         from ..data import build_pretraining_data_loader
         from ..optim.optimizer import build_optimizer
 
@@ -172,7 +172,8 @@ class Trainer:
         train_ds, valid_ds, _ = agree_on_errors(lambda: datasets_provider(cfg, tokenizer, num_samples), device)
         clock = _phase_done("data", clock)
         self.iteration, self.consumed_samples, self.consumed_valid_samples = 0, 0, 0
-        self.state = TrainState(cfg, dims, device, self.chunks, self.optimizer, self.tracker)  # what checkpoints hold
+        self.state = TrainState(cfg, dims, device, self.chunks, self.optimizer, self.tracker,  # what checkpoints hold
+                                formats=checkpoint_formats)  # (and the foreign formats a load may read)
         for name in ("iteration", "consumed_samples", "consumed_valid_samples"):  # the data position
             self.state.register_attribute(self, name)
         self.state.register("lr_scheduler", self.lr_schedule.state_dict, progress=self.lr_schedule.resume,
