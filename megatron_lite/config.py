@@ -756,6 +756,8 @@ class Config:
                  f"--main-grads-dtype {t.main_grads_dtype} (or --grad-comm-dtype)")
         feature_checks.validate_activation_memory(self)
         feature_checks.validate_param_offload(self)
+        from .transformer.dsa_config import validate_dsa_layout
+        validate_dsa_layout(self)
 
     def _validate_pipeline(self, num_microbatches: int) -> None:
         from .parallel.pipeline.partition import LayerSplit, layout_mtp_layers, stage_layer_ranges
