@@ -96,7 +96,7 @@ def test_indexer_equals_hugging_face_deepseek_v32():
     from transformers import DeepseekV32Config
     from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Indexer, \
         DeepseekV32RotaryEmbedding
-    from models.hf_dsa import indexer_from_hf
+    from models.hf_dsa import indexer_rope_last
     hf_cfg = DeepseekV32Config(hidden_size=64, num_attention_heads=4, q_lora_rank=24, kv_lora_rank=16,
                                qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=20, index_n_heads=4,
                                index_head_dim=16, index_topk=6, rms_norm_eps=1e-6, max_position_embeddings=64)
@@ -104,9 +104,11 @@ def test_indexer_equals_hugging_face_deepseek_v32():
     hf = _randomized(DeepseekV32Indexer(hf_cfg, 0), seed=3)
     cfg = _cfg(norm_epsilon=1e-6)
     ours = _indexer(cfg)
+    names = {"wq_b.weight": "linear_wq_b.weight", "wk.weight": "linear_wk.weight", "k_norm.weight": "k_norm.weight",
+             "k_norm.bias": "k_norm.bias", "weights_proj.weight": "linear_weights_proj.weight"}
     with torch.no_grad():
-        for name, t in indexer_from_hf({k: v for k, v in hf.state_dict().items()}, cfg).items():
-            ours.get_parameter(name).copy_(t)
+        for name, t in hf.state_dict().items():
+            ours.get_parameter(names[name]).copy_(t if name.startswith("weights") else indexer_rope_last(t, cfg))
     b, s = 2, 20
     g = torch.Generator().manual_seed(4)
     x, qr = torch.randn(b, s, 64, generator=g), torch.randn(b, s, 24, generator=g)

@@ -45,25 +45,45 @@ class DSASelfAttention(MLASelfAttention):
         self.loss_weights = ctx.loss_normalization
         self.sequence_parallel = ctx.sequence_parallel
 
+    def cache_entry(self):
+        """MLA's latent and RoPE key, and the indexer's key [head_dim], per token on each rank."""
+        return super().cache_entry() + ((self.dsa.head_dim,),)
+
     def forward(self, x: torch.Tensor, rope=None, packed: Optional[PackedSeq] = None) -> torch.Tensor:
-        if self.cache_update is not None:
-            raise NotImplementedError("generation with DSA (the indexer's key cache) is not built yet")
         q, latent, k_rope = self._latents(x)
         if self.sequence_parallel:  # the indexer scores the whole sequence
             x = self.dims.comm.gather_along(x.detach(), 0, self.dims.tp_group)
         qr = q if self.config.q_lora_rank is not None else x
         docs = None if packed is None else packed.document_ids
+        if self.cache_update is not None:
+            return self._project(self._decode(x, qr, q, latent, k_rope, rope, packed))
         selection = self.indexer(x, qr, rope, docs)
-        dense = self.stage.dense or selection.indices.shape[-1] >= selection.scores.shape[-1]
-        core = None if dense else functools.partial(self._sparse_core, selection.indices, selection.valid)
-        out = self._attend(q, latent, k_rope, rope, packed, core)
+        out = self._attend(q, latent, k_rope, rope, packed, self._core_for(selection))
         if self.training and torch.is_grad_enabled() and self.dsa.loss_coeff > 0:
+            dense = self._core_for(selection) is None
             out = self._with_indexer_loss(out, selection, q, latent, k_rope, rope, dense)
         return self._project(out)
 
+    def _core_for(self, selection: Selection):
+        """The core over the selected keys, or None (MLA's dense core) in the dense warm-up or where
+        every query may pick every key."""
+        if self.stage.dense or selection.indices.shape[-1] >= selection.scores.shape[-1]:
+            return None
+        return functools.partial(self._sparse_core, selection.indices, selection.valid)
+
     @staticmethod
-    def _sparse_core(indices, valid, q, k, v, packed):
-        return sparse_attention(q, k, v, indices, valid)  # the picks already respect the documents
+    def _sparse_core(indices, valid, q, k, v, packed, q_offset=0):
+        return sparse_attention(q, k, v, indices, valid)  # the picks already respect causality and documents
+
+    def _decode(self, x, qr, q, latent, k_rope, rope, packed):
+        """Generation: the new tokens' latents, RoPE keys and indexer keys into the cache; the indexer
+        scores every cached key; the absorbed attention over the picks."""
+        q_nope, q_rope, k_rope = self._queries(q, k_rope, rope)
+        latents, k_ropes, index_keys, q_offset = self.cache_update(latent.transpose(0, 1), k_rope.squeeze(2),
+                                                                   self.indexer.keys(x, rope))
+        docs = None if packed is None else packed.document_ids
+        selection = self.indexer(x, qr, rope, docs, keys=index_keys, q_offset=q_offset)
+        return self._absorbed_core(q_nope, q_rope, latents, k_ropes, q_offset, packed, self._core_for(selection))
 
     def _with_indexer_loss(self, out, selection: Selection, q, latent, k_rope, rope, dense: bool):
         """`out`, carrying the indexer's loss into backward (dsa_loss.py)."""

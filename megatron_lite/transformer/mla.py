@@ -208,15 +208,20 @@ class MLASelfAttention(nn.Module):
     def _absorbed(self, q_nope, q_rope, latent, k_rope, packed):
         """Decoding over the cache of latents: scores q_nope W_UK^T c + q_rope k_rope, output
         (softmax . c) W_UV, as multi-query attention over [c | k_rope] with values c (one head)."""
+        latents, k_ropes, q_offset = self.cache_update(latent, k_rope)
+        return self._absorbed_core(q_nope, q_rope, latents, k_ropes, q_offset, packed)
+
+    def _absorbed_core(self, q_nope, q_rope, latents, k_ropes, q_offset, packed, core=None):
+        """The absorbed attention over every cached latent [b, t, r] and RoPE key [b, t, dr]; `core`: in
+        place of the core attention (DSA's over the selected keys), called as the core is."""
         c = self.config
         dn, dr, dv, r = c.qk_head_dim, c.qk_pos_emb_head_dim, c.v_head_dim, c.kv_lora_rank
-        latents, k_ropes, q_offset = self.cache_update(latent, k_rope)
         w = self.linear_kv_up_proj()[0].view(self.heads, dn + dv, r)  # this rank's heads
         w_uk, w_uv = w[:, :dn], w[:, dn:]
         q_latent = torch.einsum("bshd,hdr->bshr", q_nope, w_uk)
         q = torch.cat([q_latent, q_rope], dim=-1) * (c.softmax_scale * math.sqrt(r + dr))
         k = torch.cat([latents, k_ropes], dim=-1).unsqueeze(2)  # [b, t, 1, r + dr]
-        out = self.core_attention(q, k, latents.unsqueeze(2), packed, q_offset=q_offset)  # [b, s, heads, r]
+        out = (core or self.core_attention)(q, k, latents.unsqueeze(2), packed, q_offset=q_offset)  # [b, s, heads, r]
         out = torch.einsum("bshr,hvr->bshv", out, w_uv)
         bias = self.linear_kv_up_proj.bias
         if bias is not None:  # the value bias passes through attention unchanged (softmax rows sum to 1)

@@ -23,11 +23,16 @@ def gather_keys(t: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
                      valid: torch.Tensor) -> torch.Tensor:
-    """q [b, sq, heads, d], k [b, sk, heads, d], v [b, sk, heads, dv]; indices, valid [b, sq, k]
-    (each query's picks, and which of them count; every query needs one valid pick).
+    """q [b, sq, heads, d], k [b, sk, heads or 1, d], v [b, sk, heads or 1, dv] (one K/V head: shared
+    by every query head, as MLA's absorbed decoding has it); indices, valid [b, sq, k] (each query's
+    picks, and which of them count; every query needs one valid pick).
     Returns out [b, sq, heads, dv]; the softmax in fp32."""
-    keys, values = gather_keys(k, indices), gather_keys(v, indices)  # [b, sq, k, heads, ...]
-    logits = torch.einsum("bshd,bskhd->bshk", q.float(), keys.float()) / math.sqrt(q.shape[-1])
+    shared = k.shape[2] == 1 and q.shape[2] != 1
+    if shared:
+        k, v = k.squeeze(2), v.squeeze(2)
+    keys, values = gather_keys(k, indices), gather_keys(v, indices)  # [b, sq, k, (heads,) ...]
+    pattern = "bshd,bskd->bshk" if shared else "bshd,bskhd->bshk"
+    logits = torch.einsum(pattern, q.float(), keys.float()) / math.sqrt(q.shape[-1])
     logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
     probs = torch.softmax(logits, dim=-1).to(v.dtype)
-    return torch.einsum("bshk,bskhd->bshd", probs, values)
+    return torch.einsum("bshk,bskd->bshd" if shared else "bshk,bskhd->bshd", probs, values)
