@@ -315,3 +315,17 @@ def test_dsa_with_context_parallelism_is_one_line(monkeypatch, capsys):
     assert pretrain_gpt.main(BASE + ["--context-parallel-size", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and "--context-parallel-size 2 with DSA" in err, err
+
+
+def test_deepseek_v32_zoo_entry_adds_exactly_the_indexers_to_deepseek_v3():
+    """DeepSeek-V3.2 is DeepSeek-V3 (whose published total test_zoo checks) plus one indexer per layer
+    at the published shapes: W_q 1536 x 64 x 128, W_k 7168 x 128, the LayerNorm (weight and bias),
+    the head weights 7168 x 64; test_zoo builds transformers' DeepseekV32ForCausalLM from the same
+    config on the meta device and finds the same total."""
+    from models import zoo
+    v3, v32 = (ModelConfig(**{k: v for k, v in zoo.get_model_config(n).items() if k != "seq_length"})
+               for n in ("deepseek-v3", "deepseek-v3.2"))
+    per_layer = 1536 * 64 * 128 + 7168 * 128 + 2 * 128 + 7168 * 64
+    assert v32.num_parameters() - v3.num_parameters() == 61 * per_layer == 851_524_864
+    biases = 58 * 256  # the expert-bias buffers (test_zoo: DEEPSEEK_PUBLISHED)
+    assert v32.num_parameters() + biases == 671_026_419_200 + 61 * per_layer
