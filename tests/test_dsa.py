@@ -267,6 +267,9 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "
 FP8 = ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"]
 LAYOUTS = {  # name: (world, model flags of both runs, layout flags); the fast representative first, the rest slow
     "tp2-sp": (2, [], TP_SP),
+    "cp2": (2, [], ["--context-parallel-size", "2"]),
+    "tp2-sp-cp2-reset": (4, ["--reset-attention-mask", "--reset-position-ids"], TP_SP + ["--context-parallel-size", "2"]),
+    "cp2-warmup": (2, ["--dsa-dense-warmup-iters", "2"], ["--context-parallel-size", "2"]),
     "dp2-zero3": (2, ["--global-batch-size", "8"], ["--zero-stage", "3"]),
     "pp2-1f1b": (2, ["--num-layers", "4"], ["--pipeline-model-parallel-size", "2"]),
     "ep2-tp2-sp-moe": (4, MOE, TP_SP + ["--expert-model-parallel-size", "2"]),
@@ -299,6 +302,20 @@ def test_dsa_layout_trains_like_single_process(layout):
         assert a["dsa_indexer_loss"] == pytest.approx(b["dsa_indexer_loss"], rel=1e-4)
 
 
+def test_dsa_context_parallel_bytes_equal_the_theory():
+    """CP2: per layer and micro-batch each rank all-gathers the indexer key, the latent and the RoPE key
+    of every token (the full logical buffer, s x b x (16 + 16 + 8) fp32) and reduce-scatters their
+    gradients; without the indexer loss its keys have no gradient to send back."""
+    from training_utils import train_in_process
+    argv = BASE + ["--context-parallel-size", "2", "--log-comm-volume", "--train-iters", "1"]
+    per_token = {"indexer": 16, "latent": 16, "rope": 8}
+    calls = 2 * 2  # layers x micro-batches
+    for extra, sent_back in (([], per_token), (["--dsa-indexer-loss-coeff", "0"], ("latent", "rope"))):
+        comm = run_distributed(train_in_process, 2, argv + extra)[0][0]["comm_bytes"]
+        assert comm["all_gather"] == calls * 64 * 2 * sum(per_token.values()) * 4
+        assert comm["reduce_scatter"] == calls * 64 * 2 * sum(per_token[k] for k in sent_back) * 4
+
+
 # --- bad input ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("extra,fragment", [
     (["--dsa-indexer-topk", "65"], "exceeds --seq-length"),
@@ -316,13 +333,14 @@ def test_dsa_without_mla_is_one_line(monkeypatch, capsys):
     assert_one_line_error(argv, "add --multi-latent-attention", monkeypatch, capsys)
 
 
-def test_dsa_with_context_parallelism_is_one_line(monkeypatch, capsys):
+def test_dsa_with_context_parallelism_and_selective_recomputation_is_one_line(monkeypatch, capsys):
     import pretrain_gpt
     monkeypatch.setenv("WORLD_SIZE", "2")  # a CP2 world: the check runs before any process group
     monkeypatch.setenv("RANK", "0")
-    assert pretrain_gpt.main(BASE + ["--context-parallel-size", "2"]) == 2
+    argv = BASE + ["--context-parallel-size", "2", "--recompute-granularity", "selective"]
+    assert pretrain_gpt.main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err and "--context-parallel-size 2 with DSA" in err, err
+    assert err.startswith("error: ") and "\n" not in err and "core_attn with DSA under context parallelism" in err, err
 
 
 def test_deepseek_v32_zoo_entry_adds_exactly_the_indexers_to_deepseek_v3():

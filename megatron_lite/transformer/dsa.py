@@ -14,6 +14,7 @@ so it does not care which recomputation regions hold the core's q and k.
 
 Tensor / sequence parallelism: the indexer is replicated (dsa_indexer.py); under SP it scores the
 hidden states gathered along the sequence (without gradient: its inputs are detached anyway).
+Context parallelism: dsa_context_parallel.py (the small per-token keys all-gathered, top-k locally).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import torch
 
 from .counts import Counts, MicroBatch, weights
 from .dsa_config import DSASettings
+from .dsa_context_parallel import ContextParallelDSA
 from .dsa_indexer import LightningIndexer, Selection
 from .dsa_loss import INDEXER_LR_GROUP, DSAStepHooks, indexer_kl_loss
 from .loss_normalization import attach_loss
@@ -44,6 +46,7 @@ class DSASelfAttention(MLASelfAttention):
         self.stage = ctx.hooks.shared(DSAStepHooks, layers, self.dsa.dense_warmup_iters, ctx.dims, ctx.device)
         self.loss_weights = ctx.loss_normalization
         self.sequence_parallel = ctx.sequence_parallel
+        self.context_parallel = ContextParallelDSA(self)
 
     def cache_entry(self):
         """MLA's latent and RoPE key, and the indexer's key [head_dim], per token on each rank."""
@@ -57,11 +60,17 @@ class DSASelfAttention(MLASelfAttention):
         docs = None if packed is None else packed.document_ids
         if self.cache_update is not None:
             return self._project(self._decode(x, qr, q, latent, k_rope, rope, packed))
-        selection = self.indexer(x, qr, rope, docs)
-        out = self._attend(q, latent, k_rope, rope, packed, self._core_for(selection))
-        if self.training and torch.is_grad_enabled() and self.dsa.loss_coeff > 0:
-            dense = self._core_for(selection) is None
-            out = self._with_indexer_loss(out, selection, q, latent, k_rope, rope, dense)
+        training = self.training and torch.is_grad_enabled() and self.dsa.loss_coeff > 0
+        if self.dims.cp > 1:
+            out, selection, q_heads, k_heads = self.context_parallel(x, qr, q, latent, k_rope, rope, packed)
+        else:
+            selection = self.indexer(x, qr, rope, docs)
+            out = self._attend(q, latent, k_rope, rope, packed, self._core_for(selection))
+            if training:  # the loss's target: q and k again, without gradient (whatever recomputation kept)
+                with torch.no_grad():
+                    q_heads, k_heads, _ = self._qkv(q.detach(), latent.detach(), k_rope.detach(), rope)
+        if training:
+            out = self._with_indexer_loss(out, selection, q_heads.detach(), k_heads.detach())
         return self._project(out)
 
     def _core_for(self, selection: Selection):
@@ -85,14 +94,13 @@ class DSASelfAttention(MLASelfAttention):
         selection = self.indexer(x, qr, rope, docs, keys=index_keys, q_offset=q_offset)
         return self._absorbed_core(q_nope, q_rope, latents, k_ropes, q_offset, packed, self._core_for(selection))
 
-    def _with_indexer_loss(self, out, selection: Selection, q, latent, k_rope, rope, dense: bool):
-        """`out`, carrying the indexer's loss into backward (dsa_loss.py)."""
-        with torch.no_grad():
-            q_heads, k_heads, _ = self._qkv(q.detach(), latent.detach(), k_rope.detach(), rope)
+    def _with_indexer_loss(self, out, selection: Selection, q_heads, k_heads):
+        """`out`, carrying the indexer's loss into backward (dsa_loss.py): under CP this rank's
+        queries' share of the micro-batch's mean."""
         keys = selection.scores > float("-inf")  # every visible key
-        if self.dsa.sparse_loss and not dense:
+        if self.dsa.sparse_loss and self._core_for(selection) is not None:
             keys = selection.key_mask()
-        loss = indexer_kl_loss(selection.scores, q_heads, k_heads, keys, self.dims) * self.dsa.loss_coeff
+        loss = indexer_kl_loss(selection.scores, q_heads, k_heads, keys, self.dims) * (self.dsa.loss_coeff / self.dims.cp)
         if recording():
             self.stage.record(self.layer_number, loss)
         return attach_loss(out, loss, self.loss_weights.current.indexer_weight)

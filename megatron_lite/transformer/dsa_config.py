@@ -59,8 +59,11 @@ def validate_dsa(cfg, seq_length: int) -> None:
 
 def validate_dsa_layout(cfg) -> None:
     """The layouts DSA runs at (Config.validate calls this)."""
-    if not uses_dsa(cfg.model):
+    if not uses_dsa(cfg.model) or cfg.parallel.context_parallel_size == 1:
         return
-    _require(cfg.parallel.context_parallel_size == 1,
-             f"--context-parallel-size {cfg.parallel.context_parallel_size} with DSA is not supported yet: the "
-             f"indexer needs every earlier key; use --context-parallel-size 1")
+    t = cfg.training
+    recomputed = [m for m in ("core_attn", "mla_up_proj")
+                  if t.recompute_granularity == "selective" and m in (t.recompute_modules or ("core_attn",))]
+    _require(not recomputed, f"--recompute-modules {' '.join(recomputed)} with DSA under context parallelism: the "
+                             f"CP path attends over gathered latents outside those regions; use "
+                             f"--recompute-granularity full, or drop them")

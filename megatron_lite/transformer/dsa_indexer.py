@@ -108,12 +108,15 @@ class LightningIndexer(nn.Module):
         return torch.einsum("bsht,sbh->bst", logits, weights)
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, rope, document_ids: Optional[torch.Tensor] = None,
-                keys: Optional[torch.Tensor] = None, q_offset: int = 0) -> Selection:
+                keys: Optional[torch.Tensor] = None, q_offset: int = 0,
+                visible: Optional[torch.Tensor] = None) -> Selection:
         """The top-k keys of each query of x [sq, b, h] (qr [sq, b, q latent]); `keys` [b, sk, d]:
-        earlier keys included (generation), else those of x itself."""
+        earlier keys included (generation), else those of x itself; `visible` [1 or b, sq, sk]: which
+        keys each query may see, else causal from q_offset within document_ids' documents."""
         keys = self.keys(x, rope) if keys is None else keys
         scores = self.scores(x, qr, keys, rope)
-        visible = visible_keys(scores.shape[1], scores.shape[2], q_offset, document_ids, scores.device)
+        if visible is None:
+            visible = visible_keys(scores.shape[1], scores.shape[2], q_offset, document_ids, scores.device)
         scores = scores.masked_fill(~visible, float("-inf"))
         k = min(self.topk, scores.shape[-1])
         with torch.no_grad():

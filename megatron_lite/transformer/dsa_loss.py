@@ -62,10 +62,11 @@ class DSAStepHooks:
         self.micro_batches = torch.zeros(self.num_layers, dtype=torch.float64, device=self.device)
 
     def record(self, layer_number: int, loss: torch.Tensor) -> None:
-        """One micro-batch's loss of a layer on this rank: each TP rank holds the whole loss, so
-        each records its 1/tp share (the sums over the stage's ranks then count it once)."""
+        """One micro-batch's loss partial of a layer on this rank: each TP rank holds its CP rank's
+        whole partial, so each records a 1/tp share, and 1/(tp cp) of the micro-batch (the sums over
+        the stage's ranks then count each once)."""
         self.losses[layer_number] += loss.detach().to(self.device, torch.float64) / self.dims.tp
-        self.micro_batches[layer_number] += 1.0 / self.dims.tp
+        self.micro_batches[layer_number] += 1.0 / (self.dims.tp * self.dims.cp)
 
     # --- the step-hooks protocol ----------------------------------------------------------------
     def before_step(self, iteration: int) -> None:
