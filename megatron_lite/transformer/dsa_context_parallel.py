@@ -61,7 +61,6 @@ class ContextParallelDSA:
     def __call__(self, x, qr, q, latent, k_rope, rope, packed):
         """(out [b, s_local, heads, dv], selection, q heads, k heads of every key) of this rank's queries."""
         layer, dims = self.layer, self.layer.dims
-        c = layer.config
         q_nope, q_rope, k_rope = layer._queries(q, k_rope, rope)  # k_rope rotated at its own positions
         b, s_local = q_nope.shape[:2]
         order = _natural_order(s_local, dims, q_nope.device)  # the same order as the single process: its ties

@@ -9,7 +9,7 @@ The target is detached: it trains the indexer only. Under tensor parallelism eac
 heads: their summed probabilities are all-reduced before normalising, so every rank has the whole
 loss (and the replicated indexer the same gradient).
 
-The stages (`--dsa-dense-warm-up-iters N`): for iterations 1..N DeepSeek's dense warm-up, in which
+The stages (`--dsa-dense-warmup-iters N`): for iterations 1..N DeepSeek's dense warm-up, in which
 attention stays dense and the main model is frozen: its losses' gradients are weighted 0 (the
 LossNormalization's main_weight) and its parameters' learning rate is 0 (so weight decay leaves them
 alone too), while the indexer learns from its loss at the normal rate (its parameters form the LR
