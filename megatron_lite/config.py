@@ -770,6 +770,8 @@ class Config:
         feature_checks.validate_activation_memory(self)
         feature_checks.validate_param_offload(self)
         validate_hybrid(self)  # --hybrid-override-pattern and the Mamba flags
+        from .transformer.dsa_config import validate_dsa_layout
+        validate_dsa_layout(self)
         flag_rules.check(self)
 
     def _validate_pipeline(self, num_microbatches: int) -> None:

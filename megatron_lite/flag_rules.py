@@ -91,7 +91,7 @@ PARTNERS: Dict[str, Partner] = {
 NOT_PARTNERS = frozenset({"ZeRO stage", "adam", "core attention", "sliding-window attention", "attention softmax",
                           "multi-token prediction", "router scores", "dualpipe-v", "START INCR SAMPLES", "local",
                           "zero-centred norm weights", "a watchdog thread per rank", "every --log-interval",
-                          "gated_delta_net", "full attention", "torch_dist"})
+                          "full attention", "torch_dist"})
 # Partners left unchecked on purpose: Megatron-LM's own launch scripts give these without their
 # partner (the Llama-3 scripts pass --tiktoken-pattern with other tokenizers), and it ignores them.
 TOLERATED = frozenset({"TikTokenizer", "TikTokenizer split pattern"})

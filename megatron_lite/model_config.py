@@ -12,6 +12,7 @@ from typing import List, Optional, Union
 from .errors import ConfigError
 from .options import arg
 from .transformer.mixer_pattern import validate_linear_attention
+from .transformer.dsa_config import validate_dsa
 from .transformer.moe.config import MoEConfig, parse_moe_layer_freq
 
 
@@ -64,6 +65,21 @@ class ModelConfig:
     qk_head_dim: int = arg(128, "MLA: the query / key head size without the RoPE part")
     qk_pos_emb_head_dim: int = arg(64, "MLA: the RoPE part of each query / key head (the key's is shared by all heads)")
     v_head_dim: int = arg(128, "MLA: the value head size")
+    experimental_attention_variant: Optional[str] = arg(None, "an experimental token mixer in the attention slot: "
+                                                              "gated_delta_net (linear-attention layers beside full "
+                                                              "attention, as --linear-attention-freq places them: "
+                                                              "Qwen3-Next), or dsa (DeepSeek Sparse Attention: a "
+                                                              "lightning indexer's top-k keys for MLA)",
+                                                        choices=["gated_delta_net", "dsa"])
+    dsa_indexer_n_heads: int = arg(64, "DSA: heads of the lightning indexer")
+    dsa_indexer_head_dim: int = arg(128, "DSA: head size of the lightning indexer (its last --qk-pos-emb-head-dim "
+                                         "channels rotated)")
+    dsa_indexer_topk: int = arg(2048, "DSA: keys each query attends to, chosen by the indexer")
+    dsa_indexer_loss_coeff: float = arg(0.0, "DSA: weight of the indexer's KL loss to the attention (0: not trained)")
+    dsa_indexer_use_sparse_loss: bool = arg(False, "DSA: the KL loss over the selected keys only (else all earlier "
+                                                   "keys)", store="true")
+    dsa_dense_warmup_iters: int = arg(0, "DSA: first iterations of DeepSeek's dense warm-up: dense attention, the "
+                                         "main model frozen, only the indexer trained (by its KL loss)")
     swiglu: bool = arg(False, "SwiGLU MLP (Llama) instead of GELU", store="true")
     quick_geglu: bool = arg(False, "a gated MLP (as --swiglu) whose gate's activation is quick-GELU, x sigmoid(1.702 "
                                    "x), not silu (gpt-oss)", store="true")
@@ -104,11 +120,8 @@ class ModelConfig:
                                               "module k predicting token t+k+1 (DeepSeek-V3); None: off")
     mtp_loss_scaling_factor: float = arg(0.1, "weight of the multi-token prediction loss: the mean over its depths "
                                               "is multiplied by this and added to the LM loss")
-    # Linear-attention mixers (transformer/mixer_pattern.py picks each layer's; gated_delta_net.py builds them)
-    experimental_attention_variant: Optional[str] = arg(None, "gated_delta_net: linear-attention layers beside full "
-                                                              "attention, as --linear-attention-freq places them "
-                                                              "(Qwen3-Next); dsa: DeepSeek sparse attention",
-                                                        choices=["gated_delta_net", "dsa"])
+    # Linear-attention mixers (--experimental-attention-variant gated_delta_net, above; transformer/mixer_pattern.py
+    # picks each layer's, gated_delta_net.py builds them)
     linear_attention_freq: Optional[Union[int, str, List[int]]] = arg(
         None, "every N-th layer (from 1) is full attention, the others linear; or one 1 (linear) / 0 (full) per layer "
               "such as '([1]*3+[0]*1)*2'")
@@ -247,6 +260,8 @@ class ModelConfig:
                                                           f"({self.beta_slow}) > 0")
         if self.multi_latent_attention:
             self._validate_mla()
+        if self.experimental_attention_variant == "dsa":
+            validate_dsa(self, seq_length)
         _require(self.mtp_num_layers is None or self.mtp_num_layers >= 1,
                  f"--mtp-num-layers ({self.mtp_num_layers}) must be >= 1 (or unset: no multi-token prediction)")
         _require(self.mtp_loss_scaling_factor >= 0,

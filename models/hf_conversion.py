@@ -20,6 +20,8 @@ templates with {i} for the layer and {e} for the expert) and the transform betwe
            (et / glu_et weights also read from the Hub's MXFP4 `_blocks` / `_scales`, dequantized)
   dup      an HF copy of one of our tensors (DeepSeek-V3's MTP layer repeats the embedding and the
            output layer): written from ours, read and dropped on the way in
+  rope_indexer  DSA's indexer (deepseek_v32): per indexer head, the rotated channels first in HF, last
+           in ours (models/hf_dsa.py)
 
 Multi-token prediction depths: rules with `{d}` (our depth) and `{n}` (HF's layer number of that depth,
 num_layers + d: DeepSeek-V3 stores its MTP module as one more decoder layer) apply once per depth,
@@ -48,7 +50,7 @@ from megatron_lite.parallel.state import ParallelDims
 
 StateDict = Dict[str, torch.Tensor]
 Getter = Callable[[str], torch.Tensor]
-OPS = ("copy", "t", "cat", "t_split", "experts", "qkv", "rope_q", "rope_kv", "et", "glu_et", "dup")
+OPS = ("copy", "t", "cat", "t_split", "experts", "qkv", "rope_q", "rope_kv", "et", "glu_et", "dup", "rope_indexer")
 
 
 class ConversionError(ValueError):
@@ -98,6 +100,7 @@ CONDITIONS: Dict[str, Callable[[ModelConfig, Optional[int]], bool]] = {
     "attention_layer": lambda c, i: _hybrid_letter(c, i) == "*",
     "mixer_layer": lambda c, i: _hybrid_letter(c, i) in ("M", "*"),
     "mlp_layer": lambda c, i: _hybrid_letter(c, i) == "-",
+    "dsa": lambda c, i: getattr(c, "experimental_attention_variant", None) == "dsa",
 }
 
 
@@ -200,6 +203,9 @@ def _to_ours(rule: Rule, layer, get: Getter, has: Callable[[str], bool], cfg: Mo
     elif rule.op in ("rope_q", "rope_kv"):
         from .hf_families import deinterleave_rope_rows
         yield ours[0], deinterleave_rope_rows(get(_fmt(rule.hf, layer)[0]), *_rope_blocks(rule, cfg))
+    elif rule.op == "rope_indexer":
+        from .hf_dsa import indexer_rope_last
+        yield ours[0], indexer_rope_last(get(_fmt(rule.hf, layer)[0]), cfg)
     elif rule.op in ("et", "glu_et"):
         w = _gpt_oss_expert_tensor(_fmt(rule.hf, layer)[0], get, has)
         yield ours[0], _per_expert_t(_glu_halves(w) if rule.op == "glu_et" else w).contiguous()
@@ -240,6 +246,9 @@ def _to_hf(rule: Rule, layer, get: Getter, cfg: ModelConfig) -> Iterator[Tuple[s
     elif rule.op in ("rope_q", "rope_kv"):
         from .hf_families import interleave_rope_rows
         yield hf[0], interleave_rope_rows(get(_fmt(rule.ours, layer)[0]), *_rope_blocks(rule, cfg))
+    elif rule.op == "rope_indexer":
+        from .hf_dsa import indexer_rope_first
+        yield hf[0], indexer_rope_first(get(_fmt(rule.ours, layer)[0]), cfg)
     elif rule.op == "et":
         yield hf[0], _per_expert_t(get(_fmt(rule.ours, layer)[0])).contiguous()
     elif rule.op == "glu_et":

@@ -18,6 +18,7 @@ save_pretrained writes them, with transformers' in-memory fused expert tensors a
              prediction modules (decoder layers num_hidden_layers.., which transformers ignores); also
              Kimi-K2 and Moonlight, which HF loads as deepseek_v3
   deepseek_v2  the same attention; softmax routing over all experts without renormalization (greedy)
+  deepseek_v32 DeepSeek-V3.2: V3 plus DSA's lightning indexer in each layer (its rotated channels moved)
   gpt_oss    attention sinks and biases, sliding-window and full layers alternating, YaRN (unrounded ramp),
              top-k softmax MoE with router and expert biases, a clamped quick-GELU gated unit; the fused
              expert tensors stored [E, in, out] with gate and up columns interleaved (as save_pretrained
@@ -131,6 +132,14 @@ def _mtp_rules(decoder: List[Rule]) -> List[Rule]:
 
 
 _DEEPSEEK = _DEEPSEEK_DECODER + _mtp_rules(_DEEPSEEK_DECODER)
+_DSA_INDEXER = [  # deepseek_v32: DeepSeek-V3 plus a lightning indexer per layer (models/hf_dsa.py)
+    R("layers.{i}.self_attention.indexer.linear_wq_b.weight", A + "indexer.wq_b.weight", "rope_indexer", when="dsa"),
+    R("layers.{i}.self_attention.indexer.linear_wk.weight", A + "indexer.wk.weight", "rope_indexer", when="dsa"),
+    R("layers.{i}.self_attention.indexer.k_norm.weight", A + "indexer.k_norm.weight", "rope_indexer", when="dsa"),
+    R("layers.{i}.self_attention.indexer.k_norm.bias", A + "indexer.k_norm.bias", "rope_indexer", when="dsa"),
+    R("layers.{i}.self_attention.indexer.linear_weights_proj.weight", A + "indexer.weights_proj.weight", when="dsa"),
+]
+_DEEPSEEK_V32 = _DEEPSEEK_DECODER + _DSA_INDEXER + _mtp_rules(_DEEPSEEK_DECODER + _DSA_INDEXER)
 _GLM4_MOE = _LLAMA_CORE + _DEEPSEEK_MOE + _mtp_rules(_LLAMA_CORE + _DEEPSEEK_MOE)  # GLM-4.5 stores MTP as V3 does
 M = "model.layers.{i}.block_sparse_moe."
 _MIXTRAL_MOE = [  # Mixtral on disk: block_sparse_moe.gate, experts.{e}.w1 (gate) / w3 (up) / w2 (down)
@@ -406,6 +415,17 @@ def _deepseek_to_ours(c, family: str) -> ModelConfig:
                        v_head_dim=c.v_head_dim, moe=_deepseek_moe(c, family), family=family, mtp_num_layers=mtp)
 
 
+def _deepseek_v32_to_ours(c) -> ModelConfig:
+    """DeepSeek-V3 with DSA: the indexer's heads, head size and top-k (its LayerNorm's eps is HF's 1e-6)."""
+    if c.q_lora_rank is None or c.rms_norm_eps != 1e-6:
+        raise ConversionError(f"deepseek_v32 needs a query latent (q_lora_rank, not {c.q_lora_rank}) and rms_norm_eps "
+                              f"1e-6 (not {c.rms_norm_eps}: HF's indexer norm keeps 1e-6)")
+    base = _deepseek_to_ours(c, "deepseek_v3")
+    return dataclasses.replace(base, family="deepseek_v32", experimental_attention_variant="dsa",
+                               dsa_indexer_n_heads=c.index_n_heads, dsa_indexer_head_dim=c.index_head_dim,
+                               dsa_indexer_topk=c.index_topk)
+
+
 def _deepseek_moe(c, family: str) -> MoEConfig:
     """DeepSeek-V3's routing (also GLM-4.5's): sigmoid scores with an expert bias, group-limited
     top-k, a scaling factor; shared experts; the first first_k_dense_replace layers dense. V2: softmax."""
@@ -606,6 +626,23 @@ def _deepseek_to_hf(family: str):
     return to_hf
 
 
+def _deepseek_v32_to_hf(cfg):
+    if getattr(cfg, "experimental_attention_variant", None) != "dsa" or cfg.q_lora_rank is None \
+            or cfg.norm_epsilon != 1e-6:
+        raise ConversionError("deepseek_v32 needs --experimental-attention-variant dsa, --q-lora-rank and "
+                              "--norm-epsilon 1e-6")
+    kw = _deepseek_to_hf("deepseek_v3")(cfg).to_dict()
+    keep = {"num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+            "vocab_size", "max_position_embeddings", "rms_norm_eps", "rope_parameters", "hidden_act",
+            "attention_dropout", "tie_word_embeddings", "bos_token_id", "eos_token_id", "q_lora_rank", "kv_lora_rank",
+            "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "attention_bias", "moe_intermediate_size",
+            "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "routed_scaling_factor",
+            "first_k_dense_replace", "n_group", "topk_group", "norm_topk_prob"}
+    return _hf_config("DeepseekV32Config", architectures=["DeepseekV32ForCausalLM"], index_n_heads=cfg.dsa_indexer_n_heads,
+                      index_head_dim=cfg.dsa_indexer_head_dim, index_topk=cfg.dsa_indexer_topk,
+                      num_nextn_predict_layers=cfg.mtp_depth, **{k: v for k, v in kw.items() if k in keep})
+
+
 def _glm4_moe_to_hf(cfg):
     if cfg.add_bias_linear:
         raise ConversionError("GLM-4.5 has Q/K/V biases only: use --add-qkv-bias without linear biases")
@@ -653,6 +690,8 @@ FAMILIES: Dict[str, Family] = {f.name: f for f in [
            _deepseek_to_hf("deepseek_v3")),
     Family("deepseek_v2", "deepseek_v2", "DeepseekV2ForCausalLM", _DEEPSEEK, lambda c: _deepseek_to_ours(c, "deepseek_v2"),
            _deepseek_to_hf("deepseek_v2")),
+    Family("deepseek_v32", "deepseek_v32", "DeepseekV32ForCausalLM", _DEEPSEEK_V32, _deepseek_v32_to_ours,
+           _deepseek_v32_to_hf),
     Family("gpt_oss", "gpt_oss", "GptOssForCausalLM", _GPT_OSS, _gpt_oss_to_ours, _gpt_oss_to_hf),
     Family("nemotron_h", "nemotron_h", "NemotronHForCausalLM", hf_nemotron_h.RULES, hf_nemotron_h.to_ours,
            hf_nemotron_h.to_hf, renames=hf_nemotron_h.RENAMES),
@@ -676,6 +715,8 @@ def _infer(cfg: ModelConfig) -> str:
                 or cfg.kv_channels * cfg.num_attention_heads != cfg.hidden_size:
             raise ConversionError("GPT-2 needs biases, plain multi-head attention and head_dim = hidden / heads")
         return "gpt2"
+    if getattr(cfg, "experimental_attention_variant", None) == "dsa":
+        return "deepseek_v32"
     if cfg.multi_latent_attention:
         return "deepseek_v2" if cfg.moe is not None and cfg.moe.moe_router_score_function == "softmax" else "deepseek_v3"
     if not (cfg.normalization == "RMSNorm" and cfg.position_embedding_type == "rope" and cfg.swiglu):

@@ -215,6 +215,10 @@ MODELS: Dict[str, dict] = {
                           mamba_time_step_min=0.001),
 }
 MODELS["deepseek-v3-shaped"] = MODELS["deepseek-v3"]  # its former name (standard attention then; MLA now)
+# DeepSeek-V3.2 (671B + 0.85B of indexers; its MTP module not included): DeepSeek-V3 with DSA, a
+# lightning indexer (64 heads of 128 channels, top-2048 keys) in every layer.
+MODELS["deepseek-v3.2"] = dict(MODELS["deepseek-v3"], family="deepseek_v32", experimental_attention_variant="dsa",
+                               dsa_indexer_n_heads=64, dsa_indexer_head_dim=128, dsa_indexer_topk=2048)
 
 
 # The built-in default run (`torchrun pretrain_gpt.py` with no --model): the model above, and its

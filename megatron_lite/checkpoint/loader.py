@@ -42,6 +42,7 @@ FREE_FIELDS = {"attention_dropout", "hidden_dropout", "init_method_std", "attent
                "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
                "moe_router_dtype", "moe_layer_recompute",
                "mtp_loss_scaling_factor",
+               "dsa_indexer_loss_coeff", "dsa_indexer_use_sparse_loss", "dsa_dense_warmup_iters",  # DSA's training
                "tokenizer_vocab_size"}  # the MTP loss's weight: training, not the weights
 
 

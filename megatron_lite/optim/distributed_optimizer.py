@@ -76,6 +76,8 @@ EMBEDDING_OR_OUTPUT = ("embedding.word_embeddings.weight", "output_layer.weight"
 def lr_group(name: str, param) -> str:
     """The LR group of a parameter: the word embedding and the output layer (also the last stage's
     copy of a tied embedding) are DECOUPLED_GROUP; learned position embeddings are not."""
+    if getattr(param, "lr_group", None):  # set by the layer that owns it (DSA's indexer)
+        return param.lr_group
     if getattr(param, "is_embedding_or_output_parameter", False) or \
             any(name == n or name.endswith("." + n) for n in EMBEDDING_OR_OUTPUT):
         return DECOUPLED_GROUP

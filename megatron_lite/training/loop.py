@@ -322,8 +322,9 @@ class Trainer:
         fetched = backward = time.perf_counter()
         norm = LossNormalization(t.calculate_per_token_loss, num_microbatches, self.optimizer.loss_scale,
                                  float(tokens_per_step), dims)  # the weight of every loss of the step
-        self.loss_normalization.current = norm  # ... the model's own (MoE's auxiliary losses) included
         self.hooks.before_step(self.iteration)
+        lrs_used, norm = self.hooks.step_settings(lrs, norm, DEFAULT_GROUP)  # DSA's warm-up: the indexer alone
+        self.loss_normalization.current = norm  # ... the model's own (MoE's auxiliary losses) included
         level = t.empty_unused_memory_level
 
         def after_backward():
@@ -333,7 +334,7 @@ class Trainer:
 
         try:
             with self.host_syncs.step(self.iteration):
-                out = train_step(self.chunks, batches, dims, self.optimizer, self.grad_sync, lrs, self.forward_step,
+                out = train_step(self.chunks, batches, dims, self.optimizer, self.grad_sync, lrs_used, self.forward_step,
                                  self.forward_backward, loss_normalization=norm, weight_decay=weight_decay,
                                  after_backward=after_backward)
         except NonFiniteError as e:  # raised on every rank at once: stop before any save

@@ -18,6 +18,7 @@ def _console_line(rec: dict, train_iters: int) -> str:
            ("lm_loss", "lm loss", "{:.6E}"), ("mtp_loss", "mtp loss", "{:.6E}"), ("loss_scale", "loss scale", "{:.1f}"),
            ("grad_norm", "grad norm", "{:.3f}"), ("moe_aux_loss", "moe aux loss", "{:.4E}"),
            ("moe_z_loss", "moe z loss", "{:.4E}"), ("moe_load_imbalance", "moe max load", "{:.2f}"),
+           ("dsa_indexer_loss", "indexer loss", "{:.4E}"),
            ("tokens_per_sec", "tokens/s", "{:.0f}"), ("tflops_per_gpu", "TFLOP/s/GPU", "{:.2f}"),
            ("mfu", "MFU", "{:.1%}"), ("max_memory_gb", "max mem (GB)", "{:.2f}")]
     for key, label, f in fmt:

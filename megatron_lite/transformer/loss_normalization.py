@@ -35,17 +35,23 @@ class LossNormalization:
     loss_scale: float = 1.0
     normalizer: float = 1.0  # per token: the constant backward divides by (about the global token count)
     dims: ParallelDims = field(default_factory=ParallelDims, compare=False, repr=False)
+    main_weight: float = 1.0  # 0: the model's own losses give no gradient (DSA's dense warm-up trains the indexer only)
 
     def __call__(self, loss_sum: torch.Tensor, tokens) -> torch.Tensor:
         if self.per_token:
-            return loss_sum * (self.loss_scale / self.normalizer)
+            return loss_sum * (self.loss_scale * self.main_weight / self.normalizer)
         n = torch.as_tensor(tokens, dtype=torch.float32, device=loss_sum.device).detach().clone()
         self.dims.comm.all_reduce(n, self.dims.cp_group)  # over the micro-batch's CP ranks
-        return loss_sum * ((self.loss_scale / self.num_microbatches) / n.clamp_min(1.0))
+        return loss_sum * ((self.loss_scale * self.main_weight / self.num_microbatches) / n.clamp_min(1.0))
 
     @property
     def aux_weight(self) -> float:
         """The gradient of an auxiliary loss computed once per micro-batch (module docstring)."""
+        return self.indexer_weight * self.main_weight
+
+    @property
+    def indexer_weight(self) -> float:
+        """The aux weight of DSA's indexer loss, which trains the indexer in every stage."""
         share = 1.0 / (self.num_microbatches * self.dims.dp) if self.per_token else 1.0 / self.num_microbatches
         return self.loss_scale * share
 

@@ -66,10 +66,6 @@ def validate_linear_attention(cfg) -> None:
     _require(not (cfg.attention_output_gate and cfg.multi_latent_attention),
              "--attention-output-gate gates standard attention's output; it is not built for "
              "--multi-latent-attention: drop one of them")
-    # dsa is declared beside gated_delta_net (one ModelConfig field) and built on its own branch: until
-    # that lands it is refused here rather than silently built as standard attention.
-    _require(cfg.experimental_attention_variant != "dsa", "--experimental-attention-variant dsa (DeepSeek sparse "
-                                                          "attention) is not built in this version")
     if not uses_linear_attention(cfg):
         return
     _require(cfg.linear_attention_freq is not None,

@@ -110,20 +110,29 @@ class MLASelfAttention(nn.Module):
         return linear(x, weight, bias, self.gemm)
 
     def forward(self, x: torch.Tensor, rope=None, packed: Optional[PackedSeq] = None) -> torch.Tensor:
-        c = self.config
-        first = self.linear_q_proj if c.q_lora_rank is None else self.linear_q_down_proj
-        q, kv = ColumnParallelLinear.shared_input(x, first, self.linear_kv_down_proj)  # [s, b, ...], full sequence
-        if c.q_lora_rank is not None:
-            q = self.q_layernorm(q)  # the query latent
-        s, b = q.shape[:2]
-        latent, k_rope = kv.split([c.kv_lora_rank, c.qk_pos_emb_head_dim], dim=-1)
-        latent = self.kv_layernorm(latent)
+        q, latent, k_rope = self._latents(x)
         if self.cache_update is not None:
             q_nope, q_rope, k_rope = self._queries(q, k_rope, rope)
             out = self._absorbed(q_nope, q_rope, latent.transpose(0, 1), k_rope.squeeze(2), packed)
         else:
             out = self._attend(q, latent, k_rope, rope, packed)
-        return self.linear_proj(out.transpose(0, 1).reshape(s, b, self.heads * c.v_head_dim))
+        return self._project(out)
+
+    def _latents(self, x: torch.Tensor):
+        """The query (or its normalised latent), the normalised K/V latent and the RoPE key of x, each
+        [s, b, ...] over the full sequence."""
+        c = self.config
+        first = self.linear_q_proj if c.q_lora_rank is None else self.linear_q_down_proj
+        q, kv = ColumnParallelLinear.shared_input(x, first, self.linear_kv_down_proj)  # [s, b, ...], full sequence
+        if c.q_lora_rank is not None:
+            q = self.q_layernorm(q)  # the query latent
+        latent, k_rope = kv.split([c.kv_lora_rank, c.qk_pos_emb_head_dim], dim=-1)
+        return q, self.kv_layernorm(latent), k_rope
+
+    def _project(self, out: torch.Tensor) -> torch.Tensor:
+        """The output projection of the core's out [b, s, heads, dv]."""
+        b, s = out.shape[:2]
+        return self.linear_proj(out.transpose(0, 1).reshape(s, b, self.heads * self.config.v_head_dim))
 
     def _queries(self, q, k_rope, rope):
         """q_nope, q_rope [b, s, heads, ...] (after the query's up-projection) and k_rope [b, s, 1, dr],
@@ -153,28 +162,30 @@ class MLASelfAttention(nn.Module):
         k = torch.cat([k_nope, k_rope.expand(b, s, self.heads, dr)], dim=-1)
         return q, k, v
 
-    def _attend(self, q, latent, k_rope, rope, packed):
+    def _attend(self, q, latent, k_rope, rope, packed, core=None):
         """Training and prefill: the core over the up-projected heads, recomputed as
         --recompute-modules says (core_attn: the core; mla_up_proj: the up-projections, whose
-        outputs are not kept; both: one region from the latents)."""
+        outputs are not kept; both: one region from the latents). `core`: in place of the core
+        attention (DSA's attention over the selected keys), called as core(q, k, v, packed)."""
+        core = core or self._core
         latents = (q, latent, k_rope)
         recomputing = self.training and torch.is_grad_enabled()
-        up, core = recomputing and self.recompute_up, recomputing and self.recompute_core
+        up, recompute_core = recomputing and self.recompute_up, recomputing and self.recompute_core
         observe = self.max_logits is not None and self.training
-        if up and core:
+        if up and recompute_core:
             if observe:  # q, k are not kept here: measured apart
                 with torch.no_grad():
                     self._observe(*self._qkv(*latents, rope)[:2], packed)
-            return recompute(lambda *a: self._core(*self._qkv(*a, rope), packed), self.tracker, *latents)
+            return recompute(lambda *a: core(*self._qkv(*a, rope), packed), self.tracker, *latents)
         q, k, v = self._qkv(*latents, rope)
         if observe:
             self._observe(q, k, packed)
-        if core:
-            return recompute(self._core, self.tracker, q, k, v, packed)
+        if recompute_core:
+            return recompute(core, self.tracker, q, k, v, packed)
         if not up:
-            return self._core(q, k, v, packed)
+            return core(q, k, v, packed)
         with recomputed_when_saved((q, k, v), lambda *a: self._qkv(*a, rope), *latents):
-            return self._core(q, k, v, packed)
+            return core(q, k, v, packed)
 
     def _observe(self, q, k, packed):
         """--qk-clip / --log-max-attention-logit: this step's max logit per head (transformer/qk_clip.py)."""
@@ -197,15 +208,20 @@ class MLASelfAttention(nn.Module):
     def _absorbed(self, q_nope, q_rope, latent, k_rope, packed):
         """Decoding over the cache of latents: scores q_nope W_UK^T c + q_rope k_rope, output
         (softmax . c) W_UV, as multi-query attention over [c | k_rope] with values c (one head)."""
+        latents, k_ropes, q_offset = self.cache_update(latent, k_rope)
+        return self._absorbed_core(q_nope, q_rope, latents, k_ropes, q_offset, packed)
+
+    def _absorbed_core(self, q_nope, q_rope, latents, k_ropes, q_offset, packed, core=None):
+        """The absorbed attention over every cached latent [b, t, r] and RoPE key [b, t, dr]; `core`: in
+        place of the core attention (DSA's over the selected keys), called as the core is."""
         c = self.config
         dn, dr, dv, r = c.qk_head_dim, c.qk_pos_emb_head_dim, c.v_head_dim, c.kv_lora_rank
-        latents, k_ropes, q_offset = self.cache_update(latent, k_rope)
         w = self.linear_kv_up_proj()[0].view(self.heads, dn + dv, r)  # this rank's heads
         w_uk, w_uv = w[:, :dn], w[:, dn:]
         q_latent = torch.einsum("bshd,hdr->bshr", q_nope, w_uk)
         q = torch.cat([q_latent, q_rope], dim=-1) * (c.softmax_scale * math.sqrt(r + dr))
         k = torch.cat([latents, k_ropes], dim=-1).unsqueeze(2)  # [b, t, 1, r + dr]
-        out = self.core_attention(q, k, latents.unsqueeze(2), packed, q_offset=q_offset)  # [b, s, heads, r]
+        out = (core or self.core_attention)(q, k, latents.unsqueeze(2), packed, q_offset=q_offset)  # [b, s, heads, r]
         out = torch.einsum("bshr,hvr->bshv", out, w_uv)
         bias = self.linear_kv_up_proj.bias
         if bias is not None:  # the value bias passes through attention unchanged (softmax rows sum to 1)
@@ -238,5 +254,9 @@ class MLASelfAttention(nn.Module):
 
 
 def self_attention_class(cfg):
-    """The module of a layer's self-attention slot: MLA with --multi-latent-attention, else standard."""
+    """The module of a layer's self-attention slot: MLA with --multi-latent-attention (DSA's with
+    --experimental-attention-variant dsa), else standard."""
+    if getattr(cfg, "experimental_attention_variant", None) == "dsa":
+        from .dsa import DSASelfAttention  # (dsa.py builds on this module)
+        return DSASelfAttention
     return MLASelfAttention if getattr(cfg, "multi_latent_attention", False) else SelfAttention

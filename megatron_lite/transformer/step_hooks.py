@@ -6,6 +6,8 @@ calls them all on every rank and knows none of them:
   before_step(iteration)  before the step's first forward
   after_update()          after an optimizer update that was applied (not skipped)
   metrics() -> dict       collective, once per step: fields for the step's record
+and, where a part changes how the step learns (DSA's dense warm-up),
+  step_settings(lrs, norm, default_group) -> (lrs, norm)   after before_step: the step's LRs and loss weights
 """
 from __future__ import annotations
 
@@ -38,6 +40,12 @@ class ModelHooks:
     def after_update(self) -> None:
         for part in self.parts.values():
             part.after_update()
+
+    def step_settings(self, lrs, norm, default_group: str):
+        for part in self.parts.values():
+            if hasattr(part, "step_settings"):
+                lrs, norm = part.step_settings(lrs, norm, default_group)
+        return lrs, norm
 
     def metrics(self) -> dict:
         return {k: v for part in self.parts.values() for k, v in part.metrics().items()}
