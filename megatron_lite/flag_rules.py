@@ -75,6 +75,7 @@ PARTNERS: Dict[str, Partner] = {
                        "--hybrid-override-pattern with Mamba layers (M)"),
     "Mamba-2 kernels in training": Partner(lambda c: "M" in (c.model.hybrid_override_pattern or ""),
                                            "--hybrid-override-pattern with Mamba layers (M)"),
+    "DSA": Partner(lambda c: c.model.experimental_attention_variant == "dsa", "--experimental-attention-variant dsa"),
     "linear attention": Partner(lambda c: c.model.experimental_attention_variant == "gated_delta_net",
                                 "--experimental-attention-variant gated_delta_net"),
     # by field name: partners that no doc prefix says

@@ -85,7 +85,7 @@ ERRORS = [  # (argv, world, what the one line says)
     (GDN + ["--linear-chunk-size", "0"], 1, "--linear-chunk-size (0) must be >= 1"),
     (GDN + ["--context-parallel-size", "2"], 2, "context parallelism for linear-attention mixers is not built yet"),
     (GDN + ["--linear-attention-type", "mamba"], 1, "invalid choice: 'mamba'"),
-    (TINY + ["--experimental-attention-variant", "dsa"], 1, "dsa (DeepSeek sparse attention) is not built"),
+    (TINY + ["--experimental-attention-variant", "dsa"], 1, "dsa selects keys for multi-latent attention"),
     (TINY + ["--recompute-granularity", "selective", "--recompute-modules", "linear_attn"], 1,
      "--recompute-modules linear_attn needs linear-attention layers"),
     (TINY + ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--multi-latent-attention",
