@@ -1,15 +1,12 @@
 """Checks of the newer feature flags that span several config sections (FP8 recipes and layouts,
 activation recomputation modules and CPU offloading, 1-bit and 0/1 Adam), kept apart from config.py so that each
-stays readable; `Config.validate` calls them. One `_require` failure is one `error:` line."""
+stays readable; `Config.validate` calls them with itself (hence no import of config.py here: that would be a
+file cycle). One `_require` failure is one `error:` line."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 from .model_config import _require
-
-if TYPE_CHECKING:
-    from .config import Config
 
 
 def validate_activation_memory(cfg: "Config") -> None:

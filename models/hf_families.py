@@ -34,7 +34,7 @@ import torch
 from megatron_lite.config import ModelConfig
 from megatron_lite.transformer.moe import MoEConfig
 
-from .hf_conversion import ConversionError, R, Rule
+from .hf_rules import ConversionError, R, Rule
 
 L = "model.layers.{i}."
 _LLAMA_CORE = [

@@ -20,7 +20,7 @@ from ..errors import NonFiniteError, agree_on_errors
 from ..optim.lr_scheduler import DEFAULT_GROUP
 from ..parallel import comm
 from ..parallel.random import RNGStatesTracker, model_parallel_seed
-from ..parallel.state import ParallelDims
+from ..parallel.state import ParallelDims, choose_device, init_distributed
 from .flops import device_peak_tflops, flops_per_token
 from .metrics import MetricsLogger
 from .stragglers import StragglerLog, line as straggler_line
@@ -40,43 +40,6 @@ from ..transformer.loss_normalization import LossNormalization
 from ..transformer.spec import BuildContext
 from ..transformer.te_backend import te_context
 from .step import eval_step, forward_backward_no_pipelining, move_batch, pipelined_forward_backward, train_step
-
-
-def choose_device(requested: Optional[str]) -> torch.device:
-    if requested != "cpu":
-        # Megatron-LM's setting (read when the CUDA context is created): one hardware queue, so
-        # kernels start in issue order and a TP/CP collective issued before a GEMM overlaps it.
-        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    if requested == "cuda" or (requested is None and torch.cuda.is_available()):
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return torch.device("cpu")
-
-
-def init_distributed(device: torch.device, timeout_minutes: Optional[float] = None) -> None:
-    """Join the torchrun world (NCCL on GPUs, gloo on CPU); nothing to do for a single process.
-    `timeout_minutes` (--distributed-timeout-minutes): how long a collective waits for a peer."""
-    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = None if timeout_minutes is None else timedelta(minutes=timeout_minutes)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None:
-        dist.init_process_group(backend, timeout=timeout)
-        return
-    # Under torchrun every restart of the workers reuses the agent's store, where the failed
-    # attempt's keys would hand the new ranks the dead ranks' addresses (torch 2.13: "connection
-    # refused"; pytorch/pytorch#167288). A key prefix per attempt keeps the attempts apart. A store
-    # that rank 0 hosts (no agent store: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) is new at every
-    # attempt and takes no prefix: a node that joined later counts its agent's restarts from 0.
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=not agent_store and rank == 0, timeout=timedelta(minutes=10))
-    if agent_store:
-        store = dist.PrefixStore(f"attempt_{attempt}", store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 SLOW_PHASE_S = 5.0  # a start-up phase (data, model build, checkpoint load, first step) slower than this says so
