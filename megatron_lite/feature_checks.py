@@ -9,7 +9,7 @@ import os
 from .model_config import _require
 
 
-def validate_activation_memory(cfg: "Config") -> None:
+def validate_activation_memory(cfg) -> None:
     t, m = cfg.training, cfg.model
     moe = m.moe is not None and bool(m.moe.num_experts)
     for module, present, what in (("moe", moe, "MoE layers (--num-experts)"),
@@ -32,7 +32,7 @@ def validate_activation_memory(cfg: "Config") -> None:
                                               "offloading does not work with recomputation (nor in "
                                               "Megatron-LM): use one of them")
 
-def validate_fp8(cfg: "Config") -> None:
+def validate_fp8(cfg) -> None:
     t, p = cfg.training, cfg.parallel
     given = {flag: f"{flag}" + ("" if value is True else f" {value}") for flag, value, default in (
         ("--fp8-recipe", t.fp8_recipe, None), ("--fp8-margin", t.fp8_margin, 0),
@@ -105,7 +105,7 @@ def require_nvme_dir(path: str, flag: str) -> None:
     _require(os.access(existing, os.W_OK | os.X_OK), f"{flag} {path} is not writable: give a writable directory")
 
 
-def validate_param_offload(cfg: "Config") -> None:
+def validate_param_offload(cfg) -> None:
     """--param-offload-nvme-path (parallel/param_offload.py): ZeRO-3's plain all-gathers read the
     shards from the file; what would keep or change them in memory is refused."""
     t, p, flag = cfg.training, cfg.parallel, "--param-offload-nvme-path"

@@ -4,7 +4,6 @@ they are knowledge of each other all the same), and no module-level value of the
 is changed at run time: state lives in objects that their owner builds and passes on. (A tool's pool
 initializer may keep its worker process's encoder in a module-level slot: that process is the owner.)"""
 import ast
-import pathlib
 
 from test_layering import ROOT, _files
 
