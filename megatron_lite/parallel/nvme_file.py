@@ -107,6 +107,12 @@ class NvmeFile:
         self.bytes_read = self.bytes_written = 0
         self._map: Optional[torch.Tensor] = None
 
+    def describe(self, what: str, staging_bytes: int) -> str:
+        """The start-up line of an offload: its file, how it is written, the two staging buffers held."""
+        return (f"{what} on NVMe: {self.path} ({self.file_bytes / 2**20:.1f} MiB, "
+                f"{'O_DIRECT' if self.direct else 'buffered + fdatasync'}); held in memory: two "
+                f"staging buffers of {staging_bytes / 2 / 2**20:.1f} MiB")
+
     def io(self, write: bool, buffer: torch.Tensor, offset: int) -> None:
         """Move `buffer` (aligned uint8, a multiple of ALIGN long) to or from the file at `offset`, now."""
         view = memoryview(buffer.numpy())

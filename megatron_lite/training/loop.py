@@ -215,16 +215,9 @@ class Trainer:
                              + (f"; fp8: TE {t.fp8_recipe} recipe ({t.fp8_format}); output layer in "
                                 f"{params_dtype(self.cfg)}" if t.fp8_format else ""))
         self.logger.info("> memory on this rank: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in mem.items()))
-        spill = self.optimizer.spill
-        if spill is not None:
-            self.logger.info(f"> optimizer state on NVMe: {spill.path} ({spill.file_bytes / 2**20:.1f} MiB, "
-                             f"{'O_DIRECT' if spill.direct else 'buffered + fdatasync'}); held in memory: two "
-                             f"staging buffers of {spill.staging_bytes / 2 / 2**20:.1f} MiB")
-        params = self.optimizer.sync.param_spill
-        if params is not None:
-            self.logger.info(f"> parameter shards on NVMe: {params.path} ({params.file_bytes / 2**20:.1f} MiB, "
-                             f"{'O_DIRECT' if params.direct else 'buffered + fdatasync'}); held in memory: two "
-                             f"staging buffers of {params.staging_bytes / 2 / 2**20:.1f} MiB")
+        for line in (self.optimizer.placement.describe(), self.grad_sync.param_home.describe()):  # offloads
+            if line:
+                self.logger.info(f"> {line}")
         printed = len(self.profiler.notes)
         for note in self.profiler.notes:
             self.logger.info(f"> {note}")
