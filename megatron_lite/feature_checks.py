@@ -44,7 +44,6 @@ def validate_fp8(cfg) -> None:
         return
     _require(t.fp8_margin >= 0, f"--fp8-margin ({t.fp8_margin}) must be >= 0: the scale is fp8 max / amax / "
                                 f"2^margin, and a negative margin saturates the largest values")
-    t.fp8_recipe = t.fp8_recipe or "delayed"  # Megatron-LM's default recipe
     _require(t.fp8_recipe != "mxfp8", "--fp8-recipe mxfp8 needs Blackwell (sm100) GPUs and Transformer Engine's "
                                       "MXFP8 kernels: use tensorwise, rowwise, delayed or blockwise")
     _require(t.fp8_amax_history_len >= 1, f"--fp8-amax-history-len ({t.fp8_amax_history_len}) must be >= 1")
@@ -56,10 +55,6 @@ def validate_fp8(cfg) -> None:
                     ("--num-layers-at-end-in-bf16", t.num_layers_at_end_in_bf16)):
         _require(t.first_last_layers_bf16 or n == 1, f"{flag} needs --first-last-layers-bf16")
         _require(0 <= n <= most, f"{flag} ({n}) must be between 0 and the layers per pipeline stage ({most})")
-    if t.fp8_param_gather and t.fp8_recipe == "rowwise":
-        # (rowwise scales the weight per GEMM along the contracted dimension, which its two GEMMs
-        # cut differently; the start-up note says the flag does nothing then)
-        t.fp8_param_gather = False
     if t.fp8_param_gather:  # fp8_param_gather.py
         _require(p.zero_stage > 0, "--fp8-param-gather needs --use-distributed-optimizer or --zero-stage 1|2|3 "
                                    "(at --zero-stage 0 nothing is gathered)")
