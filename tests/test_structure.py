@@ -130,3 +130,26 @@ def test_the_checkers_see_a_cycle_and_module_state(tmp_path):
                      "BUFFERS = Buffers()\nTABLE = {'a': 1}\n"
                      "def f(p):\n    _OPEN.add(p)\n    _ON.on = True\n    return BUFFERS, TABLE['a']\n")
     assert [name for _, name in _changed_at_run_time(probe)] == ["_OPEN", "_ON", "BUFFERS"]
+
+
+def _tree(rel):
+    return ast.parse((ROOT / rel).read_text())
+
+
+def test_the_loop_branches_on_no_feature_and_builds_in_few_lines():
+    """Trainer features plug in through training/features.py: no flag that build_features reads
+    decides a branch of the loop, and Trainer.__init__ stays short."""
+    build = next(n for n in ast.walk(_tree("megatron_lite/training/features.py"))
+                 if isinstance(n, ast.FunctionDef) and n.name == "build_features")
+    conditions = [n.test for n in ast.walk(build) if isinstance(n, ast.If)]  # ... and each (flag, feature)'s flag
+    conditions += [n.elts[0] for n in ast.walk(build) if isinstance(n, ast.Tuple) and len(n.elts) == 2]
+    flags = {a.attr for c in conditions for a in ast.walk(c) if isinstance(a, ast.Attribute)}
+    loop = _tree("megatron_lite/training/loop.py")
+    branches = [n.test for n in ast.walk(loop) if isinstance(n, (ast.If, ast.IfExp, ast.While))]
+    named = {a.attr for test in branches for a in ast.walk(test) if isinstance(a, ast.Attribute)}
+    assert {"manual_gc", "log_straggler", "hang_detection_factor", "cpu_offloading"} <= flags
+    assert flags & named == set()
+    parts = {"Float8GemmPath", "HangWatchdog", "StragglerLog", "StepProfiler", "ActivationOffloader", "QKClip"}
+    assert parts & {n.id for n in ast.walk(loop) if isinstance(n, ast.Name)} == set()
+    init = next(n for n in ast.walk(loop) if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    assert init.end_lineno - init.lineno + 1 < 50
