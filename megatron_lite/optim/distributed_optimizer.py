@@ -222,7 +222,7 @@ class DistributedOptimizer:
         self.rule = rule or AdamW(tcfg.adam_beta1, tcfg.adam_beta2, tcfg.adam_eps)  # the update rule (adam.py)
         self.device = grad_sync.buckets[0].device if grad_sync.buckets else None
         self.placement = place_state([b.shard_numel for b in grad_sync.buckets], self.rule.state_names, self.device,
-                                     tcfg.optimizer_offload_fraction if tcfg.optimizer_cpu_offload else 0.0,
+                                     tcfg.optimizer_cpu_offload, tcfg.optimizer_offload_fraction,
                                      tcfg.optimizer_offload_nvme_path)  # where the state lives (state_store.py)
         self.shards = [_ShardState(b, self.dims, self.placement.store_for(k), self.rule.state_names, self.precision)
                        for k, b in enumerate(grad_sync.buckets)]

@@ -107,11 +107,12 @@ class InMemory:
 
 
 def place_state(shard_numels: Sequence[int], state_names: Sequence[str], device: Optional[torch.device],
-                host_fraction: float, nvme_path: Optional[str]):
-    """In memory (the first `host_fraction` of the buckets on the host: --optimizer-cpu-offload,
-    --optimizer-offload-fraction), or this rank's file under `nvme_path` (--optimizer-offload-nvme-path;
-    collective: a directory that is full or unwritable on any rank is every rank's one-line error)."""
+                cpu_offload: bool, host_fraction: float, nvme_path: Optional[str]):
+    """In memory (with `cpu_offload` the first `host_fraction` of the buckets on the host:
+    --optimizer-cpu-offload, --optimizer-offload-fraction), or this rank's file under `nvme_path`
+    (--optimizer-offload-nvme-path; collective: a directory that is full or unwritable on any rank is
+    every rank's one-line error)."""
     if not nvme_path:
-        return InMemory(offloaded_buckets(shard_numels, host_fraction), device)
+        return InMemory(offloaded_buckets(shard_numels, host_fraction if cpu_offload else 0.0), device)
     pin, rank = device is not None and device.type == "cuda", dist.get_rank() if dist.is_initialized() else 0
     return agree_on_errors(lambda: NvmeSpill(nvme_path, rank, shard_numels, ("main", *state_names), pin))
