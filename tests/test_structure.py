@@ -145,11 +145,23 @@ def test_the_loop_branches_on_no_feature_and_builds_in_few_lines():
     conditions += [n.elts[0] for n in ast.walk(build) if isinstance(n, ast.Tuple) and len(n.elts) == 2]
     flags = {a.attr for c in conditions for a in ast.walk(c) if isinstance(a, ast.Attribute)}
     loop = _tree("megatron_lite/training/loop.py")
-    branches = [n.test for n in ast.walk(loop) if isinstance(n, (ast.If, ast.IfExp, ast.While))]
-    named = {a.attr for test in branches for a in ast.walk(test) if isinstance(a, ast.Attribute)}
     assert {"manual_gc", "log_straggler", "hang_detection_factor", "cpu_offloading"} <= flags
-    assert flags & named == set()
+    assert flags & _branch_words(loop) == set()
     parts = {"Float8GemmPath", "HangWatchdog", "StragglerLog", "StepProfiler", "ActivationOffloader", "QKClip"}
     assert parts & {n.id for n in ast.walk(loop) if isinstance(n, ast.Name)} == set()
     init = next(n for n in ast.walk(loop) if isinstance(n, ast.FunctionDef) and n.name == "__init__")
     assert init.end_lineno - init.lineno + 1 < 50
+
+
+def _branch_words(tree) -> set:
+    """Every name and attribute in the conditions of the branches of `tree`."""
+    tests = [n.test for n in ast.walk(tree) if isinstance(n, (ast.If, ast.IfExp, ast.While))]
+    return {getattr(a, "attr", getattr(a, "id", "")) for t in tests for a in ast.walk(t)}
+
+
+def test_the_optimizer_and_gradient_sync_branch_on_no_offload():
+    """The offload stores sit behind their interfaces (optim/state_store.py, parallel/param_offload.py):
+    the optimizer and GradientSync reach them through it, never by asking whether one is there."""
+    for rel in ("megatron_lite/optim/distributed_optimizer.py", "megatron_lite/parallel/data_parallel.py"):
+        found = {w for w in _branch_words(_tree(rel)) if any(k in w for k in ("spill", "nvme", "offload"))}
+        assert found == set(), (rel, found)
