@@ -503,7 +503,7 @@ class TrainingConfig:
     logging_level: Optional[int] = arg(None, "Python logging level (20 = INFO)")
 
     def finalize(self, dp: int) -> None:
-        """The default global batch, and the iterations of a run given by --train-samples."""
+        """The default global batch, the iterations of a run given by --train-samples, and the FP8 recipe."""
         if self.step_batch_size_schedule is not None:  # Megatron-LM's refusals
             from .training.microbatches import parse_step_schedule
 
@@ -528,6 +528,11 @@ class TrainingConfig:
             _require(self.rampup_batch_size is None, "--rampup-batch-size with --train-iters: Megatron-LM expects no "
                                                      "batch-size rampup for iteration-based training; give the "
                                                      "length with --train-samples instead")
+        if self.fp8_format is not None:
+            self.fp8_recipe = self.fp8_recipe or "delayed"  # Megatron-LM's default recipe
+            # rowwise scales the weight per GEMM along the contracted dimension, which its two GEMMs cut
+            # differently: --fp8-param-gather does nothing then (the start-up note says so)
+            self.fp8_param_gather = self.fp8_param_gather and self.fp8_recipe != "rowwise"
 
     def batch_schedule(self, dp: int):
         """The global batch and micro-batches of every step (training/microbatches.py)."""

@@ -1,18 +1,15 @@
 """Checks of the newer feature flags that span several config sections (FP8 recipes and layouts,
 activation recomputation modules and CPU offloading, 1-bit and 0/1 Adam), kept apart from config.py so that each
-stays readable; `Config.validate` calls them. One `_require` failure is one `error:` line."""
+stays readable; `Config.validate` calls them with itself (hence no import of config.py here: that would be a
+file cycle). One `_require` failure is one `error:` line."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 from .model_config import _require
 
-if TYPE_CHECKING:
-    from .config import Config
 
-
-def validate_activation_memory(cfg: "Config") -> None:
+def validate_activation_memory(cfg) -> None:
     t, m = cfg.training, cfg.model
     moe = m.moe is not None and bool(m.moe.num_experts)
     for module, present, what in (("moe", moe, "MoE layers (--num-experts)"),
@@ -37,7 +34,7 @@ def validate_activation_memory(cfg: "Config") -> None:
                                               "offloading does not work with recomputation (nor in "
                                               "Megatron-LM): use one of them")
 
-def validate_fp8(cfg: "Config") -> None:
+def validate_fp8(cfg) -> None:
     t, p = cfg.training, cfg.parallel
     given = {flag: f"{flag}" + ("" if value is True else f" {value}") for flag, value, default in (
         ("--fp8-recipe", t.fp8_recipe, None), ("--fp8-margin", t.fp8_margin, 0),
@@ -49,7 +46,6 @@ def validate_fp8(cfg: "Config") -> None:
         return
     _require(t.fp8_margin >= 0, f"--fp8-margin ({t.fp8_margin}) must be >= 0: the scale is fp8 max / amax / "
                                 f"2^margin, and a negative margin saturates the largest values")
-    t.fp8_recipe = t.fp8_recipe or "delayed"  # Megatron-LM's default recipe
     _require(t.fp8_recipe != "mxfp8", "--fp8-recipe mxfp8 needs Blackwell (sm100) GPUs and Transformer Engine's "
                                       "MXFP8 kernels: use tensorwise, rowwise, delayed or blockwise")
     _require(t.fp8_amax_history_len >= 1, f"--fp8-amax-history-len ({t.fp8_amax_history_len}) must be >= 1")
@@ -61,10 +57,6 @@ def validate_fp8(cfg: "Config") -> None:
                     ("--num-layers-at-end-in-bf16", t.num_layers_at_end_in_bf16)):
         _require(t.first_last_layers_bf16 or n == 1, f"{flag} needs --first-last-layers-bf16")
         _require(0 <= n <= most, f"{flag} ({n}) must be between 0 and the layers per pipeline stage ({most})")
-    if t.fp8_param_gather and t.fp8_recipe == "rowwise":
-        # (rowwise scales the weight per GEMM along the contracted dimension, which its two GEMMs
-        # cut differently; the start-up note says the flag does nothing then)
-        t.fp8_param_gather = False
     if t.fp8_param_gather:  # fp8_param_gather.py
         _require(p.zero_stage > 0, "--fp8-param-gather needs --use-distributed-optimizer or --zero-stage 1|2|3 "
                                    "(at --zero-stage 0 nothing is gathered)")
@@ -110,7 +102,7 @@ def require_nvme_dir(path: str, flag: str) -> None:
     _require(os.access(existing, os.W_OK | os.X_OK), f"{flag} {path} is not writable: give a writable directory")
 
 
-def validate_param_offload(cfg: "Config") -> None:
+def validate_param_offload(cfg) -> None:
     """--param-offload-nvme-path (parallel/param_offload.py): ZeRO-3's plain all-gathers read the
     shards from the file; what would keep or change them in memory is refused."""
     t, p, flag = cfg.training, cfg.parallel, "--param-offload-nvme-path"

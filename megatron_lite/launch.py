@@ -88,7 +88,7 @@ def launch(resolve: Callable[[], T], device_of: Callable[[T], Optional[str]], wo
     import torch.distributed as dist
 
     from .parallel.comm import is_peer_failure
-    from .training.loop import choose_device, init_distributed
+    from .parallel.state import choose_device, init_distributed
 
     device = choose_device(device_of(setup))
     init_distributed(device, timeout_of(setup))

@@ -37,7 +37,6 @@ back goes through each parameter's ShardSpec only (`load_full_state_dict_into_mo
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -48,67 +47,13 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.parallel.sharding import gather_full, spec_of, stored_name
 from megatron_lite.parallel.state import ParallelDims
 
+from .hf_families import dequantize_mxfp4, deinterleave_rope_rows, family_for_model_type, family_of, \
+    interleave_rope_rows
+from .hf_dsa import indexer_rope_first, indexer_rope_last
+from .hf_rules import CONDITIONS, OPS, ConversionError, R, Rule  # noqa: F401  (R, OPS: re-exported)
+
 StateDict = Dict[str, torch.Tensor]
 Getter = Callable[[str], torch.Tensor]
-OPS = ("copy", "t", "cat", "t_split", "experts", "qkv", "rope_q", "rope_kv", "et", "glu_et", "dup", "rope_indexer")
-
-
-class ConversionError(ValueError):
-    """A checkpoint or config this converter cannot map exactly. The message says why."""
-
-
-@dataclass(frozen=True)
-class Rule:
-    ours: Tuple[str, ...]
-    hf: Tuple[str, ...]
-    op: str = "copy"
-    when: Tuple[str, ...] = ()  # conditions (CONDITIONS), all must hold
-    fused_hf: Tuple[str, ...] = ()  # experts: transformers' fused in-memory form, used when the per-expert one is absent
-
-    def __post_init__(self):
-        assert self.op in OPS, self.op
-        for c in self.when:
-            assert c in CONDITIONS, c
-
-
-def R(ours, hf, op="copy", when=(), fused_hf=()) -> Rule:
-    """A Rule from strings or tuples (tables read better without the tuple noise)."""
-    as_tuple = (lambda x: (x,) if isinstance(x, str) else tuple(x))
-    return Rule(as_tuple(ours), as_tuple(hf), op, as_tuple(when), as_tuple(fused_hf))
-
-
-# Conditions on the config (and, for {i} rules, on the layer: dense or MoE MLP).
-CONDITIONS: Dict[str, Callable[[ModelConfig, Optional[int]], bool]] = {
-    "bias": lambda c, i: c.add_bias_linear,
-    "qkv_bias": lambda c, i: c.add_bias_linear or c.add_qkv_bias,
-    "layernorm": lambda c, i: c.normalization == "LayerNorm",
-    "learned_pos": lambda c, i: c.position_embedding_type == "learned_absolute",
-    "untied": lambda c, i: c.untie_embeddings_and_output_weights,
-    "tied": lambda c, i: not c.untie_embeddings_and_output_weights,
-    "qk_norm": lambda c, i: c.qk_layernorm,
-    "dense": lambda c, i: i is None or not c.moe_layers()[i],
-    "moe": lambda c, i: i is not None and c.moe_layers()[i],
-    "shared_expert": lambda c, i: c.moe is not None and bool(c.moe.moe_shared_expert_intermediate_size),
-    "shared_gate": lambda c, i: c.moe is not None and c.moe.moe_shared_expert_gate,
-    "mla": lambda c, i: c.multi_latent_attention,
-    "mha": lambda c, i: not c.multi_latent_attention,
-    "q_lora": lambda c, i: c.q_lora_rank is not None,
-    "q_full": lambda c, i: c.q_lora_rank is None,
-    "expert_bias": lambda c, i: c.moe is not None and c.moe.moe_router_enable_expert_bias,
-    # hybrid patterns (--hybrid-override-pattern): the one block of layer i
-    "mamba_layer": lambda c, i: _hybrid_letter(c, i) == "M",
-    "attention_layer": lambda c, i: _hybrid_letter(c, i) == "*",
-    "mixer_layer": lambda c, i: _hybrid_letter(c, i) in ("M", "*"),
-    "mlp_layer": lambda c, i: _hybrid_letter(c, i) == "-",
-    "dsa": lambda c, i: getattr(c, "experimental_attention_variant", None) == "dsa",
-}
-
-
-def _hybrid_letter(cfg: ModelConfig, layer: Optional[int]) -> Optional[str]:
-    pattern = cfg.hybrid_override_pattern
-    return pattern[layer] if pattern is not None and layer is not None else None
-
-
 def _rope_blocks(rule: Rule, cfg: ModelConfig) -> Tuple[int, int]:
     """(plain rows, rotated rows) of each block of an MLA rope_q / rope_kv tensor."""
     nope = cfg.qk_head_dim if rule.op == "rope_q" else cfg.kv_lora_rank
@@ -180,7 +125,6 @@ def _gpt_oss_expert_tensor(name: str, get: Getter, has: Callable[[str], bool]) -
     """A gpt-oss fused expert tensor, or its MXFP4 `_blocks` / `_scales` pair (the Hub's) dequantized."""
     if has(name) or not has(name + "_blocks"):
         return get(name)
-    from .hf_families import dequantize_mxfp4
     return dequantize_mxfp4(get(name + "_blocks"), get(name + "_scales"))
 
 
@@ -201,10 +145,8 @@ def _to_ours(rule: Rule, layer, get: Getter, has: Callable[[str], bool], cfg: Mo
         for name, piece in zip(ours, full.split([sizes[n] for n in ours])):
             yield name, piece.contiguous()
     elif rule.op in ("rope_q", "rope_kv"):
-        from .hf_families import deinterleave_rope_rows
         yield ours[0], deinterleave_rope_rows(get(_fmt(rule.hf, layer)[0]), *_rope_blocks(rule, cfg))
     elif rule.op == "rope_indexer":
-        from .hf_dsa import indexer_rope_last
         yield ours[0], indexer_rope_last(get(_fmt(rule.hf, layer)[0]), cfg)
     elif rule.op in ("et", "glu_et"):
         w = _gpt_oss_expert_tensor(_fmt(rule.hf, layer)[0], get, has)
@@ -244,10 +186,8 @@ def _to_hf(rule: Rule, layer, get: Getter, cfg: ModelConfig) -> Iterator[Tuple[s
     elif rule.op == "t_split":
         yield hf[0], torch.cat([get(n) for n in _fmt(rule.ours, layer)]).t().contiguous()
     elif rule.op in ("rope_q", "rope_kv"):
-        from .hf_families import interleave_rope_rows
         yield hf[0], interleave_rope_rows(get(_fmt(rule.ours, layer)[0]), *_rope_blocks(rule, cfg))
     elif rule.op == "rope_indexer":
-        from .hf_dsa import indexer_rope_first
         yield hf[0], indexer_rope_first(get(_fmt(rule.ours, layer)[0]), cfg)
     elif rule.op == "et":
         yield hf[0], _per_expert_t(get(_fmt(rule.ours, layer)[0])).contiguous()
@@ -317,7 +257,6 @@ def our_sizes(cfg: ModelConfig) -> Dict[str, int]:
 
 def hf_to_megatron_lite(hf_state_dict: StateDict, cfg: ModelConfig, family=None) -> StateDict:
     """Full megatron-lite state dict from an HF model's state dict (in-memory or on-disk names)."""
-    from .hf_families import family_of
 
     fam = family_of(cfg, family)
     src = _Source(fam.normalize(hf_state_dict), fam.ignored)
@@ -332,7 +271,6 @@ def megatron_lite_to_hf(state_dict: StateDict, cfg: ModelConfig, family=None, ti
     """HF state dict (the names save_pretrained writes) from a full megatron-lite state dict. With
     tied embeddings, `tied_lm_head` adds lm_head.weight as the embedding tensor itself (what
     model.state_dict() holds; save_pretrained leaves it out)."""
-    from .hf_families import family_of
 
     fam = family_of(cfg, family)
     missing = [n for n in our_names(cfg, fam.rules) if n not in state_dict]
@@ -353,19 +291,16 @@ def without_absent_mtp(cfg: ModelConfig, has: Callable[[str], bool]) -> ModelCon
 
 
 def hf_config_to_model_config(hf_config) -> ModelConfig:
-    from .hf_families import family_for_model_type
 
     return family_for_model_type(getattr(hf_config, "model_type", None)).to_ours(hf_config)
 
 
 def model_config_to_hf_config(cfg: ModelConfig, family=None):
-    from .hf_families import family_of
 
     return family_of(cfg, family).to_hf(cfg)
 
 
 def model_family(cfg: ModelConfig) -> str:
-    from .hf_families import family_of
 
     return family_of(cfg).name
 

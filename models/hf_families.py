@@ -37,7 +37,7 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.transformer.moe import MoEConfig
 
 from . import hf_nemotron_h
-from .hf_conversion import ConversionError, R, Rule
+from .hf_rules import ConversionError, R, Rule
 
 L = "model.layers.{i}."
 _LLAMA_CORE = [

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from megatron_lite.config import ModelConfig
 
-from .hf_conversion import ConversionError, R
+from .hf_rules import ConversionError, R
 
 L = "backbone.layers.{i}."  # on disk (save_pretrained, the Hub); in memory transformers says model.
 _MAMBA = ("in_proj.weight", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D", "norm.weight", "out_proj.weight")

@@ -1,4 +1,4 @@
-"""The dependency rules of DESIGN.md, read from the imports (function-level ones included):
+"""The dependency rules of docs/ARCHITECTURE.md ("Layers"), read from the imports (function-level ones included):
 megatron_lite/ never imports models/, tools/ or the entry point; megatron_lite/parallel/ imports
 nothing from config, transformer, training or models (its primitives take explicit arguments);
 megatron_lite/kernels/ (what both parallel/ and transformer/ compute with) imports neither; and nothing in

@@ -34,11 +34,11 @@ def _run(tp, stage, nvme_dir, bucket_size, bf16=False):
     for step in range(STEPS):
         out = run_step(chunks, make_batches(step, dims, 1, MODEL["vocab_size"]), dims, optimizer, sync)
         records.append((out["lm_loss"], out["grad_norm"]))
-        if optimizer.spill is not None:
-            optimizer.spill.drain()
-            io.append((optimizer.spill.bytes_read, optimizer.spill.bytes_written))
+        if optimizer.placement.nvme:
+            optimizer.placement.drain()
+            io.append((optimizer.placement.bytes_read, optimizer.placement.bytes_written))
     expected_io = None
-    if optimizer.spill is not None:
+    if optimizer.placement.nvme:
         per_step = sum(region_bytes(s.bucket.shard_numel, 3) for s in optimizer.shards)
         largest = max(s.bucket.shard_numel for s in optimizer.shards)  # two buffers: its main, m, v and grad
         assert optimizer.held_bytes()["optimizer_staging_bytes"] == 2 * (region_bytes(largest, 3) + 4 * largest)
@@ -46,8 +46,8 @@ def _run(tp, stage, nvme_dir, bucket_size, bf16=False):
         expected_io = [(per_step * (k + 1), per_step * (k + 2)) for k in range(STEPS)]
         moved = sum(io[-1]) - sum(io[-2])  # one step's reads and writes: what the planner prices at the disk's rate
         assert moved == nvme_bytes_per_step([s.bucket.shard_numel for s in optimizer.shards], 3)
-        assert os.path.getsize(optimizer.spill.path) == per_step
-        assert optimizer.spill.direct == bool(getattr(os, "O_DIRECT", 0)), "ext4 takes O_DIRECT"
+        assert os.path.getsize(optimizer.placement.path) == per_step
+        assert optimizer.placement.direct == bool(getattr(os, "O_DIRECT", 0)), "ext4 takes O_DIRECT"
     return records, full_params(chunks, sync, dims), optimizer.memory_bytes(), optimizer.held_bytes(), io, expected_io
 
 

@@ -32,7 +32,7 @@ def _run(tp, param_dir, optimizer_dir, bf16, reshard=True):
                           optimizer_offload_nvme_path=optimizer_dir)
     optimizer, sync = build_optimizer(chunks, dims, tcfg, ParallelConfig(tensor_model_parallel_size=tp, zero_stage=3,
                                                                       reshard_after_forward=reshard))
-    spill = sync.param_spill
+    spill = sync.param_home if sync.param_home.nvme else None
     records, io, resident = [], [], []
     for step in range(STEPS):
         out = run_step(chunks, make_batches(step, dims, 1, MODEL["vocab_size"]), dims, optimizer, sync)
@@ -179,7 +179,7 @@ def _memory_with_host_optimizer(rank, world, directory):
     opt, sync = build_optimizer(chunks, dims, tcfg, ParallelConfig(zero_stage=3))
     run_step(chunks, make_batches(0, dims, 1, MODEL["vocab_size"]), dims, opt, sync)
     out = opt.memory_bytes(), opt.held_bytes()
-    sync.param_spill.close()
+    sync.param_home.close()
     return out
 
 

@@ -111,8 +111,6 @@ class PinnedHostBuffers:
         return buf.copy_(data, non_blocking=True)
 
 
-HOST_BUFFERS = PinnedHostBuffers()  # this process's staging memory for checkpoints of device tensors
-
 
 class PieceSet:
     """The pieces one rank writes: tensors named `<key>@<box start>`, and the index that says
@@ -122,7 +120,7 @@ class PieceSet:
         self.tensors: List[Tuple[str, torch.Tensor]] = []
         self.index: Dict[str, list] = {}
         self.checksum_s = 0.0  # time spent computing the checksums (benchmarks)
-        self.host = host if host is not None else HOST_BUFFERS
+        self.host = host if host is not None else PinnedHostBuffers()  # (the manager keeps one across saves)
         self.pending_device = None  # the device whose copies are still in flight
 
     def add(self, key: str, box: Box, full_shape: Sequence[int], data: torch.Tensor, copy: bool = False) -> None:

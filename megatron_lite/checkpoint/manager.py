@@ -29,6 +29,7 @@ from ..errors import ConfigError, agree_on_errors
 from .directory import check_save_dir, has_checkpoint, read_metadata, resolve
 from .exit_conditions import ExitConditions
 from .faults import fault_hook
+from .files import PinnedHostBuffers
 from .loader import Loaded, load_checkpoint
 from .local import LocalCheckpoints
 from .saver import PendingSave, start_save, world_rank
@@ -82,6 +83,7 @@ class Checkpointing:
             agree_on_errors(lambda: check_save_dir(self.tcfg.save, expected_checkpoint_bytes(cfg), world_rank()),
                             device)
         self.pending: Optional[PendingSave] = None
+        self.host_buffers = PinnedHostBuffers()  # --async-save's staging memory, kept from one save to the next
         self.last_saved: Optional[int] = None
         self.exit = ExitConditions(self.tcfg, device)
         self.blocked_s: Dict[int, float] = {}  # per iteration: time the loop spent here (benchmarks)
@@ -213,7 +215,7 @@ class Checkpointing:
         only the newest kept (not counted as saved: the end of training still saves into --save)."""
         self.finish()  # one save at a time
         root, self.keep_last = (self.np_global, 1) if non_persistent else (self.tcfg.save, self.tcfg.keep_last)
-        self.pending = start_save(state, root, background, self.fault)
+        self.pending = start_save(state, root, background, self.fault, self.host_buffers)
         if not non_persistent:
             self.last_saved = self.pending.iteration
         if not background:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ..errors import agree_on_errors
 from ..optim.feedback_state import FEEDBACK, own_errors
 from . import directory, rng
-from .files import FORMAT, CheckpointError, PieceSet, describe_files
+from .files import FORMAT, CheckpointError, PieceSet, PinnedHostBuffers, describe_files
 from .geometry import whole_box
 from .plan import buffer_key, bucket_sources, fill_range, persistent_buffers, regions, stored_key, write_range
 from .state import TrainState
@@ -63,13 +63,13 @@ def checkpoint_metadata(state: TrainState) -> dict:
             **{name: save() for name, save in state.saves.items()}}
 
 
-def snapshot(state: TrainState, copy: bool, own: bool = False) -> PieceSet:
+def snapshot(state: TrainState, copy: bool, own: bool = False, host: Optional[PinnedHostBuffers] = None) -> PieceSet:
     """This rank's pieces of the model, the optimizer and its RNG states (copies when `copy`):
     its share of a global checkpoint, or with `own` everything a load at this layout fills on
     this rank (a local checkpoint, which this rank alone reads back)."""
     dims = state.dims
     state.optimizer.sync.wait_param_gather()  # --overlap-param-gather: the last update's params
-    pieces = PieceSet()
+    pieces = PieceSet(host)
     for bucket, sources in bucket_sources(state.optimizer):
         lo, hi = fill_range(bucket) if own else write_range(bucket)
         for region in regions(bucket, lo, hi, dims, writers_only=not own):
@@ -186,7 +186,8 @@ class PendingSave:
               f"{time.perf_counter() - self.started:.2f} s)" + (f"; pruned {dropped}" if dropped else ""), flush=True)
 
 
-def start_save(state: TrainState, root: str, background: bool, fault=None) -> PendingSave:
+def start_save(state: TrainState, root: str, background: bool, fault=None,
+               host: Optional[PinnedHostBuffers] = None) -> PendingSave:
     """Collective: snapshot and write (or start writing) this rank's file of a checkpoint of the
     run's current state into ROOT. Call commit() (after ready()) to finish it."""
     started = time.perf_counter()
@@ -197,7 +198,7 @@ def start_save(state: TrainState, root: str, background: bool, fault=None) -> Pe
         os.makedirs(staging)
     world_min(1, state.device)  # nobody writes before the directory is clean
     save = PendingSave(root, iteration, checkpoint_metadata(state), state.device, started, fault)
-    pieces = snapshot(state, copy=background)
+    pieces = snapshot(state, copy=background, host=host)
     pieces.copies_issued()  # later kernels on the stream (the next update) run after the copies
     save.write(pieces, background)
     return save

@@ -26,7 +26,6 @@ into staging buffers around each bucket's update.
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
@@ -34,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import TrainingConfig
-from ..errors import NonFiniteError, agree_on_errors
-from ..parallel.bucket_plan import KeptFeatures, offloaded_buckets, state_bytes, with_param_offload
+from ..errors import NonFiniteError
+from ..parallel.bucket_plan import KeptFeatures, state_bytes
 from ..parallel.data_parallel import Bucket, GradientSync
 from ..parallel.sharding import counts_in_norm, spec_of
 from ..parallel.state import ParallelDims, group_size
@@ -43,8 +42,7 @@ from .adam import AdamW
 from .loss_scaler import ConstantLossScaler, DynamicLossScaler
 from .lr_scheduler import DECOUPLED_GROUP, DEFAULT_GROUP
 from .precision import OptimizerPrecision, StateStorage
-from .nvme_store import NvmeSpill, NvmeStore, update_all
-from .state_store import DeviceStore, HostStore, held_bytes
+from .state_store import DeviceStore, held_bytes, place_state
 
 _NORM_SLICE = 1 << 18  # elements per float64 slice of the gradient norm
 
@@ -154,15 +152,10 @@ class _ShardState:
         # all plain fp32 tensors: one update over whole runs (else per parameter segment)
         self.plain = all(isinstance(t, torch.Tensor) for t in self.store.tensors.values())
         self.staged = None  # fp32 copies of low-precision states being filled from a checkpoint
-
-    @property
-    def owns_main(self) -> bool:
-        """True when the main params are a separate copy of the params (always when the params are
-        in the --param-offload-nvme-path file)."""
-        if self.bucket.param_spill is not None:
-            return True
+        # The main params are a separate copy of the params (always when the params' views are copies
+        # read from their file: --param-offload-nvme-path).
         main = self.store.tensors["main"]
-        return not isinstance(main, torch.Tensor) or main.data_ptr() != self.bucket.param_shard_view().data_ptr()
+        self.owns_main = bucket.home.copies or not isinstance(main, torch.Tensor) or main.data_ptr() != shard.data_ptr()
 
     def lr_runs_for(self, lr_of) -> List[Tuple[str, int, int]]:
         """The runs to update separately: one run over the whole shard when every group of it has
@@ -228,27 +221,19 @@ def _as_fp32(t) -> torch.Tensor:
     return t.read_all() if isinstance(t, StateStorage) else t
 
 
-def _wait_copies(device: Optional[torch.device]) -> None:
-    """Host reads of device-to-host copies issued with non_blocking wait for the device stream."""
-    if device is not None and device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-
-
 class DistributedOptimizer:
     def __init__(self, grad_sync: GradientSync, tcfg: TrainingConfig, precision: Optional[OptimizerPrecision] = None,
                  rule=None):
         self.sync, self.tcfg, self.dims = grad_sync, tcfg, grad_sync.dims
         self.precision = precision or OptimizerPrecision()
         self.rule = rule or AdamW(tcfg.adam_beta1, tcfg.adam_beta2, tcfg.adam_eps)  # the update rule (adam.py)
-        offload = offloaded_buckets([b.shard_numel for b in grad_sync.buckets],
-                                    tcfg.optimizer_offload_fraction if tcfg.optimizer_cpu_offload else 0.0)
-        stores = [HostStore if off else DeviceStore for off in offload]
-        self.spill = self._nvme_spill(tcfg.optimizer_offload_nvme_path)
-        if self.spill is not None:
-            stores = [functools.partial(NvmeStore, self.spill, k) for k in range(len(grad_sync.buckets))]
-        self.shards = [_ShardState(b, self.dims, store, self.rule.state_names, self.precision,
-                                  tcfg.apply_wd_to_qk_layernorm)
-                       for b, store in zip(grad_sync.buckets, stores)]
+        self.device = grad_sync.buckets[0].device if grad_sync.buckets else None
+        self.placement = place_state([b.shard_numel for b in grad_sync.buckets], self.rule.state_names, self.device,
+                                     tcfg.optimizer_cpu_offload, tcfg.optimizer_offload_fraction,
+                                     tcfg.optimizer_offload_nvme_path)  # where the state lives (state_store.py)
+        self.shards = [_ShardState(b, self.dims, self.placement.store_for(k), self.rule.state_names, self.precision,
+                                   tcfg.apply_wd_to_qk_layernorm)
+                       for k, b in enumerate(grad_sync.buckets)]
         if tcfg.fp16 and tcfg.loss_scale is not None:
             self.scaler = ConstantLossScaler(tcfg.loss_scale)
         elif tcfg.fp16:
@@ -257,18 +242,6 @@ class DistributedOptimizer:
         else:
             self.scaler = ConstantLossScaler(1.0)
         self.num_updates = 0
-        self.device = grad_sync.buckets[0].device if grad_sync.buckets else None
-
-    def _nvme_spill(self, directory: Optional[str]) -> Optional[NvmeSpill]:
-        """This rank's optimizer file under --optimizer-offload-nvme-path (collective: a directory that
-        is full or unwritable on any rank is every rank's one-line error)."""
-        if not directory:
-            return None
-        buckets = self.sync.buckets
-        pin = bool(buckets) and buckets[0].device.type == "cuda"
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        return agree_on_errors(lambda: NvmeSpill(directory, rank, [b.shard_numel for b in buckets],
-                                                 ("main", *self.rule.state_names), pin))
 
     @property
     def loss_scale(self) -> float:
@@ -352,14 +325,7 @@ class DistributedOptimizer:
         self.num_updates += 1
         lr_of = (lambda g: lr) if not isinstance(lr, Mapping) else (lambda g: lr.get(g, lr[DEFAULT_GROUP]))
         wd = self.tcfg.weight_decay if weight_decay is None else weight_decay
-        if self.spill is not None:
-            update_all(self.spill, [s.store for s in self.shards], grads,
-                       lambda k, g: self._update(k, g, lr_of, wd))
-        else:
-            staged = [s.store.stage(g) for s, g in zip(self.shards, grads)]  # offloaded: all copies in flight
-            _wait_copies(self.device)
-            for k, g in enumerate(staged):
-                self._update(k, g, lr_of, wd)
+        self.placement.update_all([s.store for s in self.shards], grads, lambda k, g: self._update(k, g, lr_of, wd))
         if check and self.tcfg.fp16 and self._found_inf([s.bucket.param_shard_view() for s in self.shards], False)[0]:
             raise NonFiniteError("fp16 parameters overflow (|w| > 65504) when cast from their fp32 main params: the "
                                  "model diverged; lower --lr, or train with --bf16")
@@ -368,18 +334,10 @@ class DistributedOptimizer:
         return {"update_successful": True, "grad_norm": norm, "loss_scale": scale}
 
     def _update(self, k: int, grad: torch.Tensor, lr_of, weight_decay: float) -> None:
-        """Shard k's update; under --param-offload-nvme-path into a staging buffer that is then
-        written to the param file (param_offload.py)."""
-        s, spill = self.shards[k], self.sync.param_spill
-        if spill is None:
+        """Shard k's update, into where its params live (the k-th written this step)."""
+        s = self.shards[k]
+        with self.sync.param_home.update_into(s.bucket, k):
             s.update(self.rule, grad, lr_of, weight_decay, step=self.num_updates)
-            return
-        with spill.updating(s.bucket.index, k) as shard:
-            s.bucket.param_shard = shard
-            try:
-                s.update(self.rule, grad, lr_of, weight_decay, step=self.num_updates)
-            finally:
-                s.bucket.param_shard = None
 
     def zero_grad(self) -> None:
         self.sync.zero_grad()
@@ -388,9 +346,8 @@ class DistributedOptimizer:
     def scale_rows_(self, scales: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Multiply rows of parameters (after an update): (param, factor of each row of this rank's
         piece) pairs; the params and their main params both (QK-clip). Every rank passes its own
-        pieces' factors; a ZeRO shard takes the part of them that falls in it."""
-        if self.spill is not None or self.sync.param_spill is not None or not self.precision.is_default:
-            raise ValueError("scale_rows_ needs the params and main params in memory, in fp32")
+        pieces' factors; a ZeRO shard takes the part of them that falls in it. Needs the params and
+        fp32 main params in memory (TrainingConfig refuses --qk-clip otherwise)."""
         self.sync.wait_param_gather()
         factors = {id(p): (p, f) for p, f in scales}
         sharded_params = self.sync.stage == 3
@@ -416,12 +373,10 @@ class DistributedOptimizer:
         rule's states) on the device, and the offloaded optimizer state (with its gradient staging
         buffer) on the host, as bucket_plan.state_bytes accounts them (the planner's figures; `held_bytes`
         measures the tensors; tests hold the two equal). Low-precision states count as stored."""
-        out = state_bytes(self.sync.plans, self.sync.stage, self.sync.grad_dtype,
-                          [s.store.on_host for s in self.shards], nvme=self.spill is not None,
+        on_host = [s.store.on_host for s in self.shards]
+        out = state_bytes(self.sync.plans, self.sync.stage, self.sync.grad_dtype, on_host, nvme=self.placement.nvme,
                           kept=self.kept_features())
-        if self.sync.param_spill is not None:
-            out = with_param_offload(out, self.sync.plans, optimizer_nvme=self.spill is not None,
-                                     offloaded=[s.store.on_host for s in self.shards])
+        out = self.sync.param_home.accounted(out, self.sync.plans, optimizer_nvme=self.placement.nvme, offloaded=on_host)
         if not self.precision.is_default:
             out["optimizer_state_bytes"] = sum(s.nbytes for s in self.shards if not s.store.on_host)
         return out
@@ -456,13 +411,7 @@ class DistributedOptimizer:
         out["optimizer_state_bytes"] = sum(s.nbytes for s in self.shards if not s.store.on_host)
         out.update(self._held_kept_bytes())
         out["optimizer_state_bytes"] += sum(t.numel() * t.element_size() for t in getattr(self.rule, "anchor", {}).values())
-        if self.spill is not None:  # the state is in the file; the staging buffers are what is held
-            out["optimizer_staging_bytes"] = self.spill.staging_bytes
-            out["optimizer_nvme_bytes"] = self.spill.file_bytes
-            return out
-        host = sum(s.nbytes for s in self.shards if s.store.on_host)
-        if host:
-            out["optimizer_host_bytes"] = host
+        out.update(self.placement.held_bytes(self.shards))
         return out
 
     # --- accessors for checkpoints -------------------------------------------------------------
@@ -480,9 +429,10 @@ class DistributedOptimizer:
                     and (for_loading or getattr(h, "checkpoints_residual", True))]  # (no-EF qgZ: loads one only)
         for s in self.shards:
             tensors = {k: v for k, v in s.tensors().items() if k != "main" or s.owns_main}
-            if for_loading and self.spill is not None:  # NVMe: fp32 copies, written to the file on commit
-                tensors = {k: v.clone() for k, v in tensors.items()}  # (what the load leaves keeps its value)
-            s.staged = tensors if for_loading and (not s.plain or self.spill is not None) else None
+            staged = False
+            if for_loading:  # fp32 copies where the state is not plain fp32 in memory, stored on commit
+                tensors, staged = self.placement.loading_copies(tensors, s.plain)
+            s.staged = tensors if staged else None
             for h in feedback:  # compression's error feedback (collective when saving)
                 tensors[h.residual_name] = (h.residual_for_loading if for_loading else h.fold_for_checkpoint)(s.bucket)
             out.append((s.bucket, tensors))
@@ -491,13 +441,10 @@ class DistributedOptimizer:
     def commit_loaded_state(self) -> None:
         """After filling shard_tensors(for_loading=True): store the filled low-precision states."""
         for k, s in enumerate(self.shards):
-            if s.staged is not None and self.spill is not None:
-                self.spill.store(k, s.staged)
-            elif s.staged is not None:
-                s.load(s.staged)
+            if s.staged is not None:
+                self.placement.commit_loaded(k, s)
             s.staged = None
-        if self.sync.param_spill is not None:
-            self.sync.commit_loaded_params()
+        self.sync.commit_loaded_params()
 
     def scalar_state(self) -> dict:
         return {"num_updates": self.num_updates, "loss_scaler": type(self.scaler).__name__,

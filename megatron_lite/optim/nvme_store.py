@@ -15,6 +15,7 @@ Checkpoints read the state from the file through a memory map (nothing extra hel
 fp32 copies, then writes them to the file through a staging buffer."""
 from __future__ import annotations
 
+import functools
 from concurrent.futures import Future
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -27,7 +28,8 @@ from ..parallel.nvme_file import NvmeFile, aligned_buffer
 class NvmeSpill:
     """This rank's optimizer file (parallel/nvme_file.py: its I/O thread, `bytes_read` /
     `bytes_written`), and its two staging buffers, for the bucket shards of one
-    DistributedOptimizer (in order)."""
+    DistributedOptimizer (in order): the placement of its state (state_store.InMemory's interface)."""
+    nvme = True
 
     def __init__(self, directory: str, rank: int, shard_numels: Sequence[int], names: Sequence[str],
                  pin: bool, flag: str = "--optimizer-offload-nvme-path"):
@@ -91,6 +93,27 @@ class NvmeSpill:
 
     def close(self) -> None:
         self.file.close()
+
+    # --- the placement interface (state_store.py) --------------------------------------------------
+    def store_for(self, k: int):
+        return functools.partial(NvmeStore, self, k)
+
+    def update_all(self, stores, grads, update) -> None:
+        update_all(self, stores, grads, update)
+
+    def held_bytes(self, shards) -> Dict[str, int]:
+        """The state is in the file; the staging buffers are what is held."""
+        return {"optimizer_staging_bytes": self.staging_bytes, "optimizer_nvme_bytes": self.file_bytes}
+
+    def loading_copies(self, tensors: Dict[str, torch.Tensor], plain: bool):
+        """fp32 copies of the mapped file, written to it by commit_loaded (what a load leaves keeps its value)."""
+        return {k: v.clone() for k, v in tensors.items()}, True
+
+    def commit_loaded(self, k: int, shard) -> None:
+        self.store(k, shard.staged)
+
+    def describe(self) -> str:
+        return self.file.describe("optimizer state", self.staging_bytes)
 
 
 class NvmeStore:

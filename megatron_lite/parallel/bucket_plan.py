@@ -155,6 +155,10 @@ class KeptFeatures:
     qgz_nodes: int = 1  # two-hop qgZ: nodes the dense buckets' DP x CP group spans (1: one hop)
 
 
+# A row of each wire format (compression.py's codecs read it) is a multiple of this many values; others: 1.
+CODEC_ALIGN = {"sign": 8, "int8-blocks": 256, "int4-blocks": 256}
+
+
 def feedback_rows(numel: int, ranks: int, align: int) -> Tuple[int, int]:
     """(shard, n) of an error-feedback exchange (parallel/compression.py) over a flat tensor of
     `numel`: each of the `ranks` rows holds `shard` = ceil(numel / ranks) elements, padded to `n`,
@@ -192,17 +196,15 @@ def kept_bytes(buckets: Sequence[BucketPlan], stage: int, kept: "KeptFeatures") 
                             params' dtype, held from a unit's forward to its backward (the peak of
                             a step: every unit's, before the first backward frees any)
     --zeropp-quantized-weights keeps nothing across its gathers."""
-    from .compression import codec  # (here: compression imports feedback_rows from this module)
-
     out: Dict[str, int] = {}
     rule = UPDATE_RULES[kept.optimizer]
     exchanges = [(kept.grad_codec, stage == 0), (rule.momentum_codec, True)]
-    exchanges = [(codec(name).align, server) for name, server in exchanges if name is not None]
+    exchanges = [(CODEC_ALIGN.get(name, 1), server) for name, server in exchanges if name is not None]
     if exchanges:
         out["error_feedback_bytes"] = sum(feedback_bytes(b.numel, n, align, server)
                                           for b, n in zip(buckets, kept.group_sizes) for align, server in exchanges)
         if kept.qgz_nodes > 1 and kept.grad_codec is not None:  # (compression.CompressedReducer._start_two_hops)
-            align = codec(kept.grad_codec).align
+            align = CODEC_ALIGN.get(kept.grad_codec, 1)
             out["error_feedback_bytes"] += sum(4 * kept.qgz_nodes * feedback_rows(b.numel, n, align)[1]
                                                for b, n in zip(buckets, kept.group_sizes) if not b.expert)
     if kept.hpz > 1 and stage == 3:

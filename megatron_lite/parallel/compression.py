@@ -35,7 +35,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from .bucket_plan import feedback_rows, row_runs
+from .bucket_plan import CODEC_ALIGN, feedback_rows, row_runs
 from .comm import Communicator, group_rank, group_size
 from .state import partial_dp_groups
 
@@ -103,7 +103,7 @@ class SignCodec:
     values keep the input's norm. Without `runs`, one scale for all the rows encoded together;
     with `runs` ([k, s + 1]: the lengths of consecutive runs of each row, the last its padding),
     one per run, the s of each row after its signs (the padding's scale is 0, never sent)."""
-    name, align = "sign", 8
+    name, align = "sign", CODEC_ALIGN["sign"]
 
     def row_bytes(self, n: int, per_row: int = 1) -> int:
         return n // 8 + per_row * _SCALE_BYTES
@@ -137,7 +137,7 @@ class Int8BlockCodec:
     fp32 scale (amax / 127), appended after the row's values."""
     name = "int8-blocks"
 
-    def __init__(self, block: int = 256):
+    def __init__(self, block: int = CODEC_ALIGN["int8-blocks"]):
         self.align = block
 
     def row_bytes(self, n: int) -> int:
@@ -164,7 +164,7 @@ class Int4BlockCodec:
     block with its fp32 scale (amax / 7); two values to a byte (value + 8 in each half)."""
     name = "int4-blocks"
 
-    def __init__(self, block: int = 256):
+    def __init__(self, block: int = CODEC_ALIGN["int4-blocks"]):
         self.align = block
 
     def row_bytes(self, n: int) -> int:

@@ -61,9 +61,9 @@ import torch
 import torch.nn as nn
 
 from .comm import Communicator
-from ..errors import agree_on_errors
-from .bucket_plan import BucketPlan, ParamInfo, padded, plan_buckets, state_bytes, with_param_offload
+from .bucket_plan import BucketPlan, ParamInfo, padded, plan_buckets, state_bytes
 from .grads import finalize_model_grads, sum_local_tie_copies
+from .param_offload import ParamsInMemory, place_params
 from .sharding import spec_of
 from .state import ParallelDims, group_rank, group_size
 from .tiled_init import materialize_, param_device, swap_in
@@ -107,8 +107,8 @@ class Bucket:
         self.dtype, self.grad_dtype, self.device = params[0].dtype, grad_dtype, param_device(params[0])
         self.param_data: Optional[torch.Tensor] = None  # full flat params (stages 0-2)
         self.param_shard: Optional[torch.Tensor] = None  # stage 3: the only persistent copy
-        self.param_spill = None  # --param-offload-nvme-path (param_offload.py): the shard is in its file instead
-        self.loaded_shard: Optional[torch.Tensor] = None  # a checkpoint's values for the file (param_spill)
+        self.home = ParamsInMemory()  # where the shard lives (param_offload.py)
+        self.loaded_shard: Optional[torch.Tensor] = None  # a checkpoint's values for the file (ParamSpill)
         self.grad_data: Optional[torch.Tensor] = None  # full flat gradient
         self.grad_shard: Optional[torch.Tensor] = None  # stages 2-3: reduced shard
         # Stages 2-3, reduction rounds after the first of a step: where the round's reduce-scatter
@@ -130,20 +130,12 @@ class Bucket:
     def param_shard_view(self) -> torch.Tensor:
         """The shard to read or update; under --param-offload-nvme-path outside an update: a fresh
         copy read from the file."""
-        if self.param_shard is not None:
-            return self.param_shard
-        if self.param_spill is not None:
-            return self.param_spill.read_copy(self.index)
-        return self.param_data[self.shard]
+        return self.param_shard if self.param_shard is not None else self.home.shard_view(self)
 
     def param_shard_for_checkpoint(self, for_loading: bool) -> torch.Tensor:
         """ZeRO-3's shard for a checkpoint to read or fill; an offloaded one is a copy, and a filled
         copy goes to the file at GradientSync.commit_loaded_params()."""
-        if self.param_spill is None:
-            return self.param_shard
-        shard = self.param_spill.read_copy(self.index)
-        self.loaded_shard = shard if for_loading else None
-        return shard
+        return self.home.checkpoint_shard(self, for_loading)
 
     def grad_shard_view(self) -> torch.Tensor:
         return self.grad_shard if self.grad_shard is not None else self.grad_data[self.shard]
@@ -316,7 +308,7 @@ class GradientSync:
         self._allocate()
         for chunk in chunks:  # parameters in no bucket (frozen) that were left on meta
             materialize_(chunk)
-        self.param_spill = self._spill_params(param_offload_nvme_path) if param_offload_nvme_path else None
+        self.param_home = place_params(param_offload_nvme_path, self.buckets, self.plans)  # (param_offload.py)
         self.zero3 = ShardedParams(self, units, reshard_after_forward, hpz_group) if self.stage == 3 else None
         self._register_hooks(chunks)
 
@@ -341,26 +333,9 @@ class GradientSync:
             for b, shard in zip(bs, _flat_views(bs, lambda b: b.shard_numel, lambda b: b.grad_dtype)):
                 b.grad_shard = shard
 
-    def _spill_params(self, directory: str):
-        """Move every bucket's param shard into this rank's file under `directory` and drop it."""
-        from .param_offload import ParamSpill
-
-        if self.stage != 3:
-            raise ValueError("--param-offload-nvme-path needs --zero-stage 3 (sharded parameters)")
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        device = self.buckets[0].device if self.buckets else torch.device("cpu")
-        spill = agree_on_errors(lambda: ParamSpill(directory, rank, self.plans, device))
-        for b in self.buckets:
-            spill.store(b.index, b.param_shard)
-            b.param_shard, b.param_spill = None, spill
-        return spill
-
     def commit_loaded_params(self) -> None:
-        """Write the shards a checkpoint filled (Bucket.param_shard_for_checkpoint) to the file."""
-        for b in self.buckets:
-            if b.loaded_shard is not None:
-                self.param_spill.store(b.index, b.loaded_shard)
-                b.loaded_shard = None
+        """Write the shards a checkpoint filled (Bucket.param_shard_for_checkpoint) where they live."""
+        self.param_home.commit_loaded(self.buckets)
 
     def _alloc_grad(self, b: Bucket) -> None:
         """Stages 2-3: the bucket's full gradient, from its first gradient of the step."""
@@ -375,9 +350,7 @@ class GradientSync:
     def memory_bytes(self) -> Dict[str, int]:
         """Bytes of parameters and gradients this rank keeps across steps, as bucket_plan accounts
         them (the planner's function; `held_bytes` measures the tensors)."""
-        acc = state_bytes(self.plans, self.stage, self.grad_dtype)
-        if self.param_spill is not None:
-            acc = with_param_offload(acc, self.plans, optimizer_nvme=True)
+        acc = self.param_home.accounted(state_bytes(self.plans, self.stage, self.grad_dtype), self.plans, True)
         return {k: v for k, v in acc.items() if k != "optimizer_state_bytes"}
 
     def held_bytes(self) -> Dict[str, int]:
@@ -386,10 +359,7 @@ class GradientSync:
             return sum(t.numel() * t.element_size() for t in ts if t is not None)
         params = [b.param_shard if self.stage == 3 else b.param_data for b in self.buckets]
         grads = [b.grad_shard if self.stage >= 2 else b.grad_data for b in self.buckets]
-        out = {"param_bytes": nbytes(params), "grad_bytes": nbytes(grads)}
-        if self.param_spill is not None:  # the shards are in the file; the staging buffers are held
-            out.update(param_staging_bytes=self.param_spill.staging_bytes, param_nvme_bytes=self.param_spill.file_bytes)
-        return out
+        return {"param_bytes": nbytes(params), "grad_bytes": nbytes(grads), **self.param_home.held_bytes()}
 
     # --- gradient readiness and reduction ----------------------------------------------------
     def _register_hooks(self, chunks: List[nn.Module]) -> None:

@@ -22,7 +22,6 @@ import torch
 from ..errors import ConfigError
 from .bucket_plan import NVME_ALIGN as ALIGN
 
-_OPEN_PATHS: set = set()  # files of this process (several offloads may live in one test process)
 
 
 def aligned_buffer(nbytes: int, pin: bool) -> torch.Tensor:
@@ -32,9 +31,16 @@ def aligned_buffer(nbytes: int, pin: bool) -> torch.Tensor:
     return raw[skip:skip + nbytes]
 
 
+def _open_here(path: str) -> bool:
+    """Whether this process has `path` open (several offloads may live in one test process); the OS
+    knows, so no registry is kept (where /proc is missing: never, and a second one is refused)."""
+    fds = os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []
+    return any(os.path.realpath(f"/proc/self/fd/{fd}") == os.path.realpath(path) for fd in fds)
+
+
 def _rank_file(directory: str, stem: str, rank: int) -> str:
     path, k = os.path.join(directory, f"{stem}-rank{rank:05d}.bin"), 0
-    while path in _OPEN_PATHS:
+    while _open_here(path):
         k += 1
         path = os.path.join(directory, f"{stem}-rank{rank:05d}-{k}.bin")
     return path
@@ -84,7 +90,6 @@ def _close(fd: int, path: str, pool: ThreadPoolExecutor) -> None:
     if os.path.exists(path):  # before the close drops the lock: the name may be another job's after it
         os.unlink(path)
     os.close(fd)
-    _OPEN_PATHS.discard(path)
 
 
 class NvmeFile:
@@ -96,12 +101,17 @@ class NvmeFile:
         self.file_bytes = file_bytes
         self.path = _rank_file(directory, stem, rank)
         self.fd, self.direct = _open(self.path, file_bytes, flag, what)
-        _OPEN_PATHS.add(self.path)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvme-offload")  # one thread: jobs in order
         self._finalizer = weakref.finalize(self, _close, self.fd, self.path, self.pool)
         self.pending: List[Future] = []
         self.bytes_read = self.bytes_written = 0
         self._map: Optional[torch.Tensor] = None
+
+    def describe(self, what: str, staging_bytes: int) -> str:
+        """The start-up line of an offload: its file, how it is written, the two staging buffers held."""
+        return (f"{what} on NVMe: {self.path} ({self.file_bytes / 2**20:.1f} MiB, "
+                f"{'O_DIRECT' if self.direct else 'buffered + fdatasync'}); held in memory: two "
+                f"staging buffers of {staging_bytes / 2 / 2**20:.1f} MiB")
 
     def io(self, write: bool, buffer: torch.Tensor, offset: int) -> None:
         """Move `buffer` (aligned uint8, a multiple of ALIGN long) to or from the file at `offset`, now."""

@@ -10,34 +10,24 @@ of them back on the side stream, and starts bringing the layer before it (the ne
 needs), so its copy overlaps this layer's backward. On the CPU the "host copy" is a second CPU
 tensor, copied back for backward, and nothing needs a stream: the same path, checked by the tests.
 
-planning/measure.StepMemory does not count the host buffers (allocating_host()): it measures device
-memory, on the CPU too.
+planning/measure.StepMemory does not count the host buffers (made outside any dispatch mode): it
+measures device memory, on the CPU too.
 """
 from __future__ import annotations
 
-import threading
 import weakref
 from contextlib import contextmanager
 from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn
-
-_allocating = threading.local()
-
-
-def allocating_host() -> bool:
-    """Whether the storage being created now is an offloaded host copy (StepMemory skips it)."""
-    return getattr(_allocating, "on", False)
+from torch.utils._python_dispatch import _disable_current_modes
 
 
 def _host_buffer(t: torch.Tensor, pinned: bool) -> torch.Tensor:
-    _allocating.on = True
-    try:
+    with _disable_current_modes():  # not device memory: hidden from StepMemory (and any dispatch mode)
         # the same strides: backward kernels (compiled ones check) see the layout they saved
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu", pin_memory=pinned)
-    finally:
-        _allocating.on = False
 
 
 class _LayerGroup:

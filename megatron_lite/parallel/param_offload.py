@@ -18,16 +18,46 @@ before the collective (transient). Checkpoints and start-up read shards through 
 (fresh tensors) and `store` writes filled ones."""
 from __future__ import annotations
 
+import contextlib
 from contextlib import contextmanager
 from concurrent.futures import Future
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .bucket_plan import BucketPlan, param_region_bytes, param_spans
+from .bucket_plan import BucketPlan, param_region_bytes, param_spans, with_param_offload
+from ..errors import agree_on_errors
 from .nvme_file import NvmeFile, aligned_buffer
 
 FLAG = "--param-offload-nvme-path"
+
+
+def place_params(directory: Optional[str], buckets, plans: Sequence[BucketPlan]):
+    """ZeRO-3's param shards of `buckets` moved into this rank's file under `directory` (collective:
+    a full or unwritable directory on any rank is every rank's one-line error), or left in memory."""
+    if not directory:
+        return ParamsInMemory()
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    device = buckets[0].device if buckets else torch.device("cpu")
+    spill = agree_on_errors(lambda: ParamSpill(directory, rank, plans, device))
+    for b in buckets:
+        spill.store(b.index, b.param_shard)
+        b.param_shard, b.home = None, spill
+    return spill
+
+
+class ParamsInMemory:
+    """Where the param shards live unless --param-offload-nvme-path puts them in a file: the
+    bucket's own tensors. ParamSpill has the same interface, the only one GradientSync and the
+    optimizer use; here each call has nothing to do."""
+    nvme = copies = False  # (copies: shard_view() is a fresh copy each time)
+    shard_view = staticmethod(lambda b: b.param_data[b.shard])
+    checkpoint_shard = staticmethod(lambda b, for_loading: b.param_shard)
+    update_into = staticmethod(lambda b, n: contextlib.nullcontext())
+    accounted = staticmethod(lambda acc, plans, optimizer_nvme, offloaded=None: acc)
+    held_bytes = staticmethod(lambda: {})
+    commit_loaded = staticmethod(lambda buckets: None)
+    describe = staticmethod(lambda: None)
 
 
 class ParamSpill:
@@ -152,3 +182,41 @@ class ParamSpill:
 
     def close(self) -> None:
         self.file.close()
+
+    # --- the interface of where param shards live (ParamsInMemory) ----------------------------------
+    nvme = copies = True
+
+    def shard_view(self, b) -> torch.Tensor:
+        return self.read_copy(b.index)
+
+    def checkpoint_shard(self, b, for_loading: bool) -> torch.Tensor:
+        """A copy; a filled one goes to the file at commit_loaded."""
+        shard = self.read_copy(b.index)
+        b.loaded_shard = shard if for_loading else None
+        return shard
+
+    @contextmanager
+    def update_into(self, b, n: int):
+        """The optimizer's update of bucket b (the n-th written this step) goes to a staging buffer."""
+        with self.updating(b.index, n) as shard:
+            b.param_shard = shard
+            try:
+                yield
+            finally:
+                b.param_shard = None
+
+    def accounted(self, acc: Dict[str, int], plans, optimizer_nvme: bool, offloaded=None) -> Dict[str, int]:
+        return with_param_offload(acc, plans, optimizer_nvme, offloaded)
+
+    def held_bytes(self) -> Dict[str, int]:
+        """The shards are in the file; the staging buffers are held."""
+        return {"param_staging_bytes": self.staging_bytes, "param_nvme_bytes": self.file_bytes}
+
+    def commit_loaded(self, buckets) -> None:
+        for b in buckets:
+            if b.loaded_shard is not None:
+                self.store(b.index, b.loaded_shard)
+                b.loaded_shard = None
+
+    def describe(self) -> str:
+        return self.file.describe("parameter shards", self.staging_bytes)

@@ -22,11 +22,13 @@ module-level globals, so several instances may coexist (tests build one per layo
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from datetime import timedelta
 from typing import Dict, List, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
@@ -329,3 +331,40 @@ def partial_dp_groups(dims: ParallelDims, instances: int):
                 dims.groups[key + suffix], dims.group_ranks[key + suffix] = g, ranks
                 dims.comm.name_group(g, key + suffix)
     return dims.groups[key + "_shard"], dims.groups[key + "_replica"]
+
+
+def choose_device(requested: Optional[str]) -> torch.device:
+    if requested != "cpu":
+        # Megatron-LM's setting (read when the CUDA context is created): one hardware queue, so
+        # kernels start in issue order and a TP/CP collective issued before a GEMM overlaps it.
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    if requested == "cuda" or (requested is None and torch.cuda.is_available()):
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def init_distributed(device: torch.device, timeout_minutes: Optional[float] = None) -> None:
+    """Join the torchrun world (NCCL on GPUs, gloo on CPU); nothing to do for a single process.
+    `timeout_minutes` (--distributed-timeout-minutes): how long a collective waits for a peer."""
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = None if timeout_minutes is None else timedelta(minutes=timeout_minutes)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    # Under torchrun every restart of the workers reuses the agent's store, where the failed
+    # attempt's keys would hand the new ranks the dead ranks' addresses (torch 2.13: "connection
+    # refused"; pytorch/pytorch#167288). A key prefix per attempt keeps the attempts apart. A store
+    # that rank 0 hosts (no agent store: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) is new at every
+    # attempt and takes no prefix: a node that joined later counts its agent's restarts from 0.
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_store and rank == 0, timeout=timedelta(minutes=10))
+    if agent_store:
+        store = dist.PrefixStore(f"attempt_{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)

@@ -114,7 +114,8 @@ class ShardedParams:
                 for part in u.parts:
                     self.unit_of[part.bucket] = u
             self._register(chain)
-        self.spill = sync.param_spill  # --param-offload-nvme-path: shards are read from its file to gather
+        # --param-offload-nvme-path: shards are read from its file to gather (param_offload.ParamSpill)
+        self.spill = sync.param_home if sync.param_home.nvme else None
         if self.spill is not None:
             for u in (u for u in self.units if u.parts):  # (a chunk may own no params of its own: no span)
                 u.span = self.spill.span_of[u.parts[0].bucket.index]

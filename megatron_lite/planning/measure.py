@@ -17,8 +17,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..parallel.offload import allocating_host
-
 
 def _storages(tree) -> Dict[int, torch.UntypedStorage]:
     out = {}
@@ -42,8 +40,6 @@ class StepMemory(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if allocating_host():  # an offloaded activation's host copy (parallel/offload.py): not device memory
-            return out
         inputs = _storages((args, kwargs))
         for key, st in _storages(out).items():
             if key not in inputs and key not in self._alive:

@@ -1,9 +1,6 @@
 """The pretraining loop: build everything from a validated Config, then train, evaluate, log."""
 from __future__ import annotations
 
-import gc
-import logging
-import os
 import resource
 import sys
 import time
@@ -18,65 +15,21 @@ from ..checkpoint.state import TrainState
 from ..config import Config
 from ..errors import NonFiniteError, agree_on_errors
 from ..optim.lr_scheduler import DEFAULT_GROUP
-from ..parallel import comm
 from ..parallel.random import RNGStatesTracker, model_parallel_seed
 from ..parallel.state import ParallelDims
 from .flops import device_peak_tflops, flops_per_token
 from .metrics import MetricsLogger
-from .stragglers import StragglerLog, line as straggler_line
-from .watchdog import HangWatchdog
-from .profiling import HostSyncCounter, StepProfiler, default_trace_dir, empty_unused_memory
+from .features import build_features
+from .profiling import HostSyncCounter, empty_unused_memory
 from ..parallel.context_parallel import split_batch_for_cp
 from ..parallel.pipeline.executor import PipelineExecutor
 from ..parallel.pipeline.schedules import ZERO_BUBBLE, default_schedule
-from ..parallel.gemm import GemmPath
-from ..parallel.offload import ActivationOffloader
-from ..parallel.fp8 import Float8GemmPath
-from ..parallel.fp8_delayed import register_checkpoint_state as register_fp8_state
 from ..optim.adam import fused_adamw_available
 from ..transformer.core_attention import describe_attention
 from ..transformer.fast_paths import describe_fast_paths
 from ..transformer.loss_normalization import LossNormalization
 from ..transformer.spec import BuildContext
-from ..transformer.te_backend import te_context
 from .step import eval_step, forward_backward_no_pipelining, move_batch, pipelined_forward_backward, train_step
-
-
-def choose_device(requested: Optional[str]) -> torch.device:
-    if requested != "cpu":
-        # Megatron-LM's setting (read when the CUDA context is created): one hardware queue, so
-        # kernels start in issue order and a TP/CP collective issued before a GEMM overlaps it.
-        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    if requested == "cuda" or (requested is None and torch.cuda.is_available()):
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return torch.device("cpu")
-
-
-def init_distributed(device: torch.device, timeout_minutes: Optional[float] = None) -> None:
-    """Join the torchrun world (NCCL on GPUs, gloo on CPU); nothing to do for a single process.
-    `timeout_minutes` (--distributed-timeout-minutes): how long a collective waits for a peer."""
-    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = None if timeout_minutes is None else timedelta(minutes=timeout_minutes)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None:
-        dist.init_process_group(backend, timeout=timeout)
-        return
-    # Under torchrun every restart of the workers reuses the agent's store, where the failed
-    # attempt's keys would hand the new ranks the dead ranks' addresses (torch 2.13: "connection
-    # refused"; pytorch/pytorch#167288). A key prefix per attempt keeps the attempts apart. A store
-    # that rank 0 hosts (no agent store: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) is new at every
-    # attempt and takes no prefix: a node that joined later counts its agent's restarts from 0.
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=not agent_store and rank == 0, timeout=timedelta(minutes=10))
-    if agent_store:
-        store = dist.PrefixStore(f"attempt_{attempt}", store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 SLOW_PHASE_S = 5.0  # a start-up phase (data, model build, checkpoint load, first step) slower than this says so
@@ -110,106 +63,98 @@ class Trainer:
 
     def __init__(self, cfg: Config, tokenizer, device: torch.device, *, model_provider: Callable,
                  datasets_provider: Callable, forward_step: Callable, checkpoint_formats: tuple = ()):
-        from ..data import build_pretraining_data_loader
         from ..optim.optimizer import build_optimizer
 
-        self.cfg, self.device, self.forward_step = cfg, device, forward_step
-        m, p, t = cfg.model, cfg.parallel, cfg.training
-        self.dims = ParallelDims.from_world(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.expert_model_parallel_size,
-                                            vpp=p.vpp, pp_placement=p.pp_placement, cp_a2a=p.cp_a2a_size(),
-                                            etp=p.expert_tensor_parallel_size,
-                                            timeout=timedelta(minutes=t.distributed_timeout_minutes))
-        dims = self.dims
-        dims.comm_counter = comm.CommCounter() if t.log_comm_volume else None  # bytes per step in the metrics
+        self.cfg, self.device, self.forward_step, self.checkpoint_formats = cfg, device, forward_step, checkpoint_formats
+        p, t = cfg.parallel, cfg.training
+        self.dims = dims = ParallelDims.from_world(
+            tp=p.tp, pp=p.pp, cp=p.cp, ep=p.expert_model_parallel_size, vpp=p.vpp, pp_placement=p.pp_placement,
+            cp_a2a=p.cp_a2a_size(), etp=p.expert_tensor_parallel_size,
+            timeout=timedelta(minutes=t.distributed_timeout_minutes))
         self.tracker = RNGStatesTracker(device)
         model_parallel_seed(self.tracker, t.seed, dims.tp_rank, dims.pp_rank)
         schedule = (p.pipeline_schedule or default_schedule(dims.vpp)) if dims.pp > 1 else None
-        deferrable = schedule in ZERO_BUBBLE
-        te = te_context(t, dims) if t.transformer_impl == "transformer_engine" else None
-        gemm = GemmPath(deferrable) if t.fp8_format is None or te is not None else Float8GemmPath(
-            dims, t.fp8_format, t.fp8_recipe, t.fp8_margin, deferrable, t.fp8_amax_history_len,
-            t.fp8_amax_compute_algo, device)
-        self.gemm = gemm
-        ctx = BuildContext(dims, sequence_parallel=p.sequence_parallel, params_dtype=params_dtype(cfg),
-                           tracker=self.tracker, gemm=gemm,
-                           recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
-                           recompute_num_layers=t.recompute_num_layers,
-                           recompute_modules=tuple(t.recompute_modules or ("core_attn",)), device=device,
-                           offloader=ActivationOffloader(device) if t.cpu_offloading else None,
-                           offloaded_layers=t.cpu_offloading_num_layers if t.cpu_offloading else 0,
-                           cp_comm_type=[c.replace("allgather", "all_gather") for c in p.cp_comm_type],
-                           compile=t.compile, cross_entropy_chunk_size=t.cross_entropy_chunk_size, te=te)
+        self.features = build_features(t, cfg.model, dims, device, schedule in ZERO_BUBBLE, params_dtype(cfg))
+        ctx = self._build_context()
+        self.gemm = ctx.gemm
         clock = time.perf_counter()
         self.chunks = model_provider(cfg, ctx)  # fills ctx.hooks with the model's step hooks
         self.loss_normalization, self.hooks = ctx.loss_normalization, ctx.hooks
-        if isinstance(gemm, Float8GemmPath):  # names the recipe state's GEMMs, marks bf16 layers
-            gemm.bind(self.chunks, (t.num_layers_at_start_in_bf16, t.num_layers_at_end_in_bf16)
-                      if t.first_last_layers_bf16 else None, m.num_layers)
-            if gemm.delayed is not None:
-                self.hooks.add(gemm.delayed)  # folds the amaxes once per step
+        self.features.model_built(self)
         self.optimizer, self.grad_sync = build_optimizer(self.chunks, dims, t, p, t.optimizer_precision(),
                                                          p.num_distributed_optimizer_instances)
-        if t.qk_clip or t.log_max_attention_logit:
-            from .qk_clip import QKClip
-            self.hooks.add(QKClip(self.chunks, dims, self.optimizer, t.qk_clip_threshold, t.qk_clip_alpha, t.qk_clip))
-
-        if hasattr(self.grad_sync.param_gather, "bind_recipe"):  # --fp8-param-gather: delayed scaling's weight scales
-            self.grad_sync.param_gather.bind_recipe(getattr(gemm, "delayed", None))
         clock = _phase_done("model build", clock)
         self.lr_schedule = t.param_scheduler()  # counts samples, as Megatron-LM's
         self.batch_schedule = t.batch_schedule(dims.dp)  # the global batch of each step (ramp-up)
         self.num_microbatches = t.num_microbatches(dims.dp)  # at the full global batch: evaluation
         self.forward_backward = forward_backward_no_pipelining
         if dims.pp > 1:
-            executor = PipelineExecutor(self.chunks, dims, schedule, device, gemm,
+            executor = PipelineExecutor(self.chunks, dims, schedule, device, self.gemm,
                                         overlap=p.overlap_moe_expert_parallel_comm)
             self.forward_backward = pipelined_forward_backward(executor)
+        train_ds, valid_ds = self._datasets(datasets_provider, tokenizer)
+        self.iteration, self.consumed_samples, self.consumed_valid_samples = 0, 0, 0
+        self._register_state()
+        self.logs_here = dims.is_last_stage and dims.tp_rank == 0 and dims.dp_rank == 0 and dims.cp_rank == 0
+        self.checkpointing = Checkpointing(cfg, device)
+        self.features.attached(self)  # before a checkpoint loads: what features keep in it is registered
+        clock = time.perf_counter()
+        loaded = self.checkpointing.load_at_start(self.state)  # sets the iteration and consumed samples
+        _phase_done("checkpoint load", clock)
+        self._data_iterators(train_ds, valid_ds)
+        if loaded is not None:  # last: creating the data iterators above draws from the RNG
+            loaded.restore_rng(self.state)
+        # A resumed run appends to its metrics file, so that a restarted job keeps the earlier records.
+        self.logger = MetricsLogger(t, self.logs_here, cfg.to_dict(), start_iteration=self.iteration)
+        self.flops_per_token = flops_per_token(cfg.model, t.seq_length)  # active parameters of an MoE model
+        self.peak_tflops = device_peak_tflops(device)
+        self.host_syncs = HostSyncCounter(device)
 
+    def _build_context(self) -> BuildContext:
+        """What every layer is built with besides the model config; features fill their fields."""
+        p, t = self.cfg.parallel, self.cfg.training
+        return BuildContext(self.dims, sequence_parallel=p.sequence_parallel, params_dtype=params_dtype(self.cfg),
+                            tracker=self.tracker, recompute_granularity=t.recompute_granularity,
+                            recompute_method=t.recompute_method, recompute_num_layers=t.recompute_num_layers,
+                            recompute_modules=tuple(t.recompute_modules or ("core_attn",)), device=self.device,
+                            cp_comm_type=[c.replace("allgather", "all_gather") for c in p.cp_comm_type],
+                            compile=t.compile, cross_entropy_chunk_size=t.cross_entropy_chunk_size,
+                            **self.features.context())
+
+    def _datasets(self, datasets_provider: Callable, tokenizer):
+        """(train, valid) datasets sized for the run's samples (every rank agrees on an error)."""
+        t = self.cfg.training
         evals = t.train_iters // t.eval_interval + 1
         train_samples = t.train_samples if t.train_samples is not None else self.batch_schedule.samples(t.train_iters)
         num_samples = (train_samples, evals * t.eval_iters * t.global_batch_size, t.eval_iters * t.global_batch_size)
         clock = time.perf_counter()
-        train_ds, valid_ds, _ = agree_on_errors(lambda: datasets_provider(cfg, tokenizer, num_samples), device)
-        clock = _phase_done("data", clock)
-        self.iteration, self.consumed_samples, self.consumed_valid_samples = 0, 0, 0
-        self.state = TrainState(cfg, dims, device, self.chunks, self.optimizer, self.tracker,  # what checkpoints hold
-                                formats=checkpoint_formats)  # (and the foreign formats a load may read)
+        train_ds, valid_ds, _ = agree_on_errors(lambda: datasets_provider(self.cfg, tokenizer, num_samples), self.device)
+        _phase_done("data", clock)
+        return train_ds, valid_ds
+
+    def _register_state(self) -> None:
+        """What checkpoints hold besides the model, the optimizer and the RNG states (TrainState)."""
+        self.state = TrainState(self.cfg, self.dims, self.device, self.chunks, self.optimizer, self.tracker,
+                                formats=self.checkpoint_formats)  # (and the foreign formats a load may read)
         for name in ("iteration", "consumed_samples", "consumed_valid_samples"):  # the data position
             self.state.register_attribute(self, name)
         self.state.register("lr_scheduler", self.lr_schedule.state_dict, progress=self.lr_schedule.resume,
                             optimizer=self.lr_schedule.changes_note)  # the position; notes on changed flags
         self.state.register("optimizer", self.optimizer.scalar_state, optimizer=self.optimizer.load_scalar_state)
-        register_fp8_state(self.state, getattr(gemm, "delayed", None))  # delayed scaling's amax histories
-        self.checkpointing = Checkpointing(cfg, device)
-        loaded = self.checkpointing.load_at_start(self.state)  # sets the iteration and consumed samples
-        _phase_done("checkpoint load", clock)
+
+    def _data_iterators(self, train_ds, valid_ds) -> None:
+        from ..data import build_pretraining_data_loader
+
+        t, dims, workers = self.cfg.training, self.dims, self.cfg.data.num_workers
         self.train_loader = build_pretraining_data_loader(train_ds, self.consumed_samples, t.micro_batch_size,
                                                           self.batch_schedule.running_global_batch_size,
-                                                          dims.dp_rank, dims.dp, cfg.data.num_workers)
+                                                          dims.dp_rank, dims.dp, workers)
         self.train_iter = iter(self.train_loader)
         self.valid_iter = None
         if valid_ds is not None and t.eval_iters > 0:
             self.valid_iter = iter(build_pretraining_data_loader(
                 valid_ds, self.consumed_valid_samples, t.micro_batch_size, t.global_batch_size, dims.dp_rank, dims.dp,
-                cfg.data.num_workers))
-        if loaded is not None:  # last: creating the data iterators above draws from the RNG
-            loaded.restore_rng(self.state)
-        self.logs_here = dims.is_last_stage and dims.tp_rank == 0 and dims.dp_rank == 0 and dims.cp_rank == 0
-        # A resumed run appends to its metrics file, so that a restarted job keeps the earlier records.
-        self.logger = MetricsLogger(t, self.logs_here, cfg.to_dict(), start_iteration=self.iteration)
-        self.flops_per_token = flops_per_token(m, t.seq_length)  # active parameters of an MoE model
-        self.peak_tflops = device_peak_tflops(device)
-        self.host_syncs = HostSyncCounter(device)
-        self.profiler = StepProfiler(dims.rank, profile=t.profile, step_start=t.profile_step_start,
-                                     step_end=t.profile_step_end, ranks=t.profile_ranks,
-                                     trace_dir=default_trace_dir(t.tensorboard_dir),
-                                     record_memory_history=t.record_memory_history,
-                                     memory_snapshot_path=t.memory_snapshot_path, snapshot_interval=t.log_interval,
-                                     is_last_rank=dims.rank == dims.world_size - 1, device=device)
-        self.watchdog = None  # started by train(): --hang-detection-factor
-        self.stragglers = StragglerLog(dims, t.straggler_minmax_count) if t.log_straggler else None
-        if t.logging_level is not None:  # --logging-level: Python logging (libraries' messages)
-            logging.getLogger().setLevel(t.logging_level)
+                workers))
 
     def _next_batches(self, it, num_microbatches: int) -> List[Dict[str, torch.Tensor]]:
         """This rank's micro-batches: under context parallelism, its zigzag chunks of each sample."""
@@ -244,35 +189,12 @@ class Trainer:
             device=self.device, params_dtype=params_dtype(self.cfg), compile=t.compile,
             chunk_setting=t.cross_entropy_chunk_size, vocab_per_rank=self.cfg.model.padded_vocab_size(dims.tp) // dims.tp,
             normalization=self.cfg.model.normalization, fused_adamw=fused_adamw_available(self.device.type)))
-        if isinstance(self.gemm, Float8GemmPath):
-            self.logger.info("> fp8: " + self.gemm.describe(params_dtype(self.cfg), self.cfg.model.moe_layers(),
-                                                                self.cfg.model.multi_latent_attention))
-        if self.cfg.training.transformer_impl == "transformer_engine":
-            t = self.cfg.training
-            self.logger.info("> transformer impl: Transformer Engine's LayerNormLinear / Linear / DotProductAttention"
-                             + (f"; fp8: TE {t.fp8_recipe} recipe ({t.fp8_format}); output layer in "
-                                f"{params_dtype(self.cfg)}" if t.fp8_format else ""))
         self.logger.info("> memory on this rank: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in mem.items()))
-        spill = self.optimizer.spill
-        if spill is not None:
-            self.logger.info(f"> optimizer state on NVMe: {spill.path} ({spill.file_bytes / 2**20:.1f} MiB, "
-                             f"{'O_DIRECT' if spill.direct else 'buffered + fdatasync'}); held in memory: two "
-                             f"staging buffers of {spill.staging_bytes / 2 / 2**20:.1f} MiB")
-        params = self.optimizer.sync.param_spill
-        if params is not None:
-            self.logger.info(f"> parameter shards on NVMe: {params.path} ({params.file_bytes / 2**20:.1f} MiB, "
-                             f"{'O_DIRECT' if params.direct else 'buffered + fdatasync'}); held in memory: two "
-                             f"staging buffers of {params.staging_bytes / 2 / 2**20:.1f} MiB")
-        printed = len(self.profiler.notes)
-        for note in self.profiler.notes:
-            self.logger.info(f"> {note}")
-        if t.manual_gc:  # Megatron's --manual-gc: no automatic collections (and their stalls) mid-step
-            gc.disable()
-            gc.collect()
+        offloads = (self.optimizer.placement.describe(), self.grad_sync.param_home.describe())
+        for line in [line for line in offloads if line] + self.features.start_lines():
+            self.logger.info(f"> {line}")
         first = self.iteration == 0  # a fresh run's first record holds this rank's memory
-        if t.hang_detection_factor:  # the dump goes next to the checkpoints (the job's directory)
-            self.watchdog = HangWatchdog(t.hang_detection_factor, t.hang_detection_warmup_steps, t.save or os.getcwd(),
-                                         dims.rank)
+        self.features.train_started()
         try:
             while self.iteration < t.train_iters:
                 clock = time.perf_counter()
@@ -283,19 +205,11 @@ class Trainer:
                 history.append(rec)
                 self.logger.log(rec, console=self.iteration % t.log_interval == 0
                                 or self.iteration in (1, t.train_iters))
-                if t.manual_gc and t.manual_gc_interval and self.iteration % t.manual_gc_interval == 0:
-                    gc.collect()
                 if self.checkpointing.after_iteration(self.state):  # saves when due; True: an exit condition fired
                     break
         finally:
-            if t.manual_gc:
-                gc.enable()
-            if self.watchdog is not None:
-                self.watchdog.close()
-        self.grad_sync.wait_param_gather()  # in-flight gathers end inside a trace cut short by the end
-        self.profiler.close()
-        for note in self.profiler.notes[printed:]:  # each tracing rank says where its trace is
-            print(f"> rank {dims.rank}: {note}", flush=True)
+            self.features.close()
+        self.features.train_finished()
         self.checkpointing.at_end(self.state)
         self.grad_sync.wait_param_gather()  # --overlap-param-gather: the last step's params
         self.logger.close()
@@ -306,18 +220,12 @@ class Trainer:
         t, dims = self.cfg.training, self.dims
         self.checkpointing.poll()  # commit a background save every rank has finished
         self.iteration += 1
-        if self.profiler.starts_or_stops(self.iteration, at_start=True):
-            self.grad_sync.wait_param_gather()  # --overlap-param-gather's collectives end outside the trace
-        self.profiler.on_step_start(self.iteration)
+        self.features.step_started(self.iteration)
         gbs = self.batch_schedule.running_global_batch_size(self.consumed_samples)
         num_microbatches = gbs // (t.micro_batch_size * dims.dp)
         tokens_per_step = gbs * t.seq_length
         lrs, weight_decay = self.lr_schedule.lrs(), self.lr_schedule.weight_decay()
-        if dims.comm_counter is not None:
-            dims.comm_counter.reset()  # count this step's traffic only
         start, blocked = time.perf_counter(), dims.comm.blocked_s
-        if self.watchdog is not None:
-            self.watchdog.step_started(self.iteration)
         batches = self._next_batches(self.train_iter, num_microbatches)
         fetched = backward = time.perf_counter()
         norm = LossNormalization(t.calculate_per_token_loss, num_microbatches, self.optimizer.loss_scale,
@@ -343,25 +251,17 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         step_time = time.perf_counter() - start
-        if self.watchdog is not None:
-            self.watchdog.step_ended()
-        if self.stragglers is not None:
-            self.stragglers.add(self.iteration, data=fetched - start, fwd_bwd=backward - fetched,
-                                optimizer=start + step_time - backward, blocked=dims.comm.blocked_s - blocked)
+        self.features.step_ended(self.iteration, dict(data=fetched - start, fwd_bwd=backward - fetched,
+                                                      optimizer=start + step_time - backward,
+                                                      blocked=dims.comm.blocked_s - blocked))
         if out["update_successful"]:
             self.lr_schedule.step(gbs)  # the schedule advances by the samples of the update
             self.hooks.after_update()
         self.consumed_samples += gbs
-        if self.profiler.starts_or_stops(self.iteration, at_start=False):
-            self.grad_sync.wait_param_gather()  # ... and inside it
-        self.profiler.on_step_end(self.iteration)
         model_metrics = self.hooks.metrics()  # collective
         rec = self._record(out, lrs[DEFAULT_GROUP], step_time, tokens_per_step, gbs, mem, model_metrics)
-        if self.stragglers is not None and self.stragglers.pending and (self.iteration % t.log_interval == 0
-                                                                        or self.iteration == t.train_iters):
-            rec["stragglers"] = self.stragglers.gather(self.iteration, self.device)  # collective
-            rec["straggler_max_ratio"] = rec["stragglers"]["slowest"][0]["ratio"]
-            self.logger.info(straggler_line(rec["stragglers"]))
+        for line in self.features.record(self.iteration, rec):  # (collectives: every rank calls it)
+            self.logger.info(line)
         if self.valid_iter is not None and (self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters):
             rec["val_lm_loss"] = self.evaluate()
             self.consumed_valid_samples += t.eval_iters * t.global_batch_size
@@ -408,7 +308,5 @@ class Trainer:
         if mem is not None:
             rec.update(mem)
         rec.update(self.host_syncs.fields())
-        if self.cfg.training.log_comm_volume:
-            rec["comm_bytes"] = self.dims.comm_counter.reset()
         rec.update(model_metrics)  # from the model's step hooks (MoE: router statistics)
         return rec

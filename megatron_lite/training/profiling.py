@@ -57,8 +57,33 @@ class StepProfiler:
         self._prof = None
         self._range = None
         self._traced: List[int] = []
+        self.wait_param_gather, self.printed = (lambda: None), 0  # (the trainer's, once attached)
         if record_memory_history:
             self._start_memory_history()
+
+    # --- the trainer's feature hooks (features.py) -------------------------------------------------
+    def attached(self, trainer) -> None:
+        self.wait_param_gather = trainer.grad_sync.wait_param_gather
+
+    def start_lines(self) -> List[str]:
+        self.printed = len(self.notes)
+        return list(self.notes)
+
+    def step_started(self, step: int) -> None:
+        if self.starts_or_stops(step, at_start=True):
+            self.wait_param_gather()  # --overlap-param-gather's collectives end outside the trace
+        self.on_step_start(step)
+
+    def step_ended(self, step: int, phases=None) -> None:
+        if self.starts_or_stops(step, at_start=False):
+            self.wait_param_gather()  # ... and inside it
+        self.on_step_end(step)
+
+    def train_finished(self) -> None:
+        self.wait_param_gather()  # in-flight gathers end inside a trace cut short by the end
+        self.close()
+        for note in self.notes[self.printed:]:  # each tracing rank says where its trace is
+            print(f"> rank {self.rank}: {note}", flush=True)
 
     # --- the loop's calls ---------------------------------------------------------------------
     def starts_or_stops(self, step: int, at_start: bool) -> bool:

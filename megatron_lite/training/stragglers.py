@@ -15,7 +15,7 @@ differ from rank to rank and say nothing about stragglers.
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -24,8 +24,10 @@ LABELS = {"data": "data", "fwd_bwd": "forward-backward", "optimizer": "optimizer
 
 
 class StragglerLog:
-    def __init__(self, dims, count: int):
-        self.dims, self.count = dims, count
+    """With `every` (--log-interval) and `last` (--train-iters), the trainer's feature (features.py)."""
+
+    def __init__(self, dims, count: int, every: int = 1, last: int = 0, device=None):
+        self.dims, self.count, self.every, self.last, self.device = dims, count, every, last, device
         self._sums = torch.zeros(len(PARTS), dtype=torch.float64)
         self._steps, self._first = 0, None
         self._warm = False  # the process's first step has been seen (and left out)
@@ -38,6 +40,17 @@ class StragglerLog:
         self._sums += torch.tensor([seconds[p] for p in PARTS], dtype=torch.float64)
         self._steps += 1
         self._first = iteration if self._first is None else self._first
+
+    def step_ended(self, iteration: int, phases: Dict[str, float]) -> None:
+        self.add(iteration, **phases)
+
+    def record(self, iteration: int, rec: dict) -> Optional[str]:
+        """Every `every` steps and at the last, the report in the record (a collective); its line."""
+        if self.pending and (iteration % self.every == 0 or iteration == self.last):
+            rec["stragglers"] = self.gather(iteration, self.device)
+            rec["straggler_max_ratio"] = rec["stragglers"]["slowest"][0]["ratio"]
+            return line(rec["stragglers"])
+        return None
 
     @property
     def pending(self) -> bool:

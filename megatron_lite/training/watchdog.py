@@ -27,19 +27,22 @@ class HangWatchdog:
         self._step: Optional[tuple] = None  # (iteration, start) of the step running now
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
+
+    def train_started(self) -> None:  # (the trainer's feature hooks, features.py)
         self._thread.start()
 
     def step_started(self, iteration: int) -> None:
         self._step = (iteration, time.monotonic())
 
-    def step_ended(self) -> None:
+    def step_ended(self, iteration: Optional[int] = None, phases=None) -> None:
         step, self._step = self._step, None
         if step is not None:
             bisect.insort(self._times, time.monotonic() - step[1])
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
 
     def _median(self) -> Optional[float]:
         times = self._times

@@ -4,7 +4,7 @@ A `TransformerLayerSpec` names the constructor of each submodule (norms, self-at
 attention, the MLP slot), in the manner of Megatron-Core's ModuleSpec but as a plain dataclass.
 Every constructor is called as `ctor(cfg, ctx, layer_number)`; the self-attention constructor also
 gets `core_attention=` (a constructor of the same kind). A model picks a spec per layer: standard
-attention (or, next, MLA: what that slot's module provides is in attention.py), a dense MLP or an
+attention or MLA (mla.py; what any module of that slot provides is in attention.py), a dense MLP or an
 MoE layer, local SDPA / flash-attn / a context-parallel wrapper as the core attention.
 
 `BuildContext` carries what every layer needs besides the model config, explicitly: the layout,

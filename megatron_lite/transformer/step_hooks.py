@@ -1,8 +1,9 @@
 """ModelHooks: what a model does around each training step besides its forward and backward.
 
-Parts of a model with per-step state (MoE; next, multi-token prediction, FP8 scales) register one
-object each while it is built (`BuildContext.hooks`), in the same order on every rank; the trainer
-calls them all on every rank and knows none of them:
+Parts with per-step state register one object each, in the same order on every rank: the model's
+while it is built (`BuildContext.hooks`: MoE's load balancing), the trainer's after (`add`: delayed
+FP8 scaling's amax history, QK-Clip); multi-token prediction needs none (its loss goes through the
+step's LossNormalization). The trainer calls them all on every rank and knows none of them:
   before_step(iteration)  before the step's first forward
   after_update()          after an optimizer update that was applied (not skipped)
   metrics() -> dict       collective, once per step: fields for the step's record
@@ -29,7 +30,7 @@ class ModelHooks:
         return self.parts[kind]
 
     def add(self, part) -> None:
-        """A part built outside the model (the FP8 recipe state of the GEMM path)."""
+        """A part built outside the model (the trainer's: delayed FP8 scaling's state, QK-Clip)."""
         assert type(part) not in self.parts, type(part)
         self.parts[type(part)] = part
 
