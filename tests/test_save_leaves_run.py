@@ -1,6 +1,7 @@
 """Saving a checkpoint leaves the run that saves bit-identical to one that does not, with the
 optimizers whose state includes compression errors (optim/feedback_state.py); resuming from it
-continues bit-exactly too, and the folded residual still loads at another DP size."""
+continues bit-exactly too (0/1 Adam's local steps pending at the save included), and the folded
+residual still loads at another DP size."""
 import pytest
 import torch
 
@@ -28,7 +29,8 @@ def _assert_identical(a, b):
     assert a[1].keys() == b[1].keys() and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
 
 
-SLOW = {"qgZ", "fp8 gradients"}  # (the default suite keeps the two optimizers; ~15 s each here under load)
+# (the default suite keeps 1-bit Adam, and 0/1 Adam by the pending case below, the harder one)
+SLOW = {"qgZ", "fp8 gradients", "0/1 Adam"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CASES])
@@ -48,3 +50,20 @@ def test_a_resume_continues_bit_exactly_as_the_run_that_did_not_save(tmp_path):
     first = losses_of(run_distributed(train_in_process, 2, argv + ["--save", ckpt, "--exit-interval", "3"]))
     resumed = _run(argv + ["--save", ckpt, "--load", ckpt])
     _assert_identical((first + resumed[0], resumed[1]), plain)
+
+
+# local steps from 2, synchronised at 2 and 4 (the interval 1, 2, 4, ...): step 3 is pending at the save
+PENDING = RUN + ["--optimizer", "adam-01", "--var-freeze-step", "1", "--var-update-scaler", "1",
+                 "--local-step-scaler", "1", "--local-step-clipper", "4"]
+
+
+def test_a_save_with_local_steps_pending_leaves_the_run_and_resumes_bit_exactly(tmp_path):
+    """0/1 Adam DP2 saved at 3, whose local step is not yet synchronised: the run that saves is
+    the run that does not, bit for bit (the checkpoint's synchronised state is computed on
+    copies); resumed from that checkpoint at the same layout, each rank takes back its own params,
+    momentum, anchor, LR sums and errors, and the sync at 4 and the rest are the same again."""
+    plain = _run(PENDING)
+    saving = _run(PENDING + ["--save", str(tmp_path / "a"), "--save-interval", "3"])
+    _assert_identical(saving, plain)
+    resumed = _run(PENDING + ["--load", str(tmp_path / "a" / "iter_0000003")])
+    _assert_identical((plain[0][:3] + resumed[0], resumed[1]), plain)

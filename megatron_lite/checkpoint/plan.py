@@ -25,6 +25,7 @@ from typing import Dict, Iterator, List, NamedTuple, Tuple
 
 import torch
 
+from ..optim.distributed_optimizer import CHECKPOINT_PARAMS
 from ..parallel.data_parallel import Bucket
 from ..parallel.sharding import ShardSpec, counts_in_norm, spec_of, stored_name
 from ..parallel.state import ParallelDims
@@ -84,10 +85,14 @@ def fill_range(bucket: Bucket) -> Tuple[int, int]:
 
 def bucket_sources(optimizer, for_loading: bool = False) -> Iterator[Tuple[Bucket, Dict[str, Tuple[torch.Tensor, int]]]]:
     """Per bucket: stored kind ('model' or an optimizer state) -> (flat tensor, bucket position of
-    its element 0). Optimizer states are fp32 (copies of low-precision ones: `for_loading` keeps
-    them for the optimizer's commit_loaded_state())."""
+    its element 0); the params are the optimizer's substitute when it gives one (a save with 0/1
+    Adam's local steps pending: their synchronised copy). Optimizer states are fp32 (copies of
+    low-precision ones: `for_loading` keeps them for the optimizer's commit_loaded_state())."""
     for bucket, states in optimizer.shard_tensors(for_loading):
-        if bucket.param_data is not None:
+        params = states.pop(CHECKPOINT_PARAMS, None)  # (saving: the rule's substitute over the shard)
+        if params is not None:
+            sources = {MODEL: (params, bucket.shard_lo)}
+        elif bucket.param_data is not None:
             sources = {MODEL: (bucket.param_data, 0)}
         else:  # ZeRO-3: the shard is all there is
             sources = {MODEL: (bucket.param_shard_for_checkpoint(for_loading), bucket.shard_lo)}

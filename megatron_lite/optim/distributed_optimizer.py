@@ -45,6 +45,8 @@ from .precision import OptimizerPrecision, StateStorage
 from .state_store import DeviceStore, held_bytes, place_state
 
 _NORM_SLICE = 1 << 18  # elements per float64 slice of the gradient norm
+# shard_tensors()'s entry for params a checkpoint holds instead of the live ones (0/1 Adam's synchronised copy)
+CHECKPOINT_PARAMS = "params"
 
 
 def no_weight_decay(name: str, ndim: int, decay_qk_norms: bool = False) -> bool:
@@ -421,7 +423,8 @@ class DistributedOptimizer:
         when the main params are a separate copy of low-precision params (else they are the params;
         an offloaded shard's host copy of fp32 params is stored too), and with --grad-comm-dtype or
         --optimizer adam-1bit the compression residual (compression.py, onebit_adam.py; saving
-        folds every rank's errors into it, a collective). Read them, or fill them
+        folds every rank's errors into it, a collective); when saving, a rule's checkpointed_instead()
+        states (0/1 Adam's synchronised copies, CHECKPOINT_PARAMS for the params). Read them, or fill them
         in place: states kept in low precision come as fp32 copies, which `for_loading` keeps
         until `commit_loaded_state()` stores them."""
         out = []
@@ -435,6 +438,8 @@ class DistributedOptimizer:
             s.staged = tensors if staged else None
             for h in feedback:  # compression's error feedback (collective when saving)
                 tensors[h.residual_name] = (h.residual_for_loading if for_loading else h.fold_for_checkpoint)(s.bucket)
+            if not for_loading and hasattr(self.rule, "checkpointed_instead"):  # 0/1 Adam's pending local steps
+                tensors.update(self.rule.checkpointed_instead(s))
             out.append((s.bucket, tensors))
         return out
 

@@ -36,25 +36,27 @@ Where we differ from DeepSpeed, and why:
   zero momentum and move by weight decay only, as 1-bit Adam's momentum mask.
 With one DP rank nothing is compressed (DeepSpeed's too), and the momentum is still reset at T_u.
 
-Checkpoints: saving first synchronises every bucket that has local updates pending (so params, m
-and the anchor are the same on every rank, and the LR sums are 0), then stores the errors as 1-bit
-Adam does (each rank's own, and their mean in `exp_avg_residual`; neither changes them): a resumed
-run continues exactly as the run that saved and went on, and a save at a synchronised step leaves
-the run bit-identical to one that does not save (one with local updates pending synchronises them
-early). Loaded at another DP
-size each rank takes the residual as its worker error; at DP1 it is added once to the next
-averaged tensor, as the next compressed all-reduce would add it. The intervals are functions of
+Checkpoints: a save never changes the running job (bit for bit the run that does not save). Where
+local updates are pending, the checkpoint's params, m (and main params) are their synchronisation
+computed on copies (of the params, m, the anchor and the errors; the same on every rank), and its
+`exp_avg_residual` the mean of the errors after it; each rank's own state is stored beside
+(optim/feedback_state.py: its errors, and with updates pending its main params, m, anchor, LR sums
+and step). A load at the same layout restores each rank's own and continues bit-exactly; loaded at
+another DP size the synchronised state is what every rank starts from, each taking the residual as
+its worker error; at DP1 it is added once to the next averaged tensor, as the next compressed
+all-reduce would add it. The intervals are functions of
 the step count, which the checkpoint holds.
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from ..parallel.comm import Communicator
 from .adam import AdamW
+from .distributed_optimizer import CHECKPOINT_PARAMS
 from .onebit_adam import OneBitAdam, decay_and_step_
 
 
@@ -86,7 +88,8 @@ class ZeroOneAdam(OneBitAdam):
         self.local_step_clipper = local_step_clipper
         self.anchor: Dict[int, torch.Tensor] = {}  # per bucket: the params as last synchronised (decayed)
         self.lrs: Dict[int, Dict[str, float]] = {}  # per bucket and LR group: the LRs summed since then
-        self.shards: Dict[int, object] = {}  # per bucket: its shard state (a save synchronises it)
+        self.shards: Dict[int, object] = {}  # per bucket: its shard state (a save synchronises a copy)
+        self.synced: Dict[int, Dict[str, torch.Tensor]] = {}  # per bucket, during a save: the copies synchronised
         self.step = 0
 
     # --- the schedule (a function of the step: the checkpoint's update count restores it) ---------
@@ -166,33 +169,85 @@ class ZeroOneAdam(OneBitAdam):
             self.exchange.server.pop(b.index, None)
         return x
 
-    def _synchronise(self, s, step: int) -> None:
+    def _live(self, s) -> Dict[str, torch.Tensor]:
+        """Shard s's tensors that local steps make differ between ranks: main params, m, the anchor."""
+        t = s.store.tensors
+        return {"main": t["main"], "exp_avg": t["exp_avg"], "anchor": self.anchor[s.bucket.index]}
+
+    def _synchronise(self, s, step: int, state: Optional[Dict[str, torch.Tensor]] = None,
+                     lrs: Optional[Dict[str, float]] = None) -> None:
         """The params and the anchor := anchor - mean(anchor - params) on every rank; m := that mean
-        x denom / (sum of the LRs), bias-corrected as m is."""
-        b, t = s.bucket, s.store.tensors
-        m, v, main, anchor = t["exp_avg"], t["exp_avg_sq"], t["main"], self.anchor[b.index]
+        x denom / (sum of the LRs), bias-corrected as m is. On `state` (as _live() names them) and
+        `lrs` when given (a save's copies), else on the live ones."""
+        b = s.bucket
+        state, lrs = state or self._live(s), self.lrs[b.index] if lrs is None else lrs
+        m, main, anchor, v = state["exp_avg"], state["main"], state["anchor"], s.store.tensors["exp_avg_sq"]
         denom, dead = self._denominator(v), v == 0
         moved = self._average(b, anchor - main, dead).masked_fill_(dead, 0.0)
         anchor.sub_(moved)
         main.copy_(anchor)
         u = moved.mul_(denom)
-        lrs = self.lrs[b.index]
         for group, lo, hi in s.lr_runs:
             if lrs[group] > 0:  # (else nothing moved: m stays)
                 m[lo:hi] = u[lo:hi] * ((1.0 - self.adam.hyper[0] ** step) / lrs[group])
         for group in lrs:
             lrs[group] = 0.0
 
+    def _pending(self, b) -> bool:
+        """Whether bucket b has local updates not yet synchronised (the same answer on every rank)."""
+        return any(self.lrs.get(b.index, {}).values())
+
     # --- checkpoints -----------------------------------------------------------------------------
     def fold_for_checkpoint(self, b) -> torch.Tensor:
-        """Collective: synchronise local updates still pending (the same decision on every rank:
-        the LR sums are), publish the params, then 1-bit Adam's fold of the errors."""
-        if any(self.lrs.get(b.index, {}).values()):
-            s = self.shards[b.index]
-            self._synchronise(s, self.step)
-            if s.owns_main:
-                s.store.publish(b.param_shard_view(), s.store.tensors["main"])
-        return super().fold_for_checkpoint(b)
+        """Collective: 1-bit Adam's fold of the errors. With local updates pending, first their
+        synchronisation on copies of the main params, m, the anchor and the errors: the checkpoint
+        holds that state (checkpointed_instead(); what a load at any layout starts from) and the
+        errors' mean after it, while the running job keeps its own, unchanged."""
+        if not self._pending(b):
+            return super().fold_for_checkpoint(b)
+        s = self.shards[b.index]
+        self.apply_loaded(b)
+        kept = self.exchange.own_errors(b.index)  # (copies: the synchronisation changes the live errors)
+        copies = {name: t.clone() for name, t in self._live(s).items()}
+        self._synchronise(s, self.step, copies, dict(self.lrs[b.index]))
+        residual = super().fold_for_checkpoint(b)
+        self.exchange.restore_errors(b.index, kept)
+        self.synced[b.index] = copies
+        return residual
+
+    def checkpointed_instead(self, s) -> Dict[str, torch.Tensor]:
+        """After fold_for_checkpoint(): what the checkpoint holds instead of shard s's live params
+        (CHECKPOINT_PARAMS), main params and m: their synchronised copies (none when nothing was pending)."""
+        copies = self.synced.pop(s.bucket.index, None)
+        if copies is None:
+            return {}
+        out = {"exp_avg": copies["exp_avg"], CHECKPOINT_PARAMS: copies["main"].to(s.bucket.param_shard_view().dtype)}
+        if s.owns_main:
+            out["main"] = copies["main"]
+        return out
+
+    def own_local_state(self, s) -> Dict[str, torch.Tensor]:
+        """Copies of shard s's state of local updates pending, this rank's own (none pending:
+        nothing): main params, m, the anchor, the LR sums (by sorted group) and the step."""
+        b = s.bucket
+        if not self._pending(b):
+            return {}
+        out = {name: t.clone() for name, t in self._live(s).items()}
+        out["lrs"] = torch.tensor([self.lrs[b.index][g] for g in sorted(s.groups)], dtype=torch.float64)
+        out["step"] = torch.tensor([self.step], dtype=torch.int64)
+        return out
+
+    def restore_local_state(self, s, saved: Dict[str, torch.Tensor]) -> None:
+        """At the writing layout, after a load filled the synchronised state: this rank's own, as
+        own_local_state() gave it; the params follow the main params."""
+        b, t = s.bucket, s.store.tensors
+        t["main"].copy_(saved["main"])
+        t["exp_avg"].copy_(saved["exp_avg"])
+        if s.owns_main:
+            s.store.publish(b.param_shard_view(), t["main"])
+        self.anchor[b.index] = saved["anchor"].clone()
+        self.lrs[b.index] = dict(zip(sorted(s.groups), saved["lrs"].tolist()))
+        self.shards[b.index], self.step = s, int(saved["step"][0])
 
     def residual_for_loading(self, b) -> torch.Tensor:
         """As 1-bit Adam's; the anchor is taken again from the loaded params at the next local step."""
