@@ -1,5 +1,6 @@
 """Flags that only mean something with a partner flag, and values that cannot train, checked from
-tables before any work starts (`Config.validate` calls `check_values` first and `check` last).
+tables before any work starts (`Config.validate` calls `check_values` first and `check` last; `cfg`
+is always the run's megatron_lite.config.Config, not imported here: config.py imports this module).
 
 The partner table is keyed by the prefix of a field's one-line doc ("YaRN: ...", "with
 --cpu-offloading: ...") or by a field name: every field whose doc starts with a listed prefix is
@@ -15,16 +16,14 @@ import os
 import re
 import tempfile
 from dataclasses import MISSING, fields
-from typing import TYPE_CHECKING, Callable, Dict, Iterator, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, Iterator, NamedTuple, Optional, Tuple
 
 from .errors import ConfigError
 
-if TYPE_CHECKING:
-    from .config import Config
 
 
 class Partner(NamedTuple):
-    on: Callable[["Config"], bool]  # is the partner given?
+    on: Callable[[object], bool]  # is the partner given?
     needs: str  # what to add, as the error line says it
 
 
@@ -104,7 +103,7 @@ def doc_prefix(help_text: str) -> Optional[str]:
     return m.group(1) if m else None
 
 
-def _sections(cfg: "Config") -> Iterator[object]:
+def _sections(cfg) -> Iterator[object]:
     yield from (cfg.model, cfg.parallel, cfg.training, cfg.data)
     if cfg.model.moe is not None:
         yield cfg.model.moe
@@ -127,7 +126,7 @@ def _given(section) -> Iterator[Tuple[object, object]]:
             yield f, value
 
 
-def check_partners(cfg: "Config") -> None:
+def check_partners(cfg) -> None:
     for section in _sections(cfg):
         for f, value in _given(section):
             key = f.name if f.name in PARTNERS else doc_prefix(f.metadata.get("help", ""))
@@ -143,7 +142,7 @@ AT_LEAST_ONE = ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_
 PATHS = ("save", "load", "metrics_file", "tensorboard_dir", "wandb_save_dir", "memory_snapshot_path")
 
 
-def check_values(cfg: "Config") -> None:
+def check_values(cfg) -> None:
     """Every float finite (a NaN or inf reaches the loss at the first step), and the fields whose
     only meaningful values are positive."""
     for section in _sections(cfg):
@@ -205,7 +204,7 @@ def installed(module: str) -> bool:
         return False
 
 
-def check_outputs(cfg: "Config") -> None:
+def check_outputs(cfg) -> None:
     """The files and packages the run's outputs need, before the model is built."""
     t = cfg.training
     if t.metrics_file:
@@ -223,7 +222,7 @@ def check_outputs(cfg: "Config") -> None:
             writable_dir(directory, "--wandb-save-dir" if module == "wandb" else flag)
 
 
-def check(cfg: "Config") -> None:
+def check(cfg) -> None:
     """Config.validate's last step (check_values is its first)."""
     check_partners(cfg)
     check_outputs(cfg)

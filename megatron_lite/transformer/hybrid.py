@@ -7,12 +7,10 @@ and layout strings count each layer whatever its kind.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional
+from typing import List, Optional
 
 from ..errors import ConfigError
 
-if TYPE_CHECKING:
-    from ..config import Config
 
 MAMBA, ATTENTION, MLP, MOE = "M", "*", "-", "E"
 SYMBOLS = {MAMBA: "Mamba-2", ATTENTION: "attention", MLP: "MLP", MOE: "MoE"}
@@ -33,7 +31,7 @@ def layer_types(pattern: Optional[str], num_layers: int) -> Optional[List[str]]:
     return list(pattern)
 
 
-def validate_hybrid(cfg: "Config") -> None:
+def validate_hybrid(cfg) -> None:
     """The Mamba / hybrid flags against each other and the layout: one line per problem."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
     types = layer_types(m.hybrid_override_pattern, m.num_layers) or []

@@ -10,9 +10,19 @@ from .gated_delta_net import GatedDeltaNet, KimiDeltaAttention
 from .hybrid import MAMBA, MIXERS, layer_types
 from .mamba import MambaMixer
 from .mixer_pattern import FULL_ATTENTION, layer_mixer
-from .mla import self_attention_class
+from .attention import SelfAttention
+from .dsa import DSASelfAttention
+from .mla import MLASelfAttention
 
 LINEAR_MIXERS = {"gated_delta_net": GatedDeltaNet, "kda": KimiDeltaAttention}
+
+
+def self_attention_class(cfg):
+    """The softmax attention module of a layer's slot: MLA with --multi-latent-attention (DSA's with
+    --experimental-attention-variant dsa), else standard."""
+    if getattr(cfg, "experimental_attention_variant", None) == "dsa":
+        return DSASelfAttention
+    return MLASelfAttention if getattr(cfg, "multi_latent_attention", False) else SelfAttention
 
 
 def _hybrid_letter(cfg, layer_number: int) -> Optional[str]:

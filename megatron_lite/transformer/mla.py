@@ -251,12 +251,3 @@ class MLASelfAttention(nn.Module):
         kept = 2 * latents + (0 if mb.recomputes("mla_up_proj") else local * (2 * d + dv) + local * (d + dv))
         kept = mb.a * kept + (0 if mb.recomputes("core_attn") else 4 * local)
         return weights(n, act_bytes=kept * mb.tokens) + Counts(flops=core, core_flops=core)
-
-
-def self_attention_class(cfg):
-    """The module of a layer's self-attention slot: MLA with --multi-latent-attention (DSA's with
-    --experimental-attention-variant dsa), else standard."""
-    if getattr(cfg, "experimental_attention_variant", None) == "dsa":
-        from .dsa import DSASelfAttention  # (dsa.py builds on this module)
-        return DSASelfAttention
-    return MLASelfAttention if getattr(cfg, "multi_latent_attention", False) else SelfAttention
