@@ -1,5 +1,8 @@
-"""The fake-CUDA dry run (tools/fake_cuda.py, tools/fake_cuda_dry_run.py): CUDA's operator rules
-are enforced without a GPU, the FP8 GEMMs pass them, and nothing stays patched afterwards."""
+"""The fake-CUDA dry run (tools/fake_cuda.py, tools/fake_cuda_dry_run.py): one training step with
+--device cuda completes without a GPU for bf16 and each FP8 recipe, CUDA's operator rules are
+enforced (so the dry run catches their violations), and nothing stays patched afterwards."""
+import os
+
 import pytest
 import torch
 
@@ -8,10 +11,15 @@ from tools.fake_backward import backward as python_backward
 from tools.fake_cuda import fake_cuda
 from tools.fake_cuda_dry_run import RECIPES, dry_run, main
 
-SMALL = dict(tokens=256, hidden=128, ffn=256)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _fp8_pair(b_column_major: bool):
+@pytest.fixture(autouse=True)
+def _single_rank(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+
+
+def _scaled_mm(b_column_major: bool):
     a = torch.empty(32, 64, device="cuda", dtype=torch.float8_e4m3fn)
     b = torch.empty(64, 48, device="cuda", dtype=torch.float8_e4m3fn)
     if b_column_major:
@@ -22,50 +30,75 @@ def _fp8_pair(b_column_major: bool):
 
 def test_scaled_mm_rules_are_enforced_under_the_dry_run():
     with fake_cuda():
-        out = _fp8_pair(b_column_major=True)
+        out = _scaled_mm(b_column_major=True)
         assert out.shape == (32, 48) and out.is_cuda and out.dtype == torch.bfloat16
-        with pytest.raises(RuntimeError, match="column_major|col_major|column-major|row_major"):
-            _fp8_pair(b_column_major=False)  # the mistake the dry run exists to catch
-        a = torch.empty(30, 64, device="cuda", dtype=torch.float8_e4m3fn)  # not a multiple of 16
-        b = torch.empty(48, 64, device="cuda", dtype=torch.float8_e4m3fn).t()
-        one = torch.ones((), device="cuda")
-        with pytest.raises(RuntimeError):
-            torch._scaled_mm(a.t().contiguous().t()[:, :62], b[:62], scale_a=one, scale_b=one,
+        with pytest.raises(RuntimeError, match="column_major|col_major|column-major"):
+            _scaled_mm(b_column_major=False)  # the mistake the dry run exists to catch
+        with pytest.raises(RuntimeError, match="row_major"):  # a column-major left operand
+            torch._scaled_mm(torch.empty(64, 32, device="cuda", dtype=torch.float8_e4m3fn).t(),
+                             torch.empty(48, 64, device="cuda", dtype=torch.float8_e4m3fn).t(),
+                             scale_a=torch.ones((), device="cuda"), scale_b=torch.ones((), device="cuda"),
                              out_dtype=torch.bfloat16)
 
 
-def test_every_recipe_passes_the_dry_run():
-    """Forward, input and weight gradient of each GEMM of a layer, for bf16 and each FP8 recipe. The
-    weight gradient's left operand (a transposed gradient) was refused before fp8.scaled_mm made it
-    row-major."""
-    results = dry_run(RECIPES, **SMALL)
-    assert results == {r: [] for r in RECIPES}
+def test_one_training_step_per_recipe_completes_under_fake_cuda():
+    """Forward, backward and optimizer step of a model with multi-latent attention, bf16 and every
+    FP8 recipe. (FP8's weight gradient was refused on CUDA before fp8.scaled_mm made its left
+    operand row-major.)"""
+    recorder = BranchRecorder(os.path.join(ROOT, "megatron_lite"))
+    results = dry_run(["mla-tiny"], RECIPES, recorder=recorder)
+    assert results == {("mla-tiny", r): [] for r in RECIPES}
+    reached = {(os.path.relpath(f, ROOT), n) for f, n in recorder.reached}
+    assert any(f == os.path.join("megatron_lite", "parallel", "fp8.py") for f, _ in reached)  # the CUDA GEMM
+    assert any(f.endswith(os.path.join("parallel", "random.py")) for f, _ in reached)  # the CUDA RNG tracker
+    assert recorder.not_reached()  # TE, flash-attn, NCCL start-up, ... are listed too
 
 
-def test_the_dry_run_reports_a_column_major_left_operand(monkeypatch):
-    """The weight-gradient bug as it was: the dry run names it (so it would catch it again)."""
+def test_the_dry_run_names_a_column_major_left_operand(monkeypatch):
+    """The weight-gradient bug as it was: the step fails and the finding names it."""
     import megatron_lite.parallel.fp8 as fp8
 
     def old_scaled_mm(qa, qb, sa, sb, out_dtype):
+        if qa.device.type == "cpu":
+            return ((qa.float() * sa) @ (qb.float() * sb)).to(out_dtype)
         return torch._scaled_mm(qa, qb.t().contiguous().t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
 
     monkeypatch.setattr(fp8, "scaled_mm", old_scaled_mm)
-    findings = dry_run(["tensorwise"], **SMALL)["tensorwise"]
-    assert findings and all("weight_grad" in f and "row_major" in f for f in findings)
-    assert len(findings) == 4  # qkv, proj, fc1, fc2
+    [finding] = dry_run(["mla-tiny"], ["tensorwise"])[("mla-tiny", "tensorwise")]
+    assert "row_major" in finding
+
+
+@pytest.mark.slow
+def test_the_1p3b_step_completes_under_fake_cuda():
+    assert dry_run(["llama-1.3b"], RECIPES) == {("llama-1.3b", r): [] for r in RECIPES}
 
 
 def test_nothing_stays_behind():
-    before = (torch.cuda.is_available(), torch.Tensor.backward, torch.Generator, torch.utils.swap_tensors,
-              torch.cuda.Stream, torch.cuda.get_rng_state)
-    with fake_cuda():
-        assert torch.cuda.is_available() and torch.empty(4, device="cuda")[1:3].shape == (2,)
-    after = (torch.cuda.is_available(), torch.Tensor.backward, torch.Generator, torch.utils.swap_tensors,
-             torch.cuda.Stream, torch.cuda.get_rng_state)
-    assert after == before
+    def state():
+        return (torch.cuda.is_available(), torch.Tensor.backward, torch.Generator, torch.utils.swap_tensors,
+                torch.cuda.Stream, torch.cuda.get_rng_state, torch.cuda.synchronize)
+
+    before = state()
+    with pytest.raises(ZeroDivisionError):
+        with fake_cuda():
+            assert torch.cuda.is_available() and torch.empty(4, device="cuda")[1:3].shape == (2,)
+            1 / 0  # an error inside restores everything too
+    assert state() == before
     if not torch.cuda._is_compiled():
         with pytest.raises(Exception):
             torch.empty(4, device="cuda")
+
+
+def test_swap_in_keeps_a_fake_tensors_device():
+    """tiled_init.swap_in gives a meta parameter its storage; a tensor subclass's own state (here a
+    fake tensor's device) is the new tensor's, not the meta parameter's (found by the dry run)."""
+    from megatron_lite.parallel.tiled_init import swap_in
+
+    with fake_cuda():
+        p = torch.nn.Parameter(torch.empty(4, 4, device="meta"))
+        p.shard_spec = "kept"
+        swap_in(p, torch.empty(16, device="cuda", dtype=torch.bfloat16).view(4, 4))
+        assert p.device.type == "cuda" and not p.is_meta and p.dtype == torch.bfloat16 and p.shard_spec == "kept"
 
 
 class _Scale(torch.autograd.Function):  # a Python autograd node in the graph, as the layers have
@@ -87,7 +120,7 @@ def test_python_backward_matches_the_engine():
     x = torch.randn(5, 8)
 
     def loss():
-        y = _Scale.apply(model(x), scale)
+        y = _Scale.apply(model(x), scale)  # a broadcast operand, a split, a slice, a Python node
         a, b = y.split(3, dim=1)
         return (a * b).sum() + a.pow(2).mean() + y[:, :2].sum()
 
@@ -104,30 +137,18 @@ def test_python_backward_matches_the_engine():
     assert len(hooked) == 1 and torch.equal(hooked[0], ref[-1])
 
 
-def test_a_training_style_backward_runs_on_fake_cuda():
-    with fake_cuda():
-        w = torch.nn.Parameter(torch.empty(64, 32, device="cuda", dtype=torch.bfloat16))
-        x = torch.empty(16, 32, device="cuda", dtype=torch.bfloat16)
-        q = torch.empty(2, 4, 16, 16, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
-        (x @ w.t()).float().sum().backward()
-        out.sum().backward()
-        assert w.grad.shape == w.shape and w.grad.is_cuda and q.grad.shape == q.shape
+def test_branch_sites():
+    import tempfile
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write("def f(t):\n    if t.device.type == 'cpu':\n        return 1\n    return 2 if t.is_cuda else 3\n")
+    try:
+        assert branch_sites(f.name) == [2, 4]
+    finally:
+        os.unlink(f.name)
 
 
-def test_branch_recorder_sees_the_fp8_device_branch(tmp_path):
-    src = tmp_path / "m.py"
-    src.write_text("def f(t):\n    if t.device.type == 'cpu':\n        return 1\n    return 2 if t.is_cuda else 3\n")
-    assert branch_sites(str(src)) == [2, 4]
-    import megatron_lite
-    import os
-    recorder = BranchRecorder(os.path.dirname(megatron_lite.__file__))
-    dry_run(["tensorwise"], **SMALL, recorder=recorder)
-    reached = {(os.path.basename(f), n) for f, n in recorder.reached}
-    assert any(name == "fp8.py" for name, _ in reached)
-    assert recorder.not_reached()  # the Trainer's branches, TE, flash-attn, ...
-
-
-def test_cli_refuses_an_unknown_recipe(capsys):
-    assert main(["--recipes", "fp4"]) == 2
-    assert "unknown recipe(s) fp4" in capsys.readouterr().err
+@pytest.mark.parametrize("argv,message", [(["--recipes", "fp4"], "unknown recipe(s) fp4"),
+                                          (["--models", "gpt5"], "unknown model(s) gpt5")])
+def test_cli_refuses_unknown_names(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

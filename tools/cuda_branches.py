@@ -16,20 +16,20 @@ from typing import Dict, List, Set, Tuple
 
 # Why a site in these files is out of a fake single-process run's reach (path suffix -> why).
 UNREACHABLE = {
-    "training/loop.py": "device choice / NCCL start-up / per-step synchronize and memory read: the Trainer's step, "
-                        "not run by the GEMM dry run",
-    "training/profiling.py": "the CUDA profiler and memory snapshots need the driver (cudart, _record_memory_history)",
-    "transformer/te_backend.py": "Transformer Engine is not installed (and has no CPU build)",
+    "training/loop.py": "device choice and NCCL start-up come before the Trainer (launch.py); the dry run builds "
+                        "the Trainer itself on a gloo world of one process",
+    "training/profiling.py": "only with --profile / --record-memory-history; the CUDA profiler and memory snapshots "
+                             "need the driver (cudart, _record_memory_history)",
+    "transformer/te_backend.py": "Transformer Engine is not installed (no CPU build)",
     "transformer/core_attention.py": "flash-attn is not installed (a CUDA-only package)",
-    "kernels/block_attention.py": "the fused CUDA attention kernels (opt-in, MEGATRON_LITE_FUSED_ATTENTION_CUDA=1): "
-                                  "not on the GEMM path",
-    "parallel/offload.py": "activation offload's pinned buffers and side stream: the Trainer's step",
-    "parallel/param_offload.py": "parameter offload's pinned host copies and events: the Trainer's step",
-    "checkpoint/": "checkpoint saves (pinned staging buffers, copy events): no save in a dry run",
-    "optim/": "the optimizer's host-state stores (pinned memory, NVMe) and fused AdamW: the Trainer's step",
-    "parallel/random.py": "the CUDA RNG tracker: the Trainer's step",
-    "data/sampler.py": "pinned data loader memory: the Trainer's step",
-    "transformer/fast_paths.py": "the fast-path start-up line: the Trainer's step",
+    "kernels/block_attention.py": "block attention serves packed sequences, windows and CP ring steps, not these "
+                                  "models' plain causal attention; its fused CUDA kernels are opt-in "
+                                  "(MEGATRON_LITE_FUSED_ATTENTION_CUDA=1)",
+    "parallel/offload.py": "activation offload: only with --cpu-offloading (pass it after --)",
+    "parallel/param_offload.py": "parameter offload: only with ZeRO-3 parameter offload",
+    "optim/nvme_store.py": "the optimizer's NVMe store: only with --optimizer-offload-nvme-path",
+    "optim/state_store.py": "the optimizer's host store: only with --optimizer-cpu-offload",
+    "checkpoint/": "no checkpoint is saved or loaded in a dry run",
     "parallel/pipeline/": "pipeline parallelism needs several ranks",
 }
 

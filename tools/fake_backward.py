@@ -56,6 +56,7 @@ def _call(node, grads: List[Optional[torch.Tensor]]):
     return out if isinstance(out, tuple) else (out,)
 
 
+@torch.no_grad()  # as the engine runs a backward without create_graph
 def backward(loss: torch.Tensor, grad: Optional[torch.Tensor] = None) -> None:
     """loss.backward(grad), in Python."""
     root = loss.grad_fn

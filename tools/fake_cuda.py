@@ -5,8 +5,13 @@ and each operator runs its meta kernel, which checks the CUDA kernel's rules (to
 layouts, multiples of 16 and scale shapes; SDPA's; grouped GEMM's alignment). The few torch.cuda
 calls that need a driver (device selection, streams, events, RNG state, memory statistics,
 synchronize, device properties) get stand-ins, and a host read of a value (`.item()`, `bool(t)`) gets
-1 / 1.0 / True: a fake tensor holds no value, and the step only needs one that is finite.
-`fake_cuda()` installs all of it and takes it all away on exit: nothing stays behind.
+True (a bool: `isfinite(t).all()`), 0.0 (a float: losses, norms, the optimizer's "bad loss" flags) or
+1 (an integer: counts): a fake tensor holds no value, and the step needs ones that keep it going.
+What torch's CPU-only build lacks besides the driver is stood in for as well: a CUDA device guard
+(`cuda_device_guard`), `torch.Generator(device="cuda")`, and the autograd engine, which refuses
+`cuda` tensors there ("Cannot access accelerator device"): `Tensor.backward` walks the graph in
+Python instead (tools/fake_backward.py). `fake_cuda()` installs all of it and takes it all away on
+exit (an exception included): nothing stays behind.
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ TOTAL_MEMORY = 80 * 2**30
 
 
 class HostReads(TorchDispatchMode):
-    """A value read to the host from a fake tensor: 1 (int), 1.0 (float), True (bool); counted."""
+    """A value read to the host from a fake tensor: 1 (int), 0.0 (float), True (bool); counted."""
 
     def __init__(self):
         super().__init__()
@@ -39,7 +44,7 @@ class HostReads(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default:
             self.count += 1
             dtype = args[0].dtype
-            return True if dtype == torch.bool else 1.0 if dtype.is_floating_point or dtype.is_complex else 1
+            return True if dtype == torch.bool else 0.0 if dtype.is_floating_point or dtype.is_complex else 1
         return func(*args, **(kwargs or {}))
 
 
@@ -178,17 +183,14 @@ _swap_tensors = torch.utils.swap_tensors
 
 
 def _swap_fake(t1: torch.Tensor, t2: torch.Tensor) -> None:
-    """torch.utils.swap_tensors, or for two fake tensors that it refuses (FakeTensorMode holds a weak
-    reference to a parameter it made) t1's half of it, all that the callers (parameters given
-    storage in place, tiled_init.swap_in) keep: t1 takes t2's data, device and attributes."""
-    try:
+    """torch.utils.swap_tensors, which refuses a tensor with a weak reference: FakeTensorMode keeps
+    one to the parameters made under it (its memo of fake tensors, which the swap does not confuse:
+    it names the same Python object), so for fake tensors that check is passed over."""
+    if not (isinstance(t1, FakeTensor) or isinstance(t2, FakeTensor)):
+        return _swap_tensors(t1, t2)
+    no_refs = types.SimpleNamespace(getweakrefs=lambda t: [])
+    with mock.patch.object(torch.utils, "weakref", no_refs):
         _swap_tensors(t1, t2)
-        return
-    except RuntimeError:
-        if not (isinstance(t1, FakeTensor) and isinstance(t2, FakeTensor)):
-            raise
-    t1.data, t1.fake_device = t2.data, t2.fake_device
-    t1.__dict__.update(t2.__dict__)
 
 
 def _backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
