@@ -54,6 +54,18 @@ def test_one_training_step_per_recipe_completes_under_fake_cuda():
     assert recorder.not_reached()  # TE, flash-attn, NCCL start-up, ... are listed too
 
 
+def test_activation_offload_and_the_distributed_optimizer_under_fake_cuda():
+    """Activation offload's CUDA side (pinned host buffers, side-stream copies, events) and ZeRO-1 with
+    the optimizer state in host memory, in one FP8 step: collectives over fake tensors on a gloo world
+    of one process go through."""
+    extra = ["--cpu-offloading", "--cpu-offloading-num-layers", "1", "--use-distributed-optimizer",
+             "--optimizer-cpu-offload"]
+    recorder = BranchRecorder(os.path.join(ROOT, "megatron_lite"))
+    assert dry_run(["mla-tiny"], ["tensorwise"], extra, recorder) == {("mla-tiny", "tensorwise"): []}
+    reached = {os.path.basename(f) for f, _ in recorder.reached}
+    assert {"offload.py", "distributed_optimizer.py"} <= reached
+
+
 def test_the_dry_run_names_a_column_major_left_operand(monkeypatch):
     """The weight-gradient bug as it was: the step fails and the finding names it."""
     import megatron_lite.parallel.fp8 as fp8
@@ -75,8 +87,8 @@ def test_the_1p3b_step_completes_under_fake_cuda():
 
 def test_nothing_stays_behind():
     def state():
-        return (torch.cuda.is_available(), torch.Tensor.backward, torch.Generator, torch.utils.swap_tensors,
-                torch.cuda.Stream, torch.cuda.get_rng_state, torch.cuda.synchronize)
+        return (torch.cuda.is_available(), torch.Tensor.backward, torch.Tensor.record_stream, torch.Generator,
+                torch.utils.swap_tensors, torch.cuda.Stream, torch.cuda.get_rng_state, torch.cuda.synchronize)
 
     before = state()
     with pytest.raises(ZeroDivisionError):

@@ -208,6 +208,8 @@ def fake_cuda() -> Iterator[HostReads]:
         for name, value in _stand_ins().items():
             stack.enter_context(mock.patch.object(torch.cuda, name, value, create=True))
         stack.enter_context(mock.patch.object(torch.Tensor, "backward", _backward))
+        # the caching allocator's stream bookkeeping: nothing to keep for a fake tensor
+        stack.enter_context(mock.patch.object(torch.Tensor, "record_stream", lambda self, stream: None))
         stack.enter_context(mock.patch.object(torch, "Generator", _generator))
         stack.enter_context(mock.patch.object(torch.utils, "swap_tensors", _swap_fake))
         stack.enter_context(cuda_device_guard())
