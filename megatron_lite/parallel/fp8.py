@@ -66,7 +66,9 @@ def scaled_mm(qa, qb, sa, sb, out_dtype):
     has not run yet (no device was lent to the change that wrote it)."""
     if qa.device.type == "cpu":
         return ((qa.float() * sa) @ (qb.float() * sb)).to(out_dtype)
-    return torch._scaled_mm(qa, qb.t().contiguous().t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+    # the CUDA kernel takes a row-major left operand and a column-major right one (the weight
+    # gradient's left operand is a transposed gradient: found by tools/fake_cuda_dry_run.py)
+    return torch._scaled_mm(qa.contiguous(), qb.t().contiguous().t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
 
 
 class Float8GemmPath(GemmPath):

@@ -292,7 +292,7 @@ class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def _fp32(rows, n_valid):
         c = rows.float()  # a copy for bf16/fp16 rows, the rows themselves when fp32
-        if c.data_ptr() == rows.data_ptr():
+        if c is rows:  # (not data_ptr(): a fake tensor, as in tools/fake_cuda_dry_run.py, has none)
             c = c.clone()
         if n_valid < c.shape[-1]:  # padded vocab rows never take probability mass
             c[:, n_valid:] = float("-inf")

@@ -191,7 +191,8 @@ def swap_in(p: torch.Tensor, data: torch.Tensor) -> None:
     `p` sees it, its attributes (shard_spec, ...) stay. `p.data = data` cannot turn meta into a
     device tensor, so the tensors are swapped."""
     new = nn.Parameter(data, requires_grad=p.requires_grad) if isinstance(p, nn.Parameter) else data
-    new.__dict__.update(p.__dict__)
+    for k, v in p.__dict__.items():  # p's attributes; a tensor subclass's own state (a fake tensor's device) stays
+        new.__dict__.setdefault(k, v)
     torch.utils.swap_tensors(p, new)
 
 
