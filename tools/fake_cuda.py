@@ -136,6 +136,14 @@ def _stand_ins() -> dict:
     }
 
 
+def _unpinned(factory):
+    """A factory that allocates without pinning: page-locked host memory is the driver's (cudaHostAlloc),
+    and host buffers made outside the fake mode (offload.py hides them from every dispatch mode) are real."""
+    def allocate(*args, pin_memory=False, **kwargs):
+        return factory(*args, **kwargs)
+    return allocate
+
+
 class _FakeMode(FakeTensorMode):
     """FakeTensorMode that keeps treating CUDA as absent (it asks torch.cuda.is_available(), which the
     dry run answers True): `torch.tensor(data, device="cuda")` is built on the CPU and lifted."""
@@ -212,6 +220,7 @@ def fake_cuda() -> Iterator[HostReads]:
         stack.enter_context(mock.patch.object(torch.Tensor, "record_stream", lambda self, stream: None))
         stack.enter_context(mock.patch.object(torch, "Generator", _generator))
         stack.enter_context(mock.patch.object(torch.utils, "swap_tensors", _swap_fake))
+        stack.enter_context(mock.patch.object(torch, "empty_strided", _unpinned(torch.empty_strided)))
         stack.enter_context(cuda_device_guard())
         stack.enter_context(mode)
         reads = stack.enter_context(HostReads())
