@@ -14,7 +14,8 @@ import torch
 
 from megatron_lite.parallel.fp8 import Float8GemmPath, quantize, scaled_mm
 from megatron_lite.testing import assert_same_run, assert_state_close, run_distributed
-from training_utils import LLAMA_SWITCHES, ROOT, TINY, merged_params, records_of, train_and_gather
+from training_utils import (LLAMA_SWITCHES, ROOT, TINY, merged_params, records_of, single_process_reference,
+                            train_and_gather)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -109,6 +110,8 @@ def _argv(recipe, extra=()):
 
 
 def _run(world, argv):
+    if world == 1:  # the single-process references, shared by every cell that compares against one
+        return single_process_reference(argv)
     results = run_distributed(train_and_gather, world, argv)
     return records_of([r[0] for r in results]), merged_params(results)
 

@@ -6,7 +6,7 @@ ranks (a CP chunk that is not whole tiles, an expert's tokens from several ranks
 TP2+SP."""
 import pytest
 
-from megatron_lite.testing import assert_same_run, run_distributed
+from megatron_lite.testing import assert_same_run, assert_state_close, run_distributed
 from test_fp8 import MOE, _argv as fp8_argv, _run as run_gathered, assert_fp8_gather_bytes
 from test_fp8_recipes import LATER_AMAX_RTOL, _argv, _assert_same_state, _run
 from test_mla import BASE as MLA_BASE, TP_SP
@@ -53,7 +53,16 @@ def test_mla_fp8_tp2_sp_equals_the_single_process(recipe):
     ref = run_distributed(train_and_gather, 1, argv)
     got = run_distributed(train_and_gather, 2, argv + TP_SP)
     assert_same_run(records_of([r[0] for r in ref]), records_of([r[0] for r in got]), rtol=1e-4,
-                    grad_norm_rtol=1e-6, params=merged_params(got), ref_params=merged_params(ref))
+                    grad_norm_rtol=1e-6)
+    # The final weights to 1e-3 of the model's norm, not 1e-4: not a layout error but FP8's own
+    # sensitivity (measured, delayed / rowwise): the first step's gradients agree tensor by tensor to
+    # <= 6e-6 (every amax is the single process's: a wrong one re-rounds a whole tensor, ~1e-2); from
+    # step 2 single elements of an operand, moved by fp32 summation order, cross an e4m3 / e5m2
+    # rounding boundary (a 2^-4 / 2^-3 step; one flip changes a whole row of a weight gradient) and
+    # Adam carries them: after 3 steps TP2+SP is 1.6e-4 / 1.3e-4 of the model's norm away, while the
+    # single process against itself with its initial weights moved by one fp32 ulp (init std
+    # x (1 - 1e-7)) is 8.5e-4 / 2.5e-3 away. test_fp8.py's layout runs use the same 1e-3.
+    assert_state_close(merged_params(got), merged_params(ref), rtol=1e-3, what="parameters")
 
 
 # --- blockwise: the weight gradient's 128-token tiles cut as the single process cuts them ---------
