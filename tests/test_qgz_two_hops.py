@@ -155,7 +155,10 @@ def test_pretrain_at_dp4_in_nodes_of_two_reduces_in_two_hops_and_trains_like_pla
             assert "all_to_all" not in comm_bytes and "reduce_scatter" not in comm_bytes, name
     base, hpz = losses_of([r[0] for r in runs["plain"]]), losses_of([r[0] for r in runs["hpz"]])
     assert losses_of([r[0] for r in runs["local"]]) == hpz
-    assert hpz == pytest.approx(base, rel=0.01) and hpz[1:] != base[1:]
+    # qgZ's int4 gradients are not plain's: their norm differs (the losses alone may agree, since Adam's
+    # first step is close to sign(g), which quantization rarely flips)
+    grad_norms = {name: [rec["grad_norm"] for rec in runs[name][0][0]] for name in ("plain", "hpz")}
+    assert hpz == pytest.approx(base, rel=0.01) and grad_norms["hpz"] != grad_norms["plain"]
 
 
 @pytest.mark.slow  # (three DP4 runs and a DP2 load: ~16 s here; the fold itself is in the default cell above)
