@@ -1,7 +1,10 @@
 """The fake-CUDA dry run (tools/fake_cuda.py, tools/fake_cuda_dry_run.py): one training step with
 --device cuda completes without a GPU for bf16 and each FP8 recipe, CUDA's operator rules are
 enforced (so the dry run catches their violations), and nothing stays patched afterwards."""
+import functools
+import multiprocessing
 import os
+import traceback
 
 import pytest
 import torch
@@ -12,6 +15,30 @@ from tools.fake_cuda import fake_cuda
 from tools.fake_cuda_dry_run import RECIPES, dry_run, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _own_process(test):
+    """Run the test in a forked process: the dry run lends a device guard in c10's registry and
+    touches torch's process-wide state, which restoring the Python patches does not undo (a later
+    MoE parity test in the same process trained differently). Nothing reaches the tests after it."""
+    @functools.wraps(test)
+    def forked(*args, **kwargs):
+        ctx = multiprocessing.get_context("fork")
+        receive, send = ctx.Pipe(duplex=False)
+
+        def child():
+            try:
+                test(*args, **kwargs)
+                send.send(None)
+            except BaseException:
+                send.send(traceback.format_exc())
+
+        process = ctx.Process(target=child)
+        process.start()
+        failure = receive.recv() if receive.poll(1200) else "the test's process gave no answer in 1200 s"
+        process.join(60)
+        assert failure is None, failure
+    return forked
 
 
 @pytest.fixture(autouse=True)
@@ -28,6 +55,7 @@ def _scaled_mm(b_column_major: bool):
     return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
 
 
+@_own_process
 def test_scaled_mm_rules_are_enforced_under_the_dry_run():
     with fake_cuda():
         out = _scaled_mm(b_column_major=True)
@@ -41,6 +69,7 @@ def test_scaled_mm_rules_are_enforced_under_the_dry_run():
                              out_dtype=torch.bfloat16)
 
 
+@_own_process
 def test_one_training_step_per_recipe_completes_under_fake_cuda():
     """Forward, backward and optimizer step of a model with multi-latent attention, bf16 and every
     FP8 recipe. (FP8's weight gradient was refused on CUDA before fp8.scaled_mm made its left
@@ -54,6 +83,7 @@ def test_one_training_step_per_recipe_completes_under_fake_cuda():
     assert recorder.not_reached()  # TE, flash-attn, NCCL start-up, ... are listed too
 
 
+@_own_process
 def test_activation_offload_and_the_distributed_optimizer_under_fake_cuda():
     """Activation offload's CUDA side (pinned host buffers, side-stream copies, events) and ZeRO-1 with
     the optimizer state in host memory, in one FP8 step: collectives over fake tensors on a gloo world
@@ -66,6 +96,7 @@ def test_activation_offload_and_the_distributed_optimizer_under_fake_cuda():
     assert {"offload.py", "state_store.py"} <= reached  # the host-held optimizer state (optim/state_store.py)
 
 
+@_own_process
 def test_the_dry_run_names_a_column_major_left_operand(monkeypatch):
     """The weight-gradient bug as it was: the step fails and the finding names it."""
     import megatron_lite.parallel.fp8 as fp8
@@ -81,10 +112,12 @@ def test_the_dry_run_names_a_column_major_left_operand(monkeypatch):
 
 
 @pytest.mark.slow
+@_own_process
 def test_the_1p3b_step_completes_under_fake_cuda():
     assert dry_run(["llama-1.3b"], RECIPES) == {("llama-1.3b", r): [] for r in RECIPES}
 
 
+@_own_process
 def test_nothing_stays_behind():
     def state():
         return (torch.cuda.is_available(), torch.Tensor.backward, torch.Tensor.record_stream, torch.Generator,
@@ -101,6 +134,7 @@ def test_nothing_stays_behind():
             torch.empty(4, device="cuda")
 
 
+@_own_process
 def test_swap_in_keeps_a_fake_tensors_device():
     """tiled_init.swap_in gives a meta parameter its storage; a tensor subclass's own state (here a
     fake tensor's device) is the new tensor's, not the meta parameter's (found by the dry run)."""
